@@ -1,0 +1,582 @@
+"""Placement planner: right-size a request, pick a GPU and a start, plan fission/fusion.
+
+Pure: the input is a snapshot of each GPU (:class:`GpuView`), the output a
+:class:`Decision` that names the GPU, the instance the job gets and the ordered
+NVML operations (destroy idle instances, then create) that produce it, with an
+explanation for logs and ``migctl explain``.
+
+On one GPU the planner prefers, in order (seed 002, scheme B):
+
+1. **reuse** an idle instance of exactly the right profile (no NVML work);
+2. **create** the profile in free slices, at the start whose successor state keeps
+   the most futures open (highest reachability, or demand-weighted reachability);
+3. **repartition** (fission/fusion): destroy the cheapest set of *idle* instances
+   that frees a legal start (seed 003 Table 1 costs), then create; ties go to the
+   result with the highest reachability. Busy instances are never touched.
+
+Across the GPUs of a node (mixed models allowed) the ``rules`` choice follows
+seed 000's rule-based placement: the GPU with the highest joint slice
+utilisation of *busy* instances after placement (so empty GPUs stay empty for
+full-GPU jobs), then the least NVML work (reuse, create, repartition; cost),
+then the fewest wasted slices, then the most futures kept open. ``first-fit``
+(lowest index, driver default order) is kept for comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from migd.core.costs import CostModel
+from migd.core.geometry import Geometry, Profile
+from migd.core.states import EMPTY, Atom, StateKey, StateSpace, describe
+from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+
+
+class PlacementRule(StrEnum):
+    """How a start is chosen among the legal ones on one GPU."""
+
+    REACHABILITY = "reachability"  # seed 002: most full layouts still reachable
+    WEIGHTED = "weighted"  # reachability weighted by observed profile demand
+    DRIVER = "driver"  # first legal start in the driver's default order (first-fit)
+    MAX_CC = "max-cc"  # seed 001 MCC: most placements possible right after
+
+
+class GpuChoice(StrEnum):
+    RULES = "rules"  # seed 000 rule-based
+    FIRST_FIT = "first-fit"
+
+
+@dataclass(frozen=True)
+class PlannerPolicy:
+    placement: PlacementRule = PlacementRule.REACHABILITY
+    gpu_choice: GpuChoice = GpuChoice.RULES
+    fission_fusion: bool = True
+    reuse_idle: bool = True
+    allow_create: bool = True  # False: static layouts, only existing idle instances are used
+    demand: Mapping[int, float] | None = None  # profile ID -> weight, for WEIGHTED
+    costs: Mapping[str, CostModel] | None = None  # model -> costs; default seed 003 Table 1
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """An existing GPU instance as the planner sees it."""
+
+    profile: Profile
+    start: int
+    busy: bool
+    ref: str = ""  # backend identity, e.g. "gi:3", for explanations
+
+    def __str__(self) -> str:
+        return f"{self.profile.name}@{self.start}"
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """Snapshot of one MIG-enabled GPU for planning."""
+
+    index: int
+    space: StateSpace
+    instances: tuple[Instance, ...] = ()
+    available: bool = True  # false while drained, unhealthy or out of MIG mode
+    unavailable_reason: str = ""
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.space.geometry
+
+    @property
+    def key(self) -> StateKey:
+        return self.space.key_of((i.profile, i.start) for i in self.instances)
+
+
+@dataclass(frozen=True, slots=True)
+class CreateOp:
+    profile: Profile
+    start: int
+    kind: Literal["create"] = "create"
+
+    def __str__(self) -> str:
+        return f"create {self.profile.name}@{self.start}"
+
+
+@dataclass(frozen=True, slots=True)
+class DestroyOp:
+    profile: Profile
+    start: int
+    kind: Literal["destroy"] = "destroy"
+
+    def __str__(self) -> str:
+        return f"destroy {self.profile.name}@{self.start}"
+
+
+Op = CreateOp | DestroyOp
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    start: int
+    score: float
+    reachability: int
+    destroys: tuple[str, ...] = ()
+    cost_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and how to get there."""
+
+    action: Literal["reuse", "create", "repartition"]
+    gpu: int
+    model: str
+    profile: Profile
+    start: int
+    ops: tuple[Op, ...]
+    cost_s: float
+    state_before: str
+    state_after: str
+    result_key: StateKey
+    reachability_after: int
+    score_after: float
+    utilisation_after: float
+    busy_utilisation_after: float  # counting only instances with work (and the new one)
+    wasted_after: int
+    alternatives: tuple[Alternative, ...] = ()
+    other_gpus: tuple[dict[str, Any], ...] = ()
+    rule: str = ""
+
+    @property
+    def reason(self) -> str:
+        verb = {
+            "reuse": "reuse idle",
+            "create": "create",
+            "repartition": "repartition to create",
+        }[self.action]
+        text = (
+            f"GPU {self.gpu} ({self.model}): {verb} {self.profile.name}@{self.start}; "
+            f"reachability after {self.reachability_after}"
+        )
+        if self.action == "repartition":
+            text += f"; ops: {', '.join(map(str, self.ops))} ({self.cost_s:.2f}s)"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "gpu": self.gpu,
+            "model": self.model,
+            "profile": self.profile.name,
+            "profile_id": self.profile.profile_id,
+            "start": self.start,
+            "ops": [str(op) for op in self.ops],
+            "cost_s": round(self.cost_s, 3),
+            "state_before": self.state_before,
+            "state_after": self.state_after,
+            "reachability_after": self.reachability_after,
+            "score_after": round(self.score_after, 4),
+            "utilisation_after": round(self.utilisation_after, 4),
+            "busy_utilisation_after": round(self.busy_utilisation_after, 4),
+            "wasted_slices_after": self.wasted_after,
+            "rule": self.rule,
+            "alternatives": [
+                {
+                    "start": a.start,
+                    "score": round(a.score, 4),
+                    "reachability": a.reachability,
+                    "destroys": list(a.destroys),
+                    "cost_s": round(a.cost_s, 3),
+                }
+                for a in self.alternatives
+            ],
+            "other_gpus": list(self.other_gpus),
+            "reason": self.reason,
+        }
+
+
+# -- right-sizing ---------------------------------------------------------------------------
+
+
+def right_size(
+    profiles: Sequence[Profile], memory_mib: int, min_compute: int = 0
+) -> Profile | None:
+    """The tightest profile with at least ``memory_mib`` and ``min_compute`` slices.
+
+    Tightest means least memory, then least compute, then fewest placement units: a
+    10 GB request on A100-40GB gets ``1g.10gb`` rather than ``2g.10gb`` unless it
+    asks for two compute slices. ``None`` when no profile is big enough.
+    """
+    fitting = [
+        p for p in profiles if p.memory_mib >= memory_mib and p.compute_slices >= min_compute
+    ]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (p.memory_mib, p.compute_slices, p.memory_slices, p.name))
+
+
+def next_larger(
+    profiles: Sequence[Profile],
+    current: Profile,
+    *,
+    peak_mib: int = 0,
+    growth_factor: float = 0.0,
+) -> Profile | None:
+    """The profile to retry an out-of-memory job on, or ``None`` at the top.
+
+    The next profile with strictly more memory than ``current`` and at least
+    ``max(peak_mib, growth_factor * current memory)``, never with less compute.
+    """
+    need = max(current.memory_mib + 1, peak_mib, int(growth_factor * current.memory_mib))
+    return right_size(
+        [p for p in profiles if p.compute_slices >= current.compute_slices],
+        need,
+    ) or right_size(profiles, need)
+
+
+# -- scoring --------------------------------------------------------------------------------
+
+
+Scorer = Callable[[StateSpace, StateKey], float]
+
+
+def scorer_for(policy: PlannerPolicy) -> Scorer:
+    rule = policy.placement
+    if rule is PlacementRule.WEIGHTED and policy.demand:
+        demand = dict(policy.demand)
+        return lambda space, key: space.weighted_reachability(key, demand)
+    if rule is PlacementRule.DRIVER:
+        return lambda space, key: 0.0
+    if rule is PlacementRule.MAX_CC:
+        return lambda space, key: float(space.configuration_capability(key))
+    return lambda space, key: float(space.reachability(key))
+
+
+def _order_index(profile: Profile, start: int) -> int:
+    try:
+        return profile.default_order.index(start)
+    except ValueError:
+        return len(profile.default_order) + start
+
+
+def utilisation(space: StateSpace, key: StateKey) -> float:
+    """Seed 000's joint slice utilisation (used memory + compute) / (total memory + compute)."""
+    atoms = space.placements(key)
+    units = sum(a.profile.memory_slices for a in atoms)
+    compute = sum(a.profile.compute_slices for a in atoms)
+    geo = space.geometry
+    return (units + compute) / (geo.units + geo.compute_slices)
+
+
+# -- one GPU --------------------------------------------------------------------------------
+
+
+def plan_on_gpu(
+    view: GpuView, profile: Profile, policy: PlannerPolicy = PlannerPolicy()
+) -> Decision | None:
+    """The best way to get ``profile`` on this GPU, or ``None`` if it cannot be done now."""
+    space = view.space
+    prof = space.member(profile)
+    key = view.key
+    score = scorer_for(policy)
+    costs = (policy.costs or {}).get(view.geometry.model) or CostModel.for_model(
+        view.geometry.model
+    )
+
+    if policy.reuse_idle:
+        idle = [i for i in view.instances if not i.busy and space.member(i.profile) is prof]
+        if idle:
+            chosen = min(idle, key=lambda i: (_order_index(prof, i.start), i.start))
+            return _decision(
+                view, "reuse", prof, chosen.start, (), 0.0, key, key, score, (), policy
+            )
+
+    if not policy.allow_create:
+        return None
+    starts = space.legal_starts(key, prof)
+    if starts:
+        alternatives = []
+        for start in starts:
+            after = space.allocate(key, prof, start)
+            alternatives.append(
+                (Alternative(start, score(space, after), space.reachability(after)), after)
+            )
+        best, after = min(
+            alternatives, key=lambda pair: (-pair[0].score, _order_index(prof, pair[0].start))
+        )
+        ops: tuple[Op, ...] = (CreateOp(prof, best.start),)
+        return _decision(
+            view,
+            "create",
+            prof,
+            best.start,
+            ops,
+            costs.create_s(prof.compute_slices),
+            key,
+            after,
+            score,
+            tuple(a for a, _ in alternatives),
+            policy,
+        )
+
+    if policy.fission_fusion:
+        return _plan_repartition(view, prof, key, score, costs, policy)
+    return None
+
+
+def _plan_repartition(
+    view: GpuView,
+    prof: Profile,
+    key: StateKey,
+    score: Scorer,
+    costs: CostModel,
+    policy: PlannerPolicy,
+) -> Decision | None:
+    space = view.space
+    placed = [(space.atom(i.profile, i.start), i) for i in view.instances]
+    options: list[tuple[float, float, int, Alternative, tuple[Instance, ...], StateKey]] = []
+    for atom in (a for a in space.atoms if a.profile is prof):
+        blockers = [(a, i) for a, i in placed if a.units & atom.units]
+        if any(i.busy for _, i in blockers):
+            continue
+        destroyed = _minimal_destroy_set(space, key, atom, blockers, placed)
+        if destroyed is None:
+            continue
+        remaining = key
+        for a, _ in destroyed:
+            remaining &= ~(1 << a.index)
+        after = remaining | (1 << atom.index)
+        cost = sum(costs.destroy_s(i.profile.compute_slices) for _, i in destroyed)
+        cost += costs.create_s(prof.compute_slices)
+        alt = Alternative(
+            atom.start,
+            score(space, after),
+            space.reachability(after),
+            tuple(str(i) for _, i in destroyed),
+            cost,
+        )
+        options.append(
+            (
+                round(cost, 6),
+                -alt.score,
+                _order_index(prof, atom.start),
+                alt,
+                tuple(i for _, i in destroyed),
+                after,
+            )
+        )
+    if not options:
+        return None
+    options.sort(key=lambda o: (o[0], o[1], o[2]))
+    cost, _, _, best, destroyed_instances, after = options[0]
+    destroys = [
+        DestroyOp(space.member(i.profile), i.start)
+        for i in sorted(destroyed_instances, key=lambda i: i.start)
+    ]
+    ops: tuple[Op, ...] = (*destroys, CreateOp(prof, best.start))
+    return _decision(
+        view,
+        "repartition",
+        prof,
+        best.start,
+        ops,
+        best.cost_s,
+        key,
+        after,
+        score,
+        tuple(o[3] for o in options),
+        policy,
+    )
+
+
+def _minimal_destroy_set(
+    space: StateSpace,
+    key: StateKey,
+    atom: Atom,
+    blockers: list[tuple[Atom, Instance]],
+    placed: list[tuple[Atom, Instance]],
+) -> list[tuple[Atom, Instance]] | None:
+    """Idle instances to destroy so ``atom`` can be created, cheapest first.
+
+    Overlapping instances must go. Usually that is enough; when a shared cap still
+    blocks (a second ``+me``), one more idle instance of the capped group goes too.
+    """
+    remaining = key
+    for a, _ in blockers:
+        remaining &= ~(1 << a.index)
+    if space.can_allocate(remaining, atom):
+        return blockers
+    for a, inst in placed:
+        if inst.busy or (a, inst) in blockers:
+            continue
+        if space.can_allocate(remaining & ~(1 << a.index), atom):
+            return [*blockers, (a, inst)]
+    return None
+
+
+def _decision(
+    view: GpuView,
+    action: Literal["reuse", "create", "repartition"],
+    prof: Profile,
+    start: int,
+    ops: tuple[Op, ...],
+    cost: float,
+    before: StateKey,
+    after: StateKey,
+    score: Scorer,
+    alternatives: tuple[Alternative, ...],
+    policy: PlannerPolicy,
+) -> Decision:
+    space = view.space
+    compute_waste, unit_waste = space.wasted_slices(after)
+    geo = space.geometry
+    busy = [i.profile for i in view.instances if i.busy] + [prof]
+    busy_util = sum(p.memory_slices + p.compute_slices for p in busy) / (
+        geo.units + geo.compute_slices
+    )
+    return Decision(
+        action=action,
+        gpu=view.index,
+        model=view.geometry.model,
+        profile=prof,
+        start=start,
+        ops=ops,
+        cost_s=cost,
+        state_before=describe(space, before),
+        state_after=describe(space, after),
+        result_key=after,
+        reachability_after=space.reachability(after),
+        score_after=score(space, after),
+        utilisation_after=utilisation(space, after),
+        busy_utilisation_after=busy_util,
+        wasted_after=compute_waste + unit_waste,
+        alternatives=alternatives,
+        rule=policy.placement.value,
+    )
+
+
+# -- a node ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionRequest:
+    """What a job asks for: GPU memory, optionally minimum compute or an exact profile."""
+
+    memory_mib: int
+    min_compute: int = 0
+    profile: str | None = None
+    gpus: tuple[int, ...] | None = None  # restrict to these GPU indices (e.g. the slot's GPU)
+
+    def __post_init__(self) -> None:
+        if self.memory_mib < 0 or self.min_compute < 0:
+            raise InvalidRequest("memory and compute must not be negative")
+
+
+@dataclass
+class NodePlan:
+    decision: Decision
+    considered: list[dict[str, Any]] = field(default_factory=list)
+
+
+_ACTION_RANK = {"reuse": 0, "create": 1, "repartition": 2}
+
+
+def _rules_rank(decision: Decision, empty_score: float) -> tuple[Any, ...]:
+    """Seed 000's order, lower is better.
+
+    Busy utilisation first: packing running work keeps whole GPUs free for full-GPU
+    jobs. Counting idle instances here would steer jobs toward GPUs full of idle
+    fragments and spread the busy ones (measured: more refusals). NVML work comes
+    second: a repartition costs well under a second (seed 003 Table 1), a refused
+    job waits for a whole job's runtime.
+    """
+    return (
+        -round(decision.busy_utilisation_after, 9),
+        _ACTION_RANK[decision.action],
+        round(decision.cost_s, 6),
+        decision.wasted_after,
+        -round(decision.score_after / empty_score, 9),
+        decision.gpu,
+    )
+
+
+def profile_for(space: StateSpace, request: PartitionRequest) -> Profile | None:
+    """The profile ``request`` gets on a GPU of this space, or ``None`` if too large."""
+    if request.profile:
+        prof = space.member(request.profile)
+        if prof.memory_mib < request.memory_mib or prof.compute_slices < request.min_compute:
+            return None
+        return prof
+    return right_size(space.profiles, request.memory_mib, request.min_compute)
+
+
+def plan_on_node(
+    views: Sequence[GpuView], request: PartitionRequest, policy: PlannerPolicy = PlannerPolicy()
+) -> Decision:
+    """Choose the GPU, instance and operations for ``request`` on a node.
+
+    Raises:
+        RequestTooLarge: no GPU of this node could ever hold the request, even empty.
+        NoCapacity: it could fit, but not now (busy instances, drained GPUs); the
+            details list each GPU's reason. Callers queue such requests.
+    """
+    if request.gpus is not None:
+        views = [v for v in views if v.index in request.gpus]
+    considered: list[dict[str, Any]] = []
+    fits_somewhere = False
+    best: tuple[tuple[Any, ...], Decision] | None = None
+    for view in views:
+        prof = profile_for(view.space, request)
+        if prof is None:
+            considered.append({"gpu": view.index, "model": view.geometry.model, "why": "too small"})
+            continue
+        fits_somewhere = True
+        if not view.available:
+            considered.append({"gpu": view.index, "why": view.unavailable_reason or "unavailable"})
+            continue
+        decision = plan_on_gpu(view, prof, policy)
+        if decision is None:
+            considered.append(
+                {
+                    "gpu": view.index,
+                    "profile": prof.name,
+                    "why": "no free or idle slices for it (busy instances in the way)",
+                    "state": describe(view.space, view.key),
+                }
+            )
+            continue
+        empty_score = scorer_for(policy)(view.space, EMPTY) or 1.0
+        if policy.gpu_choice is GpuChoice.FIRST_FIT:
+            rank: tuple[Any, ...] = (view.index,)
+        else:
+            rank = _rules_rank(decision, empty_score)
+        considered.append(
+            {
+                "gpu": view.index,
+                "profile": prof.name,
+                "action": decision.action,
+                "start": decision.start,
+                "cost_s": round(decision.cost_s, 3),
+                "utilisation_after": round(decision.utilisation_after, 4),
+                "wasted_after": decision.wasted_after,
+                "reachability_after": decision.reachability_after,
+            }
+        )
+        if best is None or rank < best[0]:
+            best = (rank, decision)
+    if best is None:
+        if not fits_somewhere:
+            largest = max((max(p.memory_mib for p in v.space.profiles) for v in views), default=0)
+            raise RequestTooLarge(
+                f"{request.memory_mib} MiB (compute >= {request.min_compute}) is larger than "
+                f"any MIG profile on this node (largest: {largest} MiB)",
+                requested_mib=request.memory_mib,
+                largest_mib=largest,
+            )
+        raise NoCapacity(
+            f"no GPU can hold {request.memory_mib} MiB now",
+            considered=considered,
+        )
+    decision = best[1]
+    others = tuple(c for c in considered if c.get("gpu") != decision.gpu)
+    return Decision(**{**decision.__dict__, "other_gpus": others})

@@ -1,0 +1,779 @@
+"""The node scheduler: leases, queue and GPU bookkeeping, with no I/O.
+
+The daemon and the simulator drive this same object; they differ only in what
+happens around it. The daemon executes the returned :class:`Work` on the real
+(or simulated) backend, persists leases and reports back with
+:meth:`NodeScheduler.work_done` / :meth:`NodeScheduler.work_failed`; the
+simulator does the same with simulated time and costs.
+
+State is *intended* state: a plan is committed at once (destroyed instances
+gone, the new instance ``CREATING`` and owned by its lease) so concurrent
+requests never plan against slices that are about to change. The backend stays
+the truth: when work fails the daemon re-reads the GPU and calls
+:meth:`NodeScheduler.resync`.
+
+Invariants (tested with hypothesis in tests/property/test_scheduler.py):
+
+* an instance with a lease, or with processes migd cannot explain, is never in
+  a destroy operation;
+* every lease that holds resources points at exactly one instance or share;
+* the committed layout of every GPU is a valid state of its state machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any, Literal
+
+from migd.core.demand import DemandModel
+from migd.core.geometry import Profile
+from migd.core.leases import LeaseEvent, LeaseState, next_state
+from migd.core.planner import (
+    CreateOp,
+    Decision,
+    DestroyOp,
+    GpuView,
+    Instance,
+    Op,
+    PartitionRequest,
+    PlacementRule,
+    PlannerPolicy,
+    plan_on_node,
+    profile_for,
+)
+from migd.core.queueing import QueuedRequest, QueuePolicy, RequestQueue
+from migd.core.states import StateSpace, describe
+from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+
+
+class GpuMode(StrEnum):
+    MIG = "mig"  # migd creates and destroys MIG instances
+    MPS = "mps"  # the whole GPU is shared through one MPS daemon
+    EXCLUSIVE = "exclusive"  # the whole GPU goes to one job (no MIG, no MPS)
+    OFF = "off"  # not managed by migd
+
+
+class InstanceStatus(StrEnum):
+    READY = "ready"
+    CREATING = "creating"
+    DESTROYING = "destroying"
+
+
+class Origin(StrEnum):
+    MIGD = "migd"  # created by migd (this run or before a restart)
+    ADOPTED = "adopted"  # found at start-up, explainable, now managed
+    UNEXPLAINED = "unexplained"  # processes without a lease, or not a state of the model
+
+
+RequestMode = Literal["mig", "mps", "auto"]
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """A validated lease request (the API layer builds it)."""
+
+    job_id: str
+    memory_mib: int
+    slot: str = ""
+    min_compute: int = 0
+    profile: str | None = None
+    mode: RequestMode = "auto"
+    gpu_uuids: tuple[str, ...] | None = None  # restrict to these GPUs (prefix match)
+    wait_s: float | None = 0.0  # 0: do not queue; None: wait forever
+
+    def __post_init__(self) -> None:
+        if self.memory_mib <= 0 and not self.profile:
+            raise InvalidRequest(
+                "a lease needs gpu_memory_mib > 0 or a profile",
+                hint="ask for the GPU memory the job needs, e.g. request_VRAM = 10240",
+            )
+        if self.min_compute < 0:
+            raise InvalidRequest("min_compute must not be negative")
+        if self.wait_s is not None and self.wait_s < 0:
+            raise InvalidRequest("wait_s must not be negative")
+
+
+@dataclass
+class Lease:
+    """One job's claim on a partition, from request to release."""
+
+    lease_id: str
+    request: LeaseRequest
+    owner_uid: int
+    owner_pid: int
+    created_s: float
+    owner_start_s: float | None = None
+    state: LeaseState = LeaseState.QUEUED
+    updated_s: float = 0.0
+    gpu: int | None = None
+    gpu_uuid: str | None = None
+    mode: str | None = None  # granted: mig / mps / exclusive
+    profile: str | None = None
+    start: int | None = None
+    mig_uuid: str | None = None
+    memory_limit_mib: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    decision: dict[str, Any] | None = None
+    reason: str = ""
+    heartbeat_s: float | None = None
+    deadline_s: float | None = None  # wall clock, for display
+
+    def event(self, event: LeaseEvent, now_s: float, reason: str = "") -> None:
+        self.state = next_state(self.state, event)
+        self.updated_s = now_s
+        if reason:
+            self.reason = reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lease_id": self.lease_id,
+            "job_id": self.request.job_id,
+            "slot": self.request.slot,
+            "state": self.state.value,
+            "owner_uid": self.owner_uid,
+            "owner_pid": self.owner_pid,
+            "requested_mib": self.request.memory_mib,
+            "min_compute": self.request.min_compute,
+            "requested_mode": self.request.mode,
+            "mode": self.mode,
+            "gpu": self.gpu,
+            "gpu_uuid": self.gpu_uuid,
+            "profile": self.profile,
+            "start": self.start,
+            "mig_uuid": self.mig_uuid,
+            "memory_limit_mib": self.memory_limit_mib,
+            "env": dict(self.env),
+            "created_s": self.created_s,
+            "updated_s": self.updated_s,
+            "deadline_s": self.deadline_s,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class ManagedInstance:
+    """A MIG instance migd tracks on one GPU."""
+
+    profile: Profile
+    start: int
+    memory_mib: int
+    gi_id: int | None = None
+    uuid: str | None = None
+    status: InstanceStatus = InstanceStatus.READY
+    origin: Origin = Origin.MIGD
+    lease_id: str | None = None
+    idle_since_s: float | None = None
+    used_mib: int | None = None
+    note: str = ""
+
+    @property
+    def busy(self) -> bool:
+        """Planner view: anything but an idle, ready, explained instance is untouchable."""
+        return (
+            self.lease_id is not None
+            or self.status is not InstanceStatus.READY
+            or self.origin is Origin.UNEXPLAINED
+        )
+
+    def __str__(self) -> str:
+        return f"{self.profile.name}@{self.start}"
+
+
+@dataclass
+class ManagedGpu:
+    """One GPU as the scheduler sees it."""
+
+    index: int
+    uuid: str
+    model: str
+    name: str
+    memory_total_mib: int
+    mode: GpuMode
+    space: StateSpace | None = None
+    instances: list[ManagedInstance] = field(default_factory=list)
+    draining: bool = False
+    health: str = "ok"
+    exclusive_lease: str | None = None  # EXCLUSIVE/MPS-mode bookkeeping
+    mps_shares: dict[str, int] = field(default_factory=dict)  # lease -> pinned MiB
+    mps_uid: int | None = None  # the UID the MPS server currently serves
+    used_mib: int | None = None
+
+    @property
+    def available(self) -> bool:
+        return not self.draining and self.health == "ok"
+
+    def instance_at(self, start: int) -> ManagedInstance | None:
+        for inst in self.instances:
+            if inst.start == start:
+                return inst
+        return None
+
+    def view(self) -> GpuView:
+        assert self.space is not None
+        reason = "draining" if self.draining else ("" if self.health == "ok" else self.health)
+        return GpuView(
+            index=self.index,
+            space=self.space,
+            # Instances being destroyed are already gone from the intended layout: work on a
+            # GPU runs in order, so a later plan may reuse their slices.
+            instances=tuple(
+                Instance(i.profile, i.start, i.busy, f"gi:{i.gi_id}")
+                for i in self.instances
+                if i.status is not InstanceStatus.DESTROYING
+            ),
+            available=self.available,
+            unavailable_reason=reason,
+        )
+
+
+@dataclass(frozen=True)
+class Work:
+    """NVML work the caller must execute, in order, on one GPU."""
+
+    gpu: int
+    ops: tuple[Op, ...]
+    lease_id: str | None = None  # lease that becomes ACTIVE when the work is done
+    kind: Literal["grant", "teardown"] = "grant"
+    work_id: int = 0
+
+
+@dataclass
+class SchedulerPolicy:
+    planner: PlannerPolicy = field(default_factory=PlannerPolicy)
+    queue: QueuePolicy = QueuePolicy.FIFO
+    aging_s: float = 600.0
+    starvation_s: float = 1800.0
+    backfill: bool | None = None
+    idle_policy: Literal["keep", "destroy", "timeout"] = "timeout"
+    idle_timeout_s: float = 300.0
+    demand_weighting: bool = False
+    demand_prior: Mapping[int, float] = field(default_factory=dict)
+    demand_half_life_s: float = 24 * 3600.0
+    mps_reserve_mib: int = 1024
+    mps_max_clients: int = 48
+    mps_multi_user: bool = False
+
+
+@dataclass
+class Outcome:
+    """What happened to a submitted lease."""
+
+    lease: Lease
+    work: list[Work] = field(default_factory=list)
+    queued_position: int | None = None
+
+
+class NodeScheduler:
+    """All placement decisions of one node; see the module docstring."""
+
+    def __init__(
+        self,
+        gpus: Sequence[ManagedGpu],
+        policy: SchedulerPolicy | None = None,
+        *,
+        mps_env: Callable[[ManagedGpu, Lease], dict[str, str]] | None = None,
+    ) -> None:
+        self.gpus: dict[int, ManagedGpu] = {g.index: g for g in gpus}
+        self.policy = policy or SchedulerPolicy()
+        self.leases: dict[str, Lease] = {}
+        self.queue: RequestQueue[str] = self._new_queue()
+        self.demand = DemandModel(
+            prior=dict(self.policy.demand_prior), half_life_s=self.policy.demand_half_life_s
+        )
+        self._work_ids = itertools.count(1)
+        self._pending_work: dict[int, Work] = {}
+        self._mps_env = mps_env or default_mps_env
+
+    def _new_queue(self) -> RequestQueue[str]:
+        return RequestQueue(
+            policy=self.policy.queue,
+            aging_s=self.policy.aging_s,
+            starvation_s=self.policy.starvation_s,
+            backfill=self.policy.backfill,
+        )
+
+    def set_policy(self, policy: SchedulerPolicy) -> None:
+        """Swap the policy (config reload); queued requests keep their arrival times."""
+        old = list(self.queue)
+        self.policy = policy
+        self.queue = self._new_queue()
+        for item in old:
+            self.queue.restore(item)
+        self.demand.prior = dict(policy.demand_prior)
+        self.demand.half_life_s = policy.demand_half_life_s
+
+    # -- submission -------------------------------------------------------------------------
+
+    def submit(self, lease: Lease, now_s: float, mono_s: float) -> Outcome:
+        """Place ``lease`` now, queue it, or refuse it.
+
+        Raises:
+            RequestTooLarge: it can never fit on this node (no queueing).
+            NoCapacity: it does not fit now and ``wait_s`` is 0, or requests queued
+                ahead of it must go first.
+            InvalidRequest: the request names GPUs this node does not have.
+        """
+        if lease.lease_id in self.leases:
+            raise InvalidRequest(f"lease {lease.lease_id} exists already")
+        candidates = self._candidate_gpus(lease.request)
+        self._check_ever_fits(lease, candidates)
+        lease.updated_s = now_s
+        self.leases[lease.lease_id] = lease
+        wait_s = lease.request.wait_s
+        self.queue.push(
+            lease.lease_id,
+            lease.lease_id,
+            now_s=mono_s,
+            memory_mib=lease.request.memory_mib,
+            wait_s=wait_s if wait_s is None or wait_s > 0 else 0.0,
+        )
+        if wait_s is not None:
+            lease.deadline_s = now_s + wait_s
+        work = self.schedule(now_s, mono_s)
+        if lease.state is LeaseState.QUEUED:
+            if wait_s is not None and wait_s <= 0:
+                self.queue.remove(lease.lease_id)
+                del self.leases[lease.lease_id]
+                raise NoCapacity(
+                    f"no partition for {lease.request.memory_mib} MiB is free now",
+                    considered=self._why_not(lease),
+                )
+            return Outcome(lease, work, self.queue.position(lease.lease_id, mono_s))
+        return Outcome(lease, work)
+
+    def _candidate_gpus(self, request: LeaseRequest) -> list[ManagedGpu]:
+        gpus = [g for g in self.gpus.values() if g.mode is not GpuMode.OFF]
+        if request.gpu_uuids:
+            wanted = [u.strip() for u in request.gpu_uuids if u.strip()]
+            chosen = [
+                g for g in gpus if any(g.uuid.startswith(w) or str(g.index) == w for w in wanted)
+            ]
+            if not chosen:
+                raise InvalidRequest(
+                    f"no managed GPU matches {', '.join(wanted)}",
+                    hint="use GPU UUIDs (or short UUIDs) as AssignedGPUs shows, or indices",
+                )
+            gpus = chosen
+        if request.mode == "mig":
+            gpus = [g for g in gpus if g.mode is GpuMode.MIG]
+        elif request.mode == "mps":
+            gpus = [g for g in gpus if g.mode is GpuMode.MPS]
+        if not gpus:
+            raise InvalidRequest(
+                f"no GPU on this node serves mode={request.mode}",
+                hint="use mode=auto, or configure a GPU for that mode in migd.toml",
+            )
+        return gpus
+
+    def _check_ever_fits(self, lease: Lease, gpus: Sequence[ManagedGpu]) -> None:
+        request = lease.request
+        largest = 0
+        for g in gpus:
+            if g.mode is GpuMode.MIG and g.space is not None:
+                if profile_for(g.space, _partition_request(request)) is not None:
+                    return
+                largest = max(largest, *(p.memory_mib for p in g.space.profiles))
+            elif g.mode is GpuMode.MPS:
+                capacity = g.memory_total_mib - self.policy.mps_reserve_mib
+                if request.memory_mib <= capacity:
+                    return
+                largest = max(largest, capacity)
+            elif g.mode is GpuMode.EXCLUSIVE:
+                if request.memory_mib <= g.memory_total_mib:
+                    return
+                largest = max(largest, g.memory_total_mib)
+        raise RequestTooLarge(
+            f"{request.memory_mib} MiB is more than any partition on this node can hold "
+            f"(largest: {largest} MiB)",
+            requested_mib=request.memory_mib,
+            largest_mib=largest,
+        )
+
+    # -- the scheduling pass ----------------------------------------------------------------
+
+    def schedule(self, now_s: float, mono_s: float) -> list[Work]:
+        """Try queued requests in policy order; return the work for those placed."""
+        work: list[Work] = []
+
+        def try_place(item: QueuedRequest[str]) -> bool:
+            lease = self.leases.get(item.payload)
+            if lease is None or lease.state is not LeaseState.QUEUED:
+                return True  # stale entry: drop it
+            placed = self._place(lease, now_s)
+            if placed is None:
+                return False
+            if placed.ops:
+                work.append(placed)
+            return True
+
+        self.queue.schedule(mono_s, try_place)
+        return work
+
+    def _place(self, lease: Lease, now_s: float) -> Work | None:
+        """Place one lease now, or return None. Commits the decision on success."""
+        request = lease.request
+        try:
+            gpus = self._candidate_gpus(request)
+        except InvalidRequest:
+            return None
+        mig = [g for g in gpus if g.mode is GpuMode.MIG and g.space is not None]
+        if mig:
+            planner = self.policy.planner
+            if self.policy.demand_weighting:
+                weights = self.demand.weights(now_s)
+                if weights:
+                    planner = replace(planner, placement=PlacementRule.WEIGHTED, demand=weights)
+            try:
+                decision = plan_on_node(
+                    [g.view() for g in mig], _partition_request(request), planner
+                )
+            except (NoCapacity, RequestTooLarge):
+                decision = None
+            if decision is not None:
+                return self._commit_mig(lease, decision, now_s)
+        for g in gpus:
+            if g.mode is GpuMode.MPS and g.available and self._mps_admits(g, lease):
+                return self._commit_mps(lease, g, now_s)
+        for g in gpus:
+            if (
+                g.mode is GpuMode.EXCLUSIVE
+                and g.available
+                and g.exclusive_lease is None
+                and request.memory_mib <= g.memory_total_mib
+            ):
+                return self._commit_exclusive(lease, g, now_s)
+        return None
+
+    def _commit_mig(self, lease: Lease, decision: Decision, now_s: float) -> Work:
+        gpu = self.gpus[decision.gpu]
+        for op in decision.ops:
+            if isinstance(op, DestroyOp):
+                inst = gpu.instance_at(op.start)
+                assert inst is not None and not inst.busy, "planner chose a busy instance"
+                inst.status = InstanceStatus.DESTROYING
+        lease.event(LeaseEvent.PLAN, now_s)
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mig"
+        lease.profile, lease.start = decision.profile.name, decision.start
+        lease.memory_limit_mib = decision.profile.memory_mib
+        lease.decision = decision.to_dict()
+        self.demand.observe(decision.profile.profile_id, now_s)
+        if decision.action == "reuse":
+            inst = gpu.instance_at(decision.start)
+            assert inst is not None
+            inst.lease_id, inst.idle_since_s = lease.lease_id, None
+            self._activate_mig(lease, inst, now_s)
+            return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
+        gpu.instances.append(
+            ManagedInstance(
+                profile=decision.profile,
+                start=decision.start,
+                memory_mib=decision.profile.memory_mib,
+                status=InstanceStatus.CREATING,
+                lease_id=lease.lease_id,
+            )
+        )
+        work = Work(gpu.index, decision.ops, lease.lease_id, "grant", next(self._work_ids))
+        self._pending_work[work.work_id] = work
+        return work
+
+    def _activate_mig(self, lease: Lease, inst: ManagedInstance, now_s: float) -> None:
+        lease.mig_uuid = inst.uuid
+        lease.memory_limit_mib = inst.memory_mib
+        uuid = inst.uuid or ""
+        lease.env = {"CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid}
+        lease.event(LeaseEvent.READY, now_s)
+        lease.heartbeat_s = now_s
+
+    def _mps_admits(self, gpu: ManagedGpu, lease: Lease) -> bool:
+        capacity = gpu.memory_total_mib - self.policy.mps_reserve_mib
+        if sum(gpu.mps_shares.values()) + lease.request.memory_mib > capacity:
+            return False
+        if len(gpu.mps_shares) >= self.policy.mps_max_clients:
+            return False
+        # One MPS server serves one UID at a time unless the daemon runs multi-user (-M).
+        return (
+            self.policy.mps_multi_user
+            or not gpu.mps_shares
+            or gpu.mps_uid in (None, lease.owner_uid)
+        )
+
+    def _commit_mps(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
+        lease.event(LeaseEvent.PLAN, now_s)
+        gpu.mps_shares[lease.lease_id] = lease.request.memory_mib
+        gpu.mps_uid = lease.owner_uid
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.memory_limit_mib = lease.request.memory_mib
+        lease.decision = {
+            "action": "mps-share",
+            "gpu": gpu.index,
+            "pinned_mib": lease.request.memory_mib,
+            "shares_after": len(gpu.mps_shares),
+            "reason": f"GPU {gpu.index}: MPS share of {lease.request.memory_mib} MiB",
+        }
+        lease.env = self._mps_env(gpu, lease)
+        lease.event(LeaseEvent.READY, now_s)
+        lease.heartbeat_s = now_s
+        return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
+
+    def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
+        lease.event(LeaseEvent.PLAN, now_s)
+        gpu.exclusive_lease = lease.lease_id
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "exclusive"
+        lease.memory_limit_mib = gpu.memory_total_mib
+        lease.env = {"CUDA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_VISIBLE_DEVICES": gpu.uuid}
+        lease.decision = {"action": "exclusive", "gpu": gpu.index, "reason": "whole GPU"}
+        lease.event(LeaseEvent.READY, now_s)
+        lease.heartbeat_s = now_s
+        return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
+
+    # -- work results -----------------------------------------------------------------------
+
+    def work_done(
+        self, work: Work, created: Mapping[int, tuple[int | None, str | None, int]], now_s: float
+    ) -> None:
+        """Record finished work. ``created`` maps start -> (gi_id, mig_uuid, memory_mib)."""
+        self._pending_work.pop(work.work_id, None)
+        gpu = self.gpus[work.gpu]
+        for op in work.ops:
+            if isinstance(op, DestroyOp):
+                gpu.instances = [
+                    i
+                    for i in gpu.instances
+                    if not (i.start == op.start and i.status is InstanceStatus.DESTROYING)
+                ]
+        for op in work.ops:
+            if isinstance(op, CreateOp):
+                inst = gpu.instance_at(op.start)
+                assert inst is not None
+                gi_id, uuid, memory = created[op.start]
+                inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
+                inst.status = InstanceStatus.READY
+                lease = self.leases.get(inst.lease_id or "")
+                if lease is not None and lease.state is LeaseState.PREPARING:
+                    self._activate_mig(lease, inst, now_s)
+                else:  # the lease was cancelled while we were creating: now idle
+                    inst.lease_id, inst.idle_since_s = None, now_s
+
+    def work_failed(self, work: Work, error: Exception, now_s: float) -> None:
+        """Undo the intended state of failed work; the caller then calls :meth:`resync`."""
+        self._pending_work.pop(work.work_id, None)
+        gpu = self.gpus[work.gpu]
+        for inst in list(gpu.instances):
+            if inst.status is InstanceStatus.DESTROYING:
+                inst.status = InstanceStatus.READY
+            if inst.status is InstanceStatus.CREATING and inst.lease_id == work.lease_id:
+                gpu.instances.remove(inst)
+        lease = self.leases.get(work.lease_id or "")
+        if lease is not None and lease.state is LeaseState.PREPARING:
+            lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
+            lease.event(LeaseEvent.RETRY, now_s, reason=f"placement failed: {error}")
+
+    def resync(
+        self,
+        gpu_index: int,
+        observed: Iterable[tuple[Profile, int, int | None, str | None, int]],
+        busy_uuids: set[str],
+        now_s: float,
+    ) -> list[str]:
+        """Make a GPU's bookkeeping match what the backend reports.
+
+        ``observed`` holds ``(profile, start, gi_id, mig_uuid, memory_mib)`` per instance.
+        Instances we know keep their lease; new ones are adopted (idle) unless processes
+        run on them without a lease, which makes them UNEXPLAINED: reported, never
+        destroyed. Returns human-readable notes about what changed.
+        """
+        gpu = self.gpus[gpu_index]
+        assert gpu.space is not None
+        notes: list[str] = []
+        known = {i.start: i for i in gpu.instances}
+        fresh: list[ManagedInstance] = []
+        for profile, start, gi_id, uuid, memory in observed:
+            inst = known.pop(start, None)
+            if inst is not None and inst.profile.profile_id == profile.profile_id:
+                inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
+                if inst.status is not InstanceStatus.CREATING:
+                    inst.status = InstanceStatus.READY
+                if inst.origin is Origin.UNEXPLAINED and uuid not in busy_uuids:
+                    inst.origin, inst.note = Origin.ADOPTED, ""
+                    inst.idle_since_s = now_s
+                    notes.append(f"{inst} is idle now; adopted")
+                fresh.append(inst)
+                continue
+            origin, note = Origin.ADOPTED, ""
+            if uuid is None:
+                origin, note = Origin.UNEXPLAINED, "GPU instance without a compute instance"
+            elif uuid in busy_uuids:
+                origin, note = Origin.UNEXPLAINED, "processes run on it without a migd lease"
+            new = ManagedInstance(
+                profile=profile,
+                start=start,
+                memory_mib=memory,
+                gi_id=gi_id,
+                uuid=uuid,
+                origin=origin,
+                idle_since_s=now_s,
+                note=note,
+            )
+            fresh.append(new)
+            notes.append(f"{new}: {origin.value}" + (f" ({note})" if note else ""))
+        for gone in known.values():
+            if gone.status is InstanceStatus.CREATING:
+                fresh.append(gone)  # creation still in flight
+                continue
+            notes.append(f"{gone} disappeared")
+            lease = self.leases.get(gone.lease_id or "")
+            if lease is not None and lease.state.holds_resources:
+                lease.event(LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared")
+        gpu.instances = sorted(fresh, key=lambda i: i.start)
+        # The committed layout must stay a valid state; a layout that is not is reported.
+        try:
+            gpu.space.key_of((i.profile, i.start) for i in gpu.instances)
+        except Exception as exc:
+            gpu.health = f"layout not understood: {exc}"
+            notes.append(gpu.health)
+        return notes
+
+    # -- release, reclaim, expiry, idle teardown --------------------------------------------
+
+    def release(
+        self, lease_id: str, now_s: float, mono_s: float, *, reclaim: bool = False, reason: str = ""
+    ) -> list[Work]:
+        """End a lease (released by its owner, or reclaimed because the holder died).
+
+        Returns work: teardown of the freed instance when the idle policy says so, and
+        grants for queued requests that now fit.
+        """
+        lease = self.leases[lease_id]
+        if lease.state.terminal:
+            return []
+        event = LeaseEvent.RECLAIM if reclaim else LeaseEvent.RELEASE
+        was = lease.state
+        lease.event(event, now_s, reason=reason or ("reclaimed" if reclaim else "released"))
+        self.queue.remove(lease_id)
+        work: list[Work] = []
+        if was.holds_resources and lease.gpu is not None:
+            gpu = self.gpus[lease.gpu]
+            if lease.mode == "mig":
+                inst = gpu.instance_at(lease.start) if lease.start is not None else None
+                if inst is not None and inst.lease_id == lease_id:
+                    # A CREATING instance stays untouchable by its status; work_done then
+                    # finds no owner and marks it idle.
+                    inst.lease_id = None
+                    if inst.status is InstanceStatus.READY:
+                        inst.idle_since_s = now_s
+                        if (
+                            self.policy.idle_policy == "destroy"
+                            and inst.origin is not Origin.UNEXPLAINED
+                        ):
+                            work.extend(self._teardown(gpu, [inst]))
+            elif lease.mode == "mps":
+                gpu.mps_shares.pop(lease_id, None)
+                if not gpu.mps_shares:
+                    gpu.mps_uid = None
+            elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
+                gpu.exclusive_lease = None
+        work.extend(self.schedule(now_s, mono_s))
+        return work
+
+    def heartbeat(self, lease_id: str, now_s: float) -> Lease:
+        lease = self.leases[lease_id]
+        lease.event(LeaseEvent.HEARTBEAT, now_s)
+        lease.heartbeat_s = now_s
+        return lease
+
+    def expire(self, now_s: float, mono_s: float) -> list[Lease]:
+        """Expire queued requests past their deadline."""
+        gone = []
+        for item in self.queue.expired(mono_s):
+            lease = self.leases.get(item.payload)
+            if lease is not None and lease.state is LeaseState.QUEUED:
+                lease.event(LeaseEvent.EXPIRE, now_s, reason="no partition before the deadline")
+                gone.append(lease)
+        return gone
+
+    def idle_teardown(self, now_s: float) -> list[Work]:
+        """Destroy idle instances past ``idle_timeout_s`` (policy ``timeout``)."""
+        if self.policy.idle_policy != "timeout":
+            return []
+        work: list[Work] = []
+        for gpu in self.gpus.values():
+            if gpu.mode is not GpuMode.MIG:
+                continue
+            stale = [
+                i
+                for i in gpu.instances
+                if not i.busy
+                and i.idle_since_s is not None
+                and now_s - i.idle_since_s >= self.policy.idle_timeout_s
+            ]
+            work.extend(self._teardown(gpu, stale))
+        return work
+
+    def reset(self, gpu_index: int) -> list[Work]:
+        """Destroy every idle instance of a GPU (``migctl reset``); busy ones stay."""
+        gpu = self.gpus[gpu_index]
+        return self._teardown(gpu, [i for i in gpu.instances if not i.busy])
+
+    def _teardown(self, gpu: ManagedGpu, instances: Sequence[ManagedInstance]) -> list[Work]:
+        if not instances:
+            return []
+        for inst in instances:
+            assert not inst.busy
+            inst.status = InstanceStatus.DESTROYING
+        ops = tuple(DestroyOp(i.profile, i.start) for i in sorted(instances, key=lambda i: i.start))
+        work = Work(gpu.index, ops, None, "teardown", next(self._work_ids))
+        self._pending_work[work.work_id] = work
+        return [work]
+
+    def set_draining(self, gpu_index: int, draining: bool) -> None:
+        self.gpus[gpu_index].draining = draining
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def _why_not(self, lease: Lease) -> list[dict[str, Any]]:
+        try:
+            gpus = self._candidate_gpus(lease.request)
+        except InvalidRequest as exc:
+            return [{"why": exc.message}]
+        out: list[dict[str, Any]] = []
+        for g in gpus:
+            if g.mode is GpuMode.MIG and g.space is not None:
+                why = (
+                    "draining"
+                    if g.draining
+                    else (g.health if g.health != "ok" else "busy instances in the way")
+                )
+                out.append({"gpu": g.index, "state": describe(g.space, g.view().key), "why": why})
+            else:
+                out.append({"gpu": g.index, "mode": g.mode.value, "why": "full or in use"})
+        if len(self.queue) > 1:
+            out.append({"why": f"{len(self.queue) - 1} queued request(s) go first"})
+        return out
+
+    def active_leases(self) -> list[Lease]:
+        return [lease for lease in self.leases.values() if not lease.state.terminal]
+
+    def forget_terminal(self) -> None:
+        """Drop ended leases from memory (the store keeps their history)."""
+        for lease_id in [k for k, v in self.leases.items() if v.state.terminal]:
+            del self.leases[lease_id]
+
+
+def _partition_request(request: LeaseRequest) -> PartitionRequest:
+    return PartitionRequest(
+        memory_mib=request.memory_mib,
+        min_compute=request.min_compute,
+        profile=request.profile,
+    )
+
+
+def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
+    """The client environment of an MPS share (the daemon substitutes its real pipe dir)."""
+    return {
+        "CUDA_VISIBLE_DEVICES": gpu.uuid,
+        "NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
+    }

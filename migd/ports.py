@@ -1,0 +1,194 @@
+"""The narrow interfaces migd talks to the outside world through.
+
+``main()`` builds the real implementations (or the simulated ones) and passes
+them down; nothing else constructs a backend. Every implementation translates
+its own errors into :mod:`migd.errors` at its boundary.
+
+Implementations:
+
+* :class:`GpuBackend`: ``migd.backends.nvml.NvmlBackend`` over ``pynvml`` or over
+  the simulated ``pynvml`` stand-in (``migd.backends.simulated``).
+* :class:`ProcessTable`: ``migd.backends.procs.PsutilProcessTable``.
+* :class:`Clock`: ``SystemClock`` here; tests use a manual clock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from migd.core.geometry import Geometry
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """One physical GPU as discovered (``nvidia-smi -q`` has the same facts).
+
+    ``mig_current``/``mig_pending`` are ``None`` on GPUs without MIG support.
+    ``model`` is the catalog key (``A100-40GB``) or ``None`` for an unknown model.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    pci_device_id: int
+    memory_total_mib: int
+    mig_current: bool | None
+    mig_pending: bool | None
+    driver_version: str
+    cuda_version: str
+    model: str | None
+    compute_capability: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """A GPU instance with its (single, full-size) compute instance.
+
+    ``uuid`` is the MIG device UUID (``MIG-...``) taken from the compute instance's
+    device handle; ``None`` for a GPU instance without a compute instance.
+    """
+
+    gpu: int
+    gi_id: int
+    profile_id: int
+    start: int
+    size: int
+    ci_id: int | None
+    uuid: str | None
+    memory_total_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A process with a CUDA context on a GPU or MIG device."""
+
+    pid: int
+    used_mib: int | None  # None when NVML cannot say (no privileges, some MIG cases)
+    gpu: int
+    mig_uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    total_mib: int
+    used_mib: int
+
+    @property
+    def free_mib(self) -> int:
+        return max(0, self.total_mib - self.used_mib)
+
+
+@runtime_checkable
+class GpuBackend(Protocol):
+    """Everything migd asks of the GPUs. One instance per daemon, calls may block.
+
+    The daemon calls each GPU's methods from that GPU's own worker thread only,
+    so an implementation needs no locking per GPU; calls for different GPUs may
+    run concurrently.
+    """
+
+    def discover(self) -> list[GpuInfo]:
+        """All GPUs, in NVML index order.
+
+        Raises:
+            DriverUnavailable: no NVML library or driver.
+        """
+        ...
+
+    def geometry(self, gpu: int) -> Geometry:
+        """The GPU's MIG geometry, from NVML where it can say, else the built-in tables.
+
+        Raises:
+            GpuUnsupported: no MIG on this GPU.
+        """
+        ...
+
+    def list_instances(self, gpu: int) -> list[MigInstance]:
+        """Existing GPU instances (with their compute instance and MIG UUID)."""
+        ...
+
+    def create_instance(self, gpu: int, profile_id: int, start: int) -> MigInstance:
+        """Create a GPU instance at an explicit placement plus its full compute instance.
+
+        Raises:
+            InsufficientResources: the slices are taken.
+            GpuPermissionDenied, MigModeError, GpuBusy: see :mod:`migd.errors`.
+        """
+        ...
+
+    def destroy_instance(self, gpu: int, gi_id: int) -> None:
+        """Destroy the compute instance(s), then the GPU instance.
+
+        Raises:
+            GpuBusy: processes (or another NVML client) still use it.
+        """
+        ...
+
+    def memory(self, gpu: int, mig_uuid: str | None = None) -> MemoryInfo:
+        """Memory of the whole GPU, or of one MIG device."""
+        ...
+
+    def processes(self, gpu: int, mig_uuid: str | None = None) -> list[GpuProcess]:
+        """Compute processes (incl. MPS clients) on the GPU or on one MIG device."""
+        ...
+
+    def heartbeat(self, gpu: int) -> None:
+        """A cheap NVML call proving the driver still answers (feeds the watchdog)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ProcessTable(Protocol):
+    """The host's processes, for deciding whether a lease holder is still alive."""
+
+    def alive(self, pid: int, start_time: float | None = None) -> bool:
+        """True if ``pid`` runs and (when given) started at ``start_time`` (PID reuse guard)."""
+        ...
+
+    def start_time(self, pid: int) -> float | None:
+        """Process start time (seconds since the epoch), ``None`` if it does not exist."""
+        ...
+
+    def uid(self, pid: int) -> int | None: ...
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Wall-clock seconds since the epoch (for records)."""
+        ...
+
+    def monotonic(self) -> float:
+        """Monotonic seconds (for deadlines and intervals)."""
+        ...
+
+
+@dataclass
+class SystemClock:
+    def now(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+@dataclass
+class ManualClock:
+    """A clock tests and the simulator move by hand."""
+
+    t: float = 1_700_000_000.0
+    mono: float = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+        self.mono += seconds

@@ -1,0 +1,137 @@
+"""NodeScheduler invariants under random submit/release/complete/fail sequences."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from migd.core import catalog
+from migd.core.leases import LeaseState
+from migd.core.planner import CreateOp, DestroyOp
+from migd.core.queueing import QueuePolicy
+from migd.core.scheduler import (
+    GpuMode,
+    InstanceStatus,
+    Lease,
+    LeaseRequest,
+    ManagedGpu,
+    NodeScheduler,
+    Origin,
+    SchedulerPolicy,
+    Work,
+)
+from migd.core.states import state_space
+from migd.errors import InsufficientResources, NoCapacity, RequestTooLarge
+
+MODELS = ["A30-24GB", "A100-40GB", "H100-80GB"]
+
+
+def make_node(models: list[str], policy: SchedulerPolicy) -> NodeScheduler:
+    gpus = []
+    for n, model in enumerate(models):
+        geo = catalog.geometry(model)
+        gpus.append(
+            ManagedGpu(
+                n, f"GPU-{n:04d}", model, model, geo.memory_mib, GpuMode.MIG, state_space(geo)
+            )
+        )
+    return NodeScheduler(gpus, policy)
+
+
+def check_invariants(node: NodeScheduler, destroyed_busy: list[str]) -> None:
+    assert not destroyed_busy, destroyed_busy
+    for gpu in node.gpus.values():
+        assert gpu.space is not None
+        live = [i for i in gpu.instances if i.status is not InstanceStatus.DESTROYING]
+        gpu.space.key_of((i.profile, i.start) for i in live)  # a valid state
+        for inst in gpu.instances:
+            if inst.lease_id is not None:
+                lease = node.leases.get(inst.lease_id)
+                assert lease is not None and lease.state.holds_resources
+                assert (lease.gpu, lease.start) == (gpu.index, inst.start)
+    for lease in node.leases.values():
+        if lease.state.holds_resources and lease.mode == "mig":
+            owners = [
+                i for g in node.gpus.values() for i in g.instances if i.lease_id == lease.lease_id
+            ]
+            assert len(owners) == 1
+        if lease.state is LeaseState.ACTIVE and lease.mode == "mig":
+            assert lease.env["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    for item in node.queue:
+        assert node.leases[item.payload].state is LeaseState.QUEUED
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    models=st.lists(st.sampled_from(MODELS), min_size=1, max_size=4),
+    queue=st.sampled_from(list(QueuePolicy)),
+    idle=st.sampled_from(["keep", "destroy", "timeout"]),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["submit", "release", "complete", "fail", "idle", "expire"]),
+            st.integers(1, 100_000),
+            st.integers(0, 10**6),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_scheduler_invariants(
+    models: list[str], queue: QueuePolicy, idle: str, steps: list[tuple[str, int, int]]
+) -> None:
+    node = make_node(models, SchedulerPolicy(queue=queue, idle_policy=idle, idle_timeout_s=5))  # type: ignore[arg-type]
+    pending: list[Work] = []
+    ids = itertools.count()
+    gi_ids = itertools.count(1)
+    now = 0.0
+    destroyed_busy: list[str] = []
+
+    def take(work: list[Work]) -> None:
+        for w in work:
+            gpu = node.gpus[w.gpu]
+            for op in w.ops:
+                if isinstance(op, DestroyOp):
+                    inst = gpu.instance_at(op.start)
+                    assert inst is not None
+                    if inst.lease_id is not None or inst.origin is Origin.UNEXPLAINED:
+                        destroyed_busy.append(str(inst))
+            pending.append(w)
+
+    for action, size, pick in steps:
+        now += 1.0
+        if action == "submit":
+            lease = Lease(f"L{next(ids)}", LeaseRequest("job", size, wait_s=30.0), 1000, 1, now)
+            try:
+                take(node.submit(lease, now, now).work)
+            except (NoCapacity, RequestTooLarge):
+                pass
+        elif action == "release":
+            live = [lease for lease in node.leases.values() if not lease.state.terminal]
+            if live:
+                take(node.release(live[pick % len(live)].lease_id, now, now))
+        elif action in ("complete", "fail") and pending:
+            work = pending.pop(0)
+            if action == "complete":
+                created = {
+                    op.start: (next(gi_ids), f"MIG-{op.start}-{now}", op.profile.memory_mib)
+                    for op in work.ops
+                    if isinstance(op, CreateOp)
+                }
+                node.work_done(work, created, now)
+            else:
+                node.work_failed(work, InsufficientResources("injected"), now)
+                gpu = node.gpus[work.gpu]
+                observed = [
+                    (i.profile, i.start, i.gi_id, i.uuid, i.memory_mib)
+                    for i in gpu.instances
+                    if i.status is InstanceStatus.READY
+                ]
+                node.resync(work.gpu, observed, set(), now)
+                take(node.schedule(now, now))
+        elif action == "idle":
+            take(node.idle_teardown(now))
+        elif action == "expire":
+            node.expire(now + pick % 60, now + pick % 60)
+        check_invariants(node, destroyed_busy)
