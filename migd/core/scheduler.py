@@ -150,6 +150,7 @@ class Lease:
             "updated_s": self.updated_s,
             "deadline_s": self.deadline_s,
             "reason": self.reason,
+            "decision": self.decision,
         }
 
 

@@ -222,6 +222,9 @@ class StateSpace:
     def keys(self) -> Iterator[StateKey]:
         return iter(self._info)
 
+    def __iter__(self) -> Iterator[StateKey]:
+        return iter(self._info)
+
     def info(self, key: StateKey) -> StateInfo:
         return self._info[key]
 

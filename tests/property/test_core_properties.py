@@ -209,12 +209,12 @@ def test_rules_keep_a_whole_gpu_free_where_first_fit_does_not() -> None:
     for policy, whole_gpu_fits in ((PlannerPolicy(), True), (first_fit, False)):
         layouts: list[list[Instance]] = [[], [Instance(one, 6, True)]]
         d = plan_on_node(
-            [GpuView(n, space, tuple(l)) for n, l in enumerate(layouts)],
+            [GpuView(n, space, tuple(lay)) for n, lay in enumerate(layouts)],
             PartitionRequest(4000),
             policy,
         )
         layouts[d.gpu].append(Instance(d.profile, d.start, True))
-        views = [GpuView(n, space, tuple(l)) for n, l in enumerate(layouts)]
+        views = [GpuView(n, space, tuple(lay)) for n, lay in enumerate(layouts)]
         try:
             plan_on_node(views, PartitionRequest(40000), policy)
             fits = True
@@ -239,8 +239,8 @@ def _stream(policy: PlannerPolicy, seed: int, n_gpus: int = 4, steps: int = 300)
                     entry[1] = None
         memory = rng.choice([4000] * 5 + [9000] * 3 + [19000] * 2 + [40000])
         views = [
-            GpuView(n, space, tuple(Instance(p, s, end is not None) for s, (p, end) in l.items()))
-            for n, l in enumerate(layouts)
+            GpuView(n, space, tuple(Instance(p, s, end is not None) for s, (p, end) in lay.items()))
+            for n, lay in enumerate(layouts)
         ]
         try:
             d = plan_on_node(views, PartitionRequest(memory), policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 from hypothesis import HealthCheck, given, settings
@@ -103,10 +104,8 @@ def test_scheduler_invariants(
         now += 1.0
         if action == "submit":
             lease = Lease(f"L{next(ids)}", LeaseRequest("job", size, wait_s=30.0), 1000, 1, now)
-            try:
+            with contextlib.suppress(NoCapacity, RequestTooLarge):
                 take(node.submit(lease, now, now).work)
-            except (NoCapacity, RequestTooLarge):
-                pass
         elif action == "release":
             live = [lease for lease in node.leases.values() if not lease.state.terminal]
             if live:

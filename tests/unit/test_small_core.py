@@ -10,7 +10,6 @@ from migd.core.leases import TRANSITIONS, IllegalLeaseTransition, LeaseEvent, Le
 from migd.core.queueing import QueuePolicy, RequestQueue
 from migd.core.units import format_mib, parse_mib
 
-
 # -- queue ------------------------------------------------------------------------------------
 
 

@@ -105,7 +105,7 @@ def test_every_state_agrees_with_the_oracle(model: str, profiles: str) -> None:
     space = state_space(geo, profiles)
     oracle = Oracle(geo, {p.profile_id for p in space.profiles})
     oracle_states = oracle.all_states()
-    ours = {placements_of(space, k): k for k in space.keys()}
+    ours = {placements_of(space, k): k for k in space}
     assert set(ours) == oracle_states
     for placements, key in ours.items():
         reachable = oracle.reachable_full(placements)
@@ -116,7 +116,7 @@ def test_every_state_agrees_with_the_oracle(model: str, profiles: str) -> None:
 @pytest.mark.parametrize(("model", "profiles"), CASES)
 def test_reachability_never_increases_when_allocating(model: str, profiles: str) -> None:
     space = state_space(catalog.geometry(model), profiles)
-    for key in space.keys():
+    for key in space:
         for atom in space.atoms:
             if space.can_allocate(key, atom):
                 child = key | (1 << atom.index)
@@ -128,7 +128,7 @@ def test_reachability_never_increases_when_allocating(model: str, profiles: str)
 def test_hostable_counts_match_reachable_layouts(model: str, profiles: str) -> None:
     space = state_space(catalog.geometry(model), profiles)
     full = [(f, placements_of(space, f)) for f in space.full_states]
-    for key in list(space.keys())[:: max(1, len(space) // 150)]:
+    for key in list(space)[:: max(1, len(space) // 150)]:
         mine = placements_of(space, key)
         expected = [0] * len(space.profiles)
         for _, layout in (pair for pair in full if pair[1] >= mine):
@@ -223,7 +223,7 @@ def test_media_instances_map_onto_standard_slots() -> None:
 
 def test_release_undoes_allocate() -> None:
     space = state_space(catalog.geometry("H100-80GB"), "standard")
-    for key in space.keys():
+    for key in space:
         for atom in space.placements(key):
             back = space.release(key, atom.profile, atom.start)
             assert space.allocate(back, atom.profile, atom.start) == key

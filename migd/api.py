@@ -1,0 +1,165 @@
+"""The local API: JSON messages over migd's Unix socket (version 1).
+
+Framing: one JSON object per line (UTF-8, ``\\n``-terminated), at most
+``api.max_message_bytes`` per line. Every request carries ``"version": 1`` and
+an ``"op"``; every reply carries ``"version": 1``, the request's ``"id"`` and
+either ``"ok": true, "result": {...}`` or ``"ok": false, "error": {code,
+message, hint, details}``. A malformed, oversized or unknown message gets an
+error reply and the connection is closed. The schema is documented in
+``docs/api.md`` and is stable within a version: fields may be added to
+replies, never removed or changed in meaning.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from migd.errors import MigdError, ProtocolError
+
+API_VERSION = 1
+JOB_ID = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+LEASE_ID = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+GPU_REF = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: Literal[1]
+    id: int | str | None = None
+
+
+class PingRequest(_Request):
+    op: Literal["ping"]
+
+
+class LeaseRequestMsg(_Request):
+    """Ask for a partition. The reply comes when the lease is active, or on refusal/expiry."""
+
+    op: Literal["lease"]
+    job_id: JOB_ID
+    slot: Annotated[str, Field(max_length=256)] = ""
+    gpu_memory_mib: Annotated[int, Field(ge=0, le=100_000_000)]
+    min_compute: Annotated[int, Field(ge=0, le=64)] = 0
+    profile: Annotated[str | None, Field(max_length=64)] = None
+    mode: Literal["mig", "mps", "auto"] = "auto"
+    gpus: Annotated[list[GPU_REF] | None, Field(max_length=64)] = None
+    wait_s: Annotated[float | None, Field(ge=0)] = None  # None: the daemon's default
+    holder_pid: Annotated[int | None, Field(gt=0)] = None
+
+
+class LeaseRef(_Request):
+    op: Literal["release", "heartbeat", "get_lease", "usage"]
+    lease_id: LEASE_ID
+    reason: Annotated[str, Field(max_length=1024)] = ""
+
+
+class ReleaseJobRequest(_Request):
+    op: Literal["release_job"]
+    job_id: JOB_ID
+    reason: Annotated[str, Field(max_length=1024)] = ""
+
+
+class ReportRequest(_Request):
+    """The wrapper tells migd what happened (OOM verdicts, forecasts, restarts)."""
+
+    op: Literal["report"]
+    lease_id: LEASE_ID
+    event: Literal["oom", "exit", "forecast", "restart", "note"]
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class StatusRequest(_Request):
+    op: Literal["status", "leases", "reload"]
+    all: bool = False
+
+
+class ExplainRequest(_Request):
+    op: Literal["explain"]
+    job_id: JOB_ID
+
+
+class HistoryRequest(_Request):
+    op: Literal["history"]
+    job_id: JOB_ID | None = None
+    limit: Annotated[int, Field(ge=1, le=10_000)] = 50
+
+
+class GpuRequest(_Request):
+    op: Literal["drain", "resume", "reset"]
+    gpu: GPU_REF
+
+
+class SimRequest(_Request):
+    """Simulated backend only: a fake CUDA job attaches to and allocates on its device."""
+
+    op: Literal["sim_attach", "sim_alloc", "sim_free", "sim_detach"]
+    device_uuid: GPU_REF | None = None
+    pid: Annotated[int, Field(gt=0)]
+    mib: Annotated[int, Field(ge=0, le=100_000_000)] = 0
+    mps_limit_mib: Annotated[int | None, Field(gt=0)] = None
+
+
+Request = Annotated[
+    PingRequest
+    | LeaseRequestMsg
+    | LeaseRef
+    | ReleaseJobRequest
+    | ReportRequest
+    | StatusRequest
+    | ExplainRequest
+    | HistoryRequest
+    | GpuRequest
+    | SimRequest,
+    Field(discriminator="op"),
+]
+_REQUEST = TypeAdapter(Request)
+OPS = [
+    *("ping", "lease", "release", "heartbeat", "get_lease", "usage", "release_job", "report"),
+    *("status", "leases", "reload", "explain", "history", "drain", "resume", "reset"),
+    *("sim_attach", "sim_alloc", "sim_free", "sim_detach"),
+]
+
+
+def decode_request(line: bytes) -> Request:
+    """Parse one request line.
+
+    Raises:
+        ProtocolError: not JSON, not an object, wrong version, unknown op, bad fields.
+    """
+    try:
+        raw = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not a JSON message: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ProtocolError("a message must be a JSON object")
+    if raw.get("version") != API_VERSION:
+        raise ProtocolError(
+            f"unsupported API version {raw.get('version')!r}; this daemon speaks {API_VERSION}",
+            hint="upgrade the client (migctl/migd-wrapper) to match the daemon",
+        )
+    op = raw.get("op")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op!r}", hint=f"known ops: {', '.join(OPS)}")
+    try:
+        return _REQUEST.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'message'}: {e['msg']}"
+            for e in exc.errors()
+        )
+        raise ProtocolError(f"invalid {op} request: {problems}") from exc
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=str).encode() + b"\n"
+
+
+def ok_reply(request_id: int | str | None, result: Any) -> bytes:
+    return encode({"version": API_VERSION, "id": request_id, "ok": True, "result": result})
+
+
+def error_reply(request_id: int | str | None, error: MigdError) -> bytes:
+    return encode({"version": API_VERSION, "id": request_id, "ok": False, "error": error.to_dict()})

@@ -1,0 +1,285 @@
+"""migd's configuration: a versioned TOML file validated by pydantic.
+
+Precedence, lowest first: built-in defaults, the file (``/etc/migd/migd.toml``
+unless ``--config``), ``MIGD_<SECTION>_<KEY>`` environment variables, then
+command-line flags (``--set section.key=value`` reaches every key; common keys
+have their own flags). Every key is documented in ``docs/configuration.md``
+and in ``condor_config/../migd.toml.example``.
+
+Errors name the exact place: ``policy.queue: Input should be 'fifo' or 'size'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from migd.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/migd/migd.toml")
+ENV_PREFIX = "MIGD_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DaemonSection(_Section):
+    state_dir: Path = Path("/var/lib/migd")
+    runtime_dir: Path = Path("/run/migd")
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    work_timeout_s: float = Field(
+        120.0, gt=0, description="longest one NVML create/destroy may take"
+    )
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    history_keep: int = Field(100_000, ge=100, description="history rows kept in the state db")
+
+
+class BackendSection(_Section):
+    kind: Literal["nvml", "simulated"] = "nvml"
+    simulate: str = Field(
+        "8xA100-40GB",
+        description="node description for kind=simulated: '8xA100-40GB', '2xA100-40GB,1xH100-80GB' "
+        "or a path to a TOML node file",
+    )
+    sim_time_scale: float = Field(0.0, ge=0, description="1.0 = seed 003 Table 1 NVML latencies")
+    destroy_retries: int = Field(3, ge=0)
+
+
+class ApiSection(_Section):
+    socket: Path = Path("/run/migd/migd.sock")
+    lease_users: list[str] = Field(default_factory=lambda: ["root", "condor"])
+    lease_groups: list[str] = Field(default_factory=lambda: ["condor"])
+    admin_users: list[str] = Field(default_factory=lambda: ["root"])
+    admin_groups: list[str] = Field(default_factory=list)
+    status_public: bool = True
+    max_message_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
+    max_clients: int = Field(512, ge=1)
+
+
+class PolicySection(_Section):
+    profiles: str = Field("standard", description="standard | classic | media | all | a,b,c")
+    placement: Literal["reachability", "weighted", "driver", "max-cc"] = "reachability"
+    gpu_choice: Literal["rules", "first-fit"] = "rules"
+    fission_fusion: bool = True
+    queue: Literal["fifo", "size"] = "fifo"
+    aging_s: float = Field(600.0, ge=0)
+    starvation_s: float = Field(1800.0, ge=0)
+    backfill: bool | None = None
+    idle_policy: Literal["keep", "destroy", "timeout"] = "timeout"
+    idle_timeout_s: float = Field(300.0, ge=0)
+    demand_weighting: bool = False
+    demand_prior: dict[str, float] = Field(
+        default_factory=dict, description="profile name or ID -> weight"
+    )
+    demand_half_life_s: float = Field(86400.0, gt=0)
+    default_wait_s: float = Field(3600.0, ge=0)
+    max_wait_s: float = Field(86400.0, ge=0)
+
+    @field_validator("demand_prior")
+    @classmethod
+    def _weights_positive(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, weight in value.items():
+            if weight < 0:
+                raise ValueError(f"weight of {name!r} must not be negative")
+        return value
+
+
+class ReaperSection(_Section):
+    interval_s: float = Field(5.0, gt=0)
+    heartbeat_timeout_s: float = Field(
+        0.0, ge=0, description="0: holders are judged by their process only"
+    )
+
+
+class MpsSection(_Section):
+    control_binary: str = "nvidia-cuda-mps-control"
+    reserve_mib: int = Field(1024, ge=0)
+    max_clients: int = Field(48, ge=1, le=128)
+    multi_user: bool = False
+    idle_stop_s: float = Field(300.0, ge=0)
+
+
+class GpuOverride(_Section):
+    match: str = Field(description="GPU index, UUID or UUID prefix")
+    mode: Literal["auto", "mig", "mps", "exclusive", "off"] = "auto"
+    profiles: str | None = None
+
+
+class MigdConfig(_Section):
+    version: Literal[1] = 1
+    daemon: DaemonSection = Field(default_factory=DaemonSection)
+    backend: BackendSection = Field(default_factory=BackendSection)
+    api: ApiSection = Field(default_factory=ApiSection)
+    policy: PolicySection = Field(default_factory=PolicySection)
+    reaper: ReaperSection = Field(default_factory=ReaperSection)
+    mps: MpsSection = Field(default_factory=MpsSection)
+    gpu: list[GpuOverride] = Field(default_factory=list)
+
+    def override_for(self, index: int, uuid: str) -> GpuOverride | None:
+        for o in self.gpu:
+            if o.match == str(index) or (o.match.startswith("GPU-") and uuid.startswith(o.match)):
+                return o
+        return None
+
+
+# Keys that only take effect at start-up; a reload that changes them says so.
+RESTART_KEYS = (
+    "daemon.state_dir",
+    "daemon.runtime_dir",
+    "backend",
+    "api.socket",
+    "gpu",
+    "policy.profiles",
+)
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{part} is not a section", where=dotted)
+        node = child
+    node[parts[-1]] = value
+
+
+def _coerce(text: str) -> Any:
+    """Environment/flag values: JSON when it parses (numbers, booleans, lists), else text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        lowered = text.strip().lower()
+        if lowered in ("true", "yes", "on"):
+            return True
+        if lowered in ("false", "no", "off"):
+            return False
+        return text
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``MIGD_POLICY_QUEUE=size`` -> ``{"policy.queue": "size"}`` for every known key."""
+    out: dict[str, Any] = {}
+    sections = {
+        name: field.annotation
+        for name, field in MigdConfig.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+    for section, model in sections.items():
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        for key in model.model_fields:
+            var = f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+            if var in environ:
+                out[f"{section}.{key}"] = _coerce(environ[var])
+    return out
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    required: bool = False,
+) -> MigdConfig:
+    """Read, merge and validate the configuration.
+
+    Args:
+        path: the TOML file; ``None`` means the default path if it exists.
+        overrides: dotted keys from flags (highest precedence).
+        environ: environment to read ``MIGD_*`` variables from (default: os.environ).
+        required: fail if the file does not exist (an explicit ``--config``).
+
+    Raises:
+        ConfigError: unreadable file, bad TOML, or values that fail validation; the
+            message names every bad key (``policy.queue: ...``).
+    """
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    file = path or DEFAULT_CONFIG_PATH
+    if file.exists():
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"not valid TOML: {exc}", where=str(file)) from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read: {exc.strerror}", where=str(file)) from exc
+    elif required or path is not None:
+        raise ConfigError(
+            "file not found", where=str(file), hint="create it from migd.toml.example"
+        )
+    for dotted, value in {**env_overrides(environ), **dict(overrides or {})}.items():
+        _set_path(data, dotted, value)
+    return validate_config(data, source=str(file) if file.exists() else "defaults")
+
+
+def validate_config(data: Mapping[str, Any], *, source: str = "config") -> MigdConfig:
+    """Validate a parsed mapping; ConfigError lists every problem with its location."""
+    version = data.get("version", 1)
+    if version != 1:
+        raise ConfigError(
+            f"unsupported config version {version!r} (this migd reads version 1)",
+            where=f"{source}: version",
+        )
+    try:
+        return MigdConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"])
+            loc = loc.replace(".[", "[")
+            problems.append(f"{loc}: {err['msg']}")
+        first = problems[0].split(":", 1)[0]
+        raise ConfigError(
+            "; ".join(problems), where=f"{source}" if len(problems) > 1 else f"{source}: {first}"
+        ) from exc
+
+
+def changed_restart_keys(old: MigdConfig, new: MigdConfig) -> list[str]:
+    """Keys whose change needs a restart (a reload keeps their old values)."""
+    changed = []
+    for dotted in RESTART_KEYS:
+        a: Any = old
+        b: Any = new
+        for part in dotted.split("."):
+            a, b = getattr(a, part), getattr(b, part)
+        if a != b:
+            changed.append(dotted)
+    return changed
+
+
+def example_toml() -> str:
+    """A commented example file with every key at its default."""
+    lines = [
+        "# migd configuration (version 1). Every key can also be set with MIGD_<SECTION>_<KEY>",
+        "# (e.g. MIGD_POLICY_QUEUE=size) or `migd --set section.key=value`.",
+        "version = 1",
+    ]
+    for section, field in MigdConfig.model_fields.items():
+        if section in ("version", "gpu"):
+            continue
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        lines.append(f"\n[{section}]")
+        for key, sub in model.model_fields.items():
+            default = sub.get_default(call_default_factory=True)
+            if default is None:
+                lines.append(f"# {key} =   # unset")
+                continue
+            value = json.dumps(str(default) if isinstance(default, Path) else default)
+            comment = f"  # {sub.description}" if sub.description else ""
+            lines.append(f"{key} = {value}{comment}")
+    lines += [
+        "\n# Per-GPU overrides (repeat the table for each GPU):",
+        "# [[gpu]]",
+        '# match = "0"            # index, UUID or UUID prefix',
+        '# mode = "mps"           # auto | mig | mps | exclusive | off',
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,149 @@
+"""``migd``: the daemon's command line (also ``python -m migd``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from migd import __version__
+from migd.daemon.config import MigdConfig, example_toml, load_config
+from migd.daemon.logs import configure_logging
+from migd.errors import ConfigError, MigdError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="migd",
+        description="Node daemon that lets HTCondor jobs share NVIDIA GPUs (dynamic MIG + MPS).",
+        epilog="Every config key can be set with --set section.key=value or MIGD_SECTION_KEY.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML config (default /etc/migd/migd.toml)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set policy.queue=size (repeatable)",
+    )
+    parser.add_argument(
+        "--simulate",
+        metavar="NODE",
+        help="use simulated GPUs: '8xA100-40GB', '2xA100-40GB,1xH100-80GB' or a node TOML file",
+    )
+    parser.add_argument("--state-dir", type=Path, help="daemon.state_dir")
+    parser.add_argument("--runtime-dir", type=Path, help="daemon.runtime_dir")
+    parser.add_argument("--socket", type=Path, help="api.socket")
+    parser.add_argument("--log-format", choices=["auto", "json", "console"])
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--check-config", action="store_true", help="validate the configuration and exit"
+    )
+    parser.add_argument(
+        "--print-example-config", action="store_true", help="print a commented config and exit"
+    )
+    parser.add_argument("--version", action="version", version=f"migd {__version__}")
+    return parser
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from migd.daemon.config import _coerce
+
+    out: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set needs KEY=VALUE, got {item!r}", where="--set")
+        out[key.strip()] = _coerce(value)
+    if args.simulate:
+        out["backend.kind"] = "simulated"
+        out["backend.simulate"] = args.simulate
+    for flag, key in (
+        ("state_dir", "daemon.state_dir"),
+        ("runtime_dir", "daemon.runtime_dir"),
+        ("socket", "api.socket"),
+        ("log_format", "daemon.log_format"),
+        ("log_level", "daemon.log_level"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            out[key] = str(value)
+    return out
+
+
+def build_ports(config: MigdConfig) -> tuple[Any, Any, Any]:
+    """The backend, process table and (simulated) node for a configuration."""
+    from migd.backends.procs import PsutilProcessTable
+
+    if config.backend.kind == "simulated":
+        from migd.backends.simulated import simulated_backend
+
+        backend, node = simulated_backend(
+            config.backend.simulate,
+            time_scale=config.backend.sim_time_scale,
+            destroy_retries=config.backend.destroy_retries,
+        )
+        return backend, PsutilProcessTable(), node
+    from migd.backends.nvml import NvmlBackend
+
+    return NvmlBackend(destroy_retries=config.backend.destroy_retries), PsutilProcessTable(), None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.print_example_config:
+        sys.stdout.write(example_toml())
+        return 0
+    try:
+        overrides = overrides_from_args(args)
+        config = load_config(args.config, overrides=overrides, required=args.config is not None)
+    except ConfigError as exc:
+        print(f"migd: configuration error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"configuration OK ({args.config or 'defaults'})")
+        return 0
+    configure_logging(config.daemon.log_format, config.daemon.log_level)
+    log = structlog.get_logger("migd")
+    log.info(
+        "daemon.starting",
+        version=__version__,
+        python=sys.version.split()[0],
+        config=str(args.config or "defaults"),
+        pid=os.getpid(),
+    )
+
+    def reload() -> MigdConfig:
+        return load_config(args.config, overrides=overrides, required=args.config is not None)
+
+    try:
+        backend, procs, node = build_ports(config)
+    except MigdError as exc:
+        log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
+        return 1
+    from migd.daemon.service import Daemon
+
+    mps = None  # MPS manager: wired in with migd.backends.mps
+
+    async def run() -> int:
+        daemon = Daemon(config, backend, procs, reload_config=reload, sim_node=node, mps=mps)
+        return await daemon.run()
+
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:  # pragma: no cover - signal handlers cover this
+        return 130
+    except (OSError, MigdError) as exc:
+        log.error("daemon.failed", error=str(exc))
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

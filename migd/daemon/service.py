@@ -1,0 +1,1180 @@
+"""The migd daemon: lifecycle, reconciliation, the API server and background loops.
+
+Start-up order (systemd ``Type=notify``): load config, open the state db,
+discover GPUs, reconcile (adopt instances, reload leases, reclaim dead ones),
+bind the socket, then ``READY=1``. Decisions come from
+:class:`migd.core.scheduler.NodeScheduler`; this module adds the I/O: NVML
+work runs in one worker thread per GPU (so a slow creation on GPU 0 never
+blocks GPU 1 or a status query), leases and history go to SQLite, and the
+watchdog is fed only while every GPU's worker answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import stat
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from migd import __version__
+from migd.api import (
+    ExplainRequest,
+    GpuRequest,
+    HistoryRequest,
+    LeaseRef,
+    LeaseRequestMsg,
+    PingRequest,
+    ReleaseJobRequest,
+    ReportRequest,
+    Request,
+    SimRequest,
+    StatusRequest,
+    decode_request,
+    error_reply,
+    ok_reply,
+)
+from migd.core.geometry import Profile
+from migd.core.leases import LeaseState
+from migd.core.planner import CreateOp, DestroyOp, GpuChoice, PlacementRule, PlannerPolicy
+from migd.core.queueing import QueuePolicy
+from migd.core.scheduler import (
+    GpuMode,
+    InstanceStatus,
+    Lease,
+    LeaseRequest,
+    ManagedGpu,
+    NodeScheduler,
+    Origin,
+    SchedulerPolicy,
+    Work,
+)
+from migd.core.states import state_space
+from migd.daemon.auth import Authorizer, Peer
+from migd.daemon.config import MigdConfig, changed_restart_keys
+from migd.daemon.status import build_status, explain_job
+from migd.daemon.store import StateStore
+from migd.daemon.systemd import Notifier
+from migd.errors import (
+    ConfigError,
+    DaemonUnavailable,
+    GpuBusy,
+    GpuError,
+    InvalidRequest,
+    LeaseNotFound,
+    LeaseTimeout,
+    MigdError,
+    NotAuthorized,
+    ProtocolError,
+)
+from migd.ports import Clock, GpuBackend, GpuInfo, ProcessTable, SystemClock
+
+T = TypeVar("T")
+log = structlog.get_logger("migd")
+
+
+@dataclass
+class Waiter:
+    future: asyncio.Future[Lease]
+    lease_id: str
+
+
+@dataclass
+class GpuWorker:
+    """One thread per GPU: NVML calls for a GPU never run concurrently."""
+
+    index: int
+    executor: ThreadPoolExecutor
+    queue: asyncio.Queue[Work] = field(default_factory=asyncio.Queue)
+    last_ok_mono: float = 0.0
+    heartbeat_pending: bool = False
+    busy_since_mono: float | None = None
+
+
+def scheduler_policy(config: MigdConfig) -> SchedulerPolicy:
+    p = config.policy
+    return SchedulerPolicy(
+        planner=PlannerPolicy(
+            placement=PlacementRule(p.placement),
+            gpu_choice=GpuChoice(p.gpu_choice),
+            fission_fusion=p.fission_fusion,
+        ),
+        queue=QueuePolicy(p.queue),
+        aging_s=p.aging_s,
+        starvation_s=p.starvation_s,
+        backfill=p.backfill,
+        idle_policy=p.idle_policy,
+        idle_timeout_s=p.idle_timeout_s,
+        demand_weighting=p.demand_weighting or p.placement == "weighted",
+        demand_prior={},
+        demand_half_life_s=p.demand_half_life_s,
+        mps_reserve_mib=config.mps.reserve_mib,
+        mps_max_clients=config.mps.max_clients,
+        mps_multi_user=config.mps.multi_user,
+    )
+
+
+class Daemon:
+    """One migd process. Construct with real or simulated ports, then ``await run()``."""
+
+    def __init__(
+        self,
+        config: MigdConfig,
+        backend: GpuBackend,
+        procs: ProcessTable,
+        *,
+        clock: Clock | None = None,
+        notifier: Notifier | None = None,
+        reload_config: Callable[[], MigdConfig] | None = None,
+        sim_node: Any = None,
+        mps: Any = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.procs = procs
+        self.clock = clock or SystemClock()
+        self.notifier = notifier or Notifier()
+        self.reload_config = reload_config
+        self.sim_node = sim_node
+        self.mps = mps
+        self.auth = Authorizer(config.api)
+        self.store: StateStore | None = None
+        self.scheduler: NodeScheduler | None = None
+        self.gpus: list[GpuInfo] = []
+        self.workers: dict[int, GpuWorker] = {}
+        self.waiters: dict[str, Waiter] = {}
+        self.started_s = self.clock.now()
+        self.stopping = asyncio.Event()
+        self.notes: list[str] = []  # reconciliation findings for `migctl status`
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._clients = 0
+        self._watchdog_tripped = ""
+        self._saved: dict[str, tuple[Any, ...]] = {}
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @property
+    def sched(self) -> NodeScheduler:
+        assert self.scheduler is not None
+        return self.scheduler
+
+    @property
+    def db(self) -> StateStore:
+        assert self.store is not None
+        return self.store
+
+    def now(self) -> tuple[float, float]:
+        return self.clock.now(), self.clock.monotonic()
+
+    async def on_gpu(
+        self, gpu: int, fn: Callable[..., T], *args: Any, timeout_s: float | None = None
+    ) -> T:
+        """Run a blocking backend call ``fn(*args)`` in the GPU's own thread."""
+        worker = self.workers[gpu]
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(worker.executor, fn, *args)
+        return await asyncio.wait_for(fut, timeout_s or self.config.daemon.work_timeout_s)
+
+    def save(self, lease: Lease) -> None:
+        self.db.save_lease(lease)
+        self._saved[lease.lease_id] = _signature(lease)
+
+    def record(self, event: str, lease: Lease | None = None, **data: Any) -> None:
+        self.db.record(
+            event,
+            data,
+            lease_id=lease.lease_id if lease else None,
+            job_id=lease.request.job_id if lease else data.get("job_id"),
+            t=self.clock.now(),
+        )
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = StateStore(cfg.daemon.state_dir / "migd.db")
+        if self.store.recovered_from is not None:
+            log.error(
+                "state_db.corrupt",
+                moved_to=str(self.store.recovered_from),
+                error=self.store.corruption,
+                hint="started with an empty state db; instances are re-adopted from the GPUs",
+            )
+            self.notes.append(f"state db was unreadable; moved to {self.store.recovered_from}")
+        self.gpus = self.backend.discover()
+        managed = [self._manage(info) for info in self.gpus]
+        self.scheduler = NodeScheduler(managed, scheduler_policy(cfg), mps_env=self._mps_env)
+        self._apply_demand_prior()
+        draining = set(self.db.get_meta("draining", []))
+        for gpu in managed:
+            if gpu.uuid in draining:
+                gpu.draining = True
+            self.workers[gpu.index] = GpuWorker(
+                gpu.index, ThreadPoolExecutor(1, thread_name_prefix=f"gpu{gpu.index}")
+            )
+        await self.reconcile()
+        await self.bind()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
+        for index in self.workers:
+            self._tasks.append(asyncio.create_task(self._gpu_loop(index), name=f"gpu{index}"))
+        self._tasks += [
+            asyncio.create_task(self._reaper_loop(), name="reaper"),
+            asyncio.create_task(self._timer_loop(), name="timers"),
+            asyncio.create_task(self._watchdog_loop(), name="watchdog"),
+            asyncio.create_task(self._sampler_loop(), name="sampler"),
+        ]
+        summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
+        log.info(
+            "daemon.ready",
+            version=__version__,
+            socket=str(cfg.api.socket),
+            backend=cfg.backend.kind,
+            gpus=summary,
+            leases=len(self.sched.active_leases()),
+        )
+        self.notifier.ready(f"serving {len(managed)} GPU(s): {summary}")
+
+    def _manage(self, info: GpuInfo) -> ManagedGpu:
+        override = self.config.override_for(info.index, info.uuid)
+        wanted = override.mode if override else "auto"
+        health = "ok"
+        space = None
+        mode: GpuMode
+        if wanted == "off":
+            mode = GpuMode.OFF
+        elif wanted == "mps":
+            mode = GpuMode.MPS
+        elif wanted == "exclusive":
+            mode = GpuMode.EXCLUSIVE
+        elif info.mig_current:
+            mode = GpuMode.MIG
+        elif wanted == "mig":
+            mode = GpuMode.MIG
+            health = (
+                "MIG mode is pending a GPU reset or reboot"
+                if info.mig_pending
+                else "MIG is disabled: `nvidia-smi -i N -mig 1`, then reset the GPU"
+            )
+        else:
+            mode = GpuMode.MPS  # auto: MPS on GPUs without MIG enabled
+        if info.mig_current and info.mig_pending is False:
+            health = "MIG disable pending a reset: not placing new work"
+        if mode is GpuMode.MIG and info.mig_current:
+            try:
+                geometry = self.backend.geometry(info.index)
+                profiles = (override.profiles if override and override.profiles else None) or (
+                    self.config.policy.profiles
+                )
+                space = state_space(geometry, profiles)
+            except MigdError as exc:
+                health = f"no MIG geometry: {exc.message}"
+        elif mode is GpuMode.MIG:
+            with contextlib.suppress(MigdError):
+                space = state_space(self.backend.geometry(info.index), self.config.policy.profiles)
+        name = info.model or info.name
+        return ManagedGpu(
+            index=info.index,
+            uuid=info.uuid,
+            model=name,
+            name=info.name,
+            memory_total_mib=info.memory_total_mib,
+            mode=mode,
+            space=space,
+            health=health,
+        )
+
+    def _apply_demand_prior(self) -> None:
+        prior: dict[int, float] = {}
+        spaces = [g.space for g in self.sched.gpus.values() if g.space is not None]
+        for name, weight in self.config.policy.demand_prior.items():
+            for space in spaces:
+                try:
+                    prior[space.member(name).profile_id] = weight
+                    break
+                except MigdError:
+                    continue
+            else:
+                raise ConfigError(f"no GPU has profile {name!r}", where="policy.demand_prior")
+        self.sched.demand.prior = prior
+        saved = self.db.get_meta("demand")
+        if saved:
+            self.sched.demand.load(saved.get("counts", {}), saved.get("last_s"))
+
+    async def reconcile(self) -> None:
+        """Adopt what the GPUs have, reload leases, reclaim those whose holder is gone."""
+        now, mono = self.now()
+        for gpu in self.sched.gpus.values():
+            if gpu.mode is GpuMode.MIG and gpu.space is not None:
+                notes = await self._resync_gpu(gpu.index)
+                for note in notes:
+                    self.notes.append(f"GPU {gpu.index}: {note}")
+                    log.info("reconcile.instance", gpu=gpu.index, note=note)
+        for lease in self.db.live_leases():
+            self._restore_lease(lease, now, mono)
+        await self._reap(now, mono)
+        work = self.sched.schedule(now, mono)
+        self.dispatch(work)
+
+    def _restore_lease(self, lease: Lease, now: float, mono: float) -> None:
+        sched = self.sched
+        if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
+            # Its client's connection died with the old daemon; the wrapper asks again.
+            lease.state = LeaseState.QUEUED
+            sched.leases[lease.lease_id] = lease
+            sched.release(lease.lease_id, now, mono, reason="daemon restarted while waiting")
+            self.save(lease)
+            self.record("cancelled", lease, reason=lease.reason)
+            return
+        gpu = sched.gpus.get(lease.gpu if lease.gpu is not None else -1)
+        if gpu is None or gpu.uuid != lease.gpu_uuid:
+            lease.state = LeaseState.ACTIVE
+            sched.leases[lease.lease_id] = lease
+            sched.release(lease.lease_id, now, mono, reclaim=True, reason="its GPU is gone")
+            self.save(lease)
+            self.record("reclaimed", lease, reason=lease.reason)
+            return
+        sched.leases[lease.lease_id] = lease
+        if lease.mode == "mig":
+            inst = gpu.instance_at(lease.start) if lease.start is not None else None
+            if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
+                sched.release(
+                    lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
+                )
+                self.save(lease)
+                self.record("reclaimed", lease, reason=lease.reason)
+                return
+            inst.lease_id, inst.idle_since_s = lease.lease_id, None
+            if inst.origin is Origin.UNEXPLAINED:
+                inst.origin, inst.note = Origin.MIGD, ""
+        elif lease.mode == "mps":
+            gpu.mps_shares[lease.lease_id] = lease.memory_limit_mib or lease.request.memory_mib
+            gpu.mps_uid = lease.owner_uid
+        elif lease.mode == "exclusive":
+            gpu.exclusive_lease = lease.lease_id
+        log.info("lease.restored", lease_id=lease.lease_id, job_id=lease.request.job_id)
+
+    async def _resync_gpu(self, index: int) -> list[str]:
+        gpu = self.sched.gpus[index]
+        assert gpu.space is not None
+        try:
+            instances = await self.on_gpu(index, self.backend.list_instances, index)
+            busy: set[str] = set()
+            for inst in instances:
+                if inst.uuid:
+                    procs = await self.on_gpu(index, self.backend.processes, index, inst.uuid)
+                    if procs:
+                        busy.add(inst.uuid)
+        except (MigdError, TimeoutError) as exc:
+            gpu.health = f"cannot read instances: {exc}"
+            return [gpu.health]
+        observed: list[tuple[Profile, int, int | None, str | None, int]] = []
+        notes: list[str] = []
+        for inst in instances:
+            try:
+                profile = gpu.space.member(inst.profile_id)
+            except MigdError:
+                notes.append(
+                    f"instance gi {inst.gi_id} has profile {inst.profile_id} migd cannot use"
+                )
+                continue
+            observed.append((profile, inst.start, inst.gi_id, inst.uuid, inst.memory_total_mib))
+        now, _ = self.now()
+        own = self.db.own_instances(gpu.uuid)
+        notes += self.sched.resync(index, observed, busy, now)
+        for managed in gpu.instances:
+            if managed.start in own and managed.origin is Origin.ADOPTED:
+                managed.origin = Origin.MIGD
+        return notes
+
+    # -- the socket -------------------------------------------------------------------------
+
+    async def bind(self) -> None:
+        path = self.config.api.socket
+        check_socket_path(path)
+        self._server = await asyncio.start_unix_server(
+            self._serve_client, path=str(path), limit=self.config.api.max_message_bytes
+        )
+        public = self.config.api.status_public or "*" in self.config.api.lease_users
+        path.chmod(0o666 if public else 0o660)
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        sock = writer.get_extra_info("socket")
+        self._clients += 1
+        try:
+            peer = Peer.from_socket(sock)
+            if self._clients > self.config.api.max_clients:
+                raise ProtocolError("too many clients; retry shortly")
+            line = await reader.readline()
+        except (ValueError, asyncio.LimitOverrunError):
+            await self._send(
+                writer,
+                error_reply(
+                    None,
+                    ProtocolError(f"message longer than {self.config.api.max_message_bytes} bytes"),
+                ),
+            )
+            self._clients -= 1
+            return
+        except ProtocolError as exc:
+            await self._send(writer, error_reply(None, exc))
+            self._clients -= 1
+            return
+        except OSError:
+            self._clients -= 1
+            writer.close()
+            return
+        request_id: int | str | None = None
+        try:
+            if not line:
+                return
+            request = decode_request(line)
+            request_id = request.id
+            if self.stopping.is_set():
+                raise DaemonUnavailable("migd is stopping", hint="retry in a few seconds")
+            result = await self.handle(request, peer, reader)
+            await self._send(writer, ok_reply(request_id, result))
+        except MigdError as exc:
+            if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):
+                log.info("request.refused", error=exc.code, message=exc.message, peer_uid=peer.uid)
+            await self._send(writer, error_reply(request_id, exc))
+        except Exception as exc:  # never let one request take the daemon down
+            log.exception("request.crashed", error=str(exc))
+            await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
+        finally:
+            self._clients -= 1
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+        with contextlib.suppress(OSError):
+            writer.write(data)
+            await writer.drain()
+        with contextlib.suppress(OSError):
+            writer.close()
+            await writer.wait_closed()
+
+    # -- request handlers -------------------------------------------------------------------
+
+    async def handle(self, req: Request, peer: Peer, reader: asyncio.StreamReader) -> Any:
+        if isinstance(req, PingRequest):
+            return {"version": __version__, "pid": os.getpid(), "backend": self.config.backend.kind}
+        if isinstance(req, LeaseRequestMsg):
+            return await self.handle_lease(req, peer, reader)
+        if isinstance(req, LeaseRef):
+            return await self.handle_lease_ref(req, peer)
+        if isinstance(req, ReleaseJobRequest):
+            return self.handle_release_job(req, peer)
+        if isinstance(req, ReportRequest):
+            lease = self._lease_for(req.lease_id)
+            self.auth.require_owner(peer, lease.owner_uid, "report on")
+            self.record(f"wrapper.{req.event}", lease, **req.data)
+            log.info(
+                f"wrapper.{req.event}",
+                lease_id=lease.lease_id,
+                job_id=lease.request.job_id,
+                **{k: v for k, v in req.data.items() if k != "event"},
+            )
+            return {"recorded": True}
+        if isinstance(req, StatusRequest):
+            if req.op == "reload":
+                self.auth.require_admin(peer, "reload the configuration")
+                return await self.reload()
+            self.auth.require_read(peer)
+            if req.op == "status":
+                return build_status(self)
+            leases = self.sched.active_leases() if not req.all else self.db.recent_leases(500)
+            return {"leases": [self._lease_view(lease, peer) for lease in leases]}
+        if isinstance(req, ExplainRequest):
+            self.auth.require_read(peer)
+            return explain_job(self, req.job_id)
+        if isinstance(req, HistoryRequest):
+            self.auth.require_read(peer)
+            return {
+                "history": [
+                    r.to_dict() for r in self.db.history(limit=req.limit, job_id=req.job_id)
+                ]
+            }
+        if isinstance(req, GpuRequest):
+            return await self.handle_gpu_op(req, peer)
+        if isinstance(req, SimRequest):
+            return self.handle_sim(req, peer)
+        raise ProtocolError(f"unhandled op {req.op!r}")  # pragma: no cover
+
+    def _lease_view(self, lease: Lease, peer: Peer) -> dict[str, Any]:
+        view = lease.to_dict()
+        if peer.uid != lease.owner_uid and not self.auth.is_admin(peer):
+            view.pop("env", None)  # another user's environment is not theirs to read
+        return view
+
+    def _lease_for(self, lease_id: str) -> Lease:
+        lease = self.sched.leases.get(lease_id) or self.db.get_lease(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"no lease {lease_id}")
+        return lease
+
+    async def handle_lease(
+        self, req: LeaseRequestMsg, peer: Peer, reader: asyncio.StreamReader
+    ) -> dict[str, Any]:
+        self.auth.require_lease(peer)
+        holder = peer.pid
+        if req.holder_pid is not None and req.holder_pid != peer.pid:
+            # A client may name the process that holds the lease (migd-run names itself
+            # after a fork), but only one of its own.
+            if self.procs.uid(req.holder_pid) != peer.uid:
+                raise NotAuthorized(
+                    f"holder_pid {req.holder_pid} is not a process of uid {peer.uid}",
+                    hint="omit holder_pid; the caller's pid is used",
+                )
+            holder = req.holder_pid
+        policy = self.config.policy
+        wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
+        wait_s = min(wait_s, policy.max_wait_s)
+        request = LeaseRequest(
+            job_id=req.job_id,
+            memory_mib=req.gpu_memory_mib,
+            slot=req.slot,
+            min_compute=req.min_compute,
+            profile=req.profile,
+            mode=req.mode,
+            gpu_uuids=tuple(req.gpus) if req.gpus else None,
+            wait_s=wait_s,
+        )
+        now, mono = self.now()
+        lease = Lease(
+            lease_id=f"{int(now)}-{secrets.token_hex(4)}",
+            request=request,
+            owner_uid=peer.uid,
+            owner_pid=holder,
+            owner_start_s=self.procs.start_time(holder),
+            created_s=now,
+        )
+        outcome = self.sched.submit(lease, now, mono)
+        self.save(lease)
+        self.record(
+            "submitted",
+            lease,
+            memory_mib=request.memory_mib,
+            mode=request.mode,
+            uid=peer.uid,
+            state=lease.state.value,
+            queued_position=outcome.queued_position,
+        )
+        self._after_change(outcome.work)
+        if lease.state is not LeaseState.ACTIVE:
+            lease = await self._wait_active(lease, reader, wait_s)
+        await self._ensure_mps(lease)
+        return self._lease_view(lease, peer)
+
+    async def _wait_active(
+        self, lease: Lease, reader: asyncio.StreamReader, wait_s: float
+    ) -> Lease:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Lease] = loop.create_future()
+        self.waiters[lease.lease_id] = Waiter(future, lease.lease_id)
+        hangup: asyncio.Future[Any] = asyncio.ensure_future(reader.read(1))  # EOF: client gone
+        try:
+            done, _ = await asyncio.wait(
+                [future, hangup],
+                timeout=wait_s + self.config.daemon.work_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if future in done:
+                return future.result()
+            now, mono = self.now()
+            reason = "client disconnected while waiting" if hangup in done else "wait timed out"
+            if not lease.state.terminal:
+                self._after_change(self.sched.release(lease.lease_id, now, mono, reason=reason))
+                self.save(lease)
+                self.record("cancelled", lease, reason=reason)
+            raise LeaseTimeout(f"lease {lease.lease_id} not granted: {reason}")
+        finally:
+            hangup.cancel()
+            self.waiters.pop(lease.lease_id, None)
+
+    def _resolve_waiters(self) -> None:
+        for lease_id, waiter in list(self.waiters.items()):
+            lease = self.sched.leases.get(lease_id)
+            if waiter.future.done() or lease is None:
+                continue
+            if lease.state is LeaseState.ACTIVE:
+                waiter.future.set_result(lease)
+            elif lease.state.terminal:
+                error: MigdError = LeaseTimeout(
+                    f"lease {lease_id} ended while waiting: {lease.state.value} ({lease.reason})"
+                )
+                if lease.state is LeaseState.FAILED:
+                    error = GpuError(f"could not prepare a partition: {lease.reason}")
+                waiter.future.set_exception(error)
+
+    async def handle_lease_ref(self, req: LeaseRef, peer: Peer) -> dict[str, Any]:
+        lease = self._lease_for(req.lease_id)
+        now = self.clock.now()
+        if req.op == "get_lease":
+            self.auth.require_owner(peer, lease.owner_uid, "read")
+            return self._lease_view(lease, peer)
+        if req.op == "heartbeat":
+            self.auth.require_owner(peer, lease.owner_uid, "heartbeat")
+            if lease.state is not LeaseState.ACTIVE:
+                raise LeaseNotFound(f"lease {lease.lease_id} is {lease.state.value}, not active")
+            self.sched.heartbeat(lease.lease_id, now)
+            self.save(lease)
+            return {"state": lease.state.value}
+        if req.op == "usage":
+            self.auth.require_owner(peer, lease.owner_uid, "read")
+            return await self._usage(lease)
+        # release
+        self.auth.require_owner(peer, lease.owner_uid, "release")
+        return self._release(lease, req.reason or f"released by uid {peer.uid}")
+
+    def _release(self, lease: Lease, reason: str, *, reclaim: bool = False) -> dict[str, Any]:
+        if lease.lease_id not in self.sched.leases or lease.state.terminal:
+            return {"state": lease.state.value, "already": True}
+        now, mono = self.now()
+        work = self.sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
+        self.save(lease)
+        self.record("reclaimed" if reclaim else "released", lease, reason=reason)
+        log.info(
+            "lease.reclaimed" if reclaim else "lease.released",
+            lease_id=lease.lease_id,
+            job_id=lease.request.job_id,
+            reason=reason,
+        )
+        self._after_change(work)
+        return {"state": lease.state.value}
+
+    def handle_release_job(self, req: ReleaseJobRequest, peer: Peer) -> dict[str, Any]:
+        leases = [
+            lease for lease in self.sched.active_leases() if lease.request.job_id == req.job_id
+        ]
+        released = []
+        for lease in leases:
+            if peer.uid != lease.owner_uid and not self.auth.may_lease(peer):
+                raise NotAuthorized(f"uid {peer.uid} may not release job {req.job_id}'s leases")
+            self._release(lease, req.reason or "released by the JOB_EXIT hook")
+            released.append(lease.lease_id)
+        return {"released": released}
+
+    async def _usage(self, lease: Lease) -> dict[str, Any]:
+        if lease.gpu is None or lease.state is not LeaseState.ACTIVE:
+            return {"state": lease.state.value}
+        gpu = lease.gpu
+        device = lease.mig_uuid if lease.mode == "mig" else None
+        try:
+            memory = await self.on_gpu(gpu, self.backend.memory, gpu, device, timeout_s=10.0)
+            procs = await self.on_gpu(gpu, self.backend.processes, gpu, device, timeout_s=10.0)
+        except (MigdError, TimeoutError) as exc:
+            return {"state": lease.state.value, "error": str(exc)}
+        return {
+            "state": lease.state.value,
+            "limit_mib": lease.memory_limit_mib,
+            "device_used_mib": memory.used_mib,
+            "device_total_mib": memory.total_mib,
+            "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
+        }
+
+    async def handle_gpu_op(self, req: GpuRequest, peer: Peer) -> dict[str, Any]:
+        self.auth.require_admin(peer, f"{req.op} a GPU")
+        gpu = self._gpu_ref(req.gpu)
+        now, mono = self.now()
+        if req.op in ("drain", "resume"):
+            self.sched.set_draining(gpu.index, req.op == "drain")
+            draining = sorted(g.uuid for g in self.sched.gpus.values() if g.draining)
+            self.db.set_meta("draining", draining)
+            self.record(req.op, None, gpu=gpu.index, uid=peer.uid)
+            log.info(f"gpu.{req.op}", gpu=gpu.index, uid=peer.uid)
+            if req.op == "resume":
+                self._after_change(self.sched.schedule(now, mono))
+            return {"gpu": gpu.index, "draining": gpu.draining}
+        if gpu.mode is not GpuMode.MIG:
+            raise InvalidRequest(f"GPU {gpu.index} is not in MIG mode; nothing to reset")
+        busy = [str(i) for i in gpu.instances if i.busy]
+        work = self.sched.reset(gpu.index)
+        self.record("reset", None, gpu=gpu.index, uid=peer.uid, kept=busy)
+        self._after_change(work)
+        return {
+            "gpu": gpu.index,
+            "destroying": [str(op) for w in work for op in w.ops],
+            "kept_busy": busy,
+        }
+
+    def _gpu_ref(self, ref: str) -> ManagedGpu:
+        for gpu in self.sched.gpus.values():
+            if ref == str(gpu.index) or (len(ref) >= 8 and gpu.uuid.startswith(ref)):
+                return gpu
+        raise InvalidRequest(
+            f"no GPU {ref!r} on this node", hint="use an index or UUID from `migctl status`"
+        )
+
+    def handle_sim(self, req: SimRequest, peer: Peer) -> dict[str, Any]:
+        if self.sim_node is None:
+            raise InvalidRequest(
+                f"{req.op} exists only with the simulated backend",
+                hint="start migd with --simulate for fake CUDA jobs",
+            )
+        self.auth.require_lease(peer)
+        node = self.sim_node
+        if req.op == "sim_attach":
+            node.attach(req.pid, req.device_uuid, mps_pinned_limit_mib=req.mps_limit_mib)
+        elif req.op == "sim_alloc":
+            node.alloc(req.pid, req.mib)
+        elif req.op == "sim_free":
+            node.free(req.pid, req.mib)
+        else:
+            node.detach(req.pid)
+        proc = node.process(req.pid)
+        return {"pid": req.pid, "used_mib": getattr(proc, "used_mib", 0) if proc else 0}
+
+    # -- work execution ---------------------------------------------------------------------
+
+    def dispatch(self, work: list[Work]) -> None:
+        for item in work:
+            if item.ops:
+                self.workers[item.gpu].queue.put_nowait(item)
+
+    def _after_change(self, work: list[Work]) -> None:
+        """Persist leases that changed, run new work, answer waiting clients."""
+        for lease in list(self.sched.leases.values()):
+            if self._saved.get(lease.lease_id) != _signature(lease):
+                self.save(lease)
+        self.dispatch(work)
+        self._resolve_waiters()
+
+    async def _gpu_loop(self, index: int) -> None:
+        worker = self.workers[index]
+        while True:
+            work = await worker.queue.get()
+            worker.busy_since_mono = self.clock.monotonic()
+            try:
+                await self._run_work(work)
+            except Exception as exc:  # keep the loop alive whatever happens
+                log.exception("work.crashed", gpu=index, error=str(exc))
+            finally:
+                worker.busy_since_mono = None
+
+    async def _run_work(self, work: Work) -> None:
+        gpu = self.sched.gpus[work.gpu]
+        targets: dict[int, tuple[int | None, str | None]] = {}
+        for op in work.ops:
+            if isinstance(op, DestroyOp):
+                inst = gpu.instance_at(op.start)
+                targets[op.start] = (inst.gi_id, inst.uuid) if inst else (None, None)
+        lease = self.sched.leases.get(work.lease_id or "")
+        started = time.monotonic()
+        try:
+            created = await self.on_gpu(work.gpu, self._execute, work, targets)
+        except (MigdError, TimeoutError) as exc:
+            error = exc if isinstance(exc, MigdError) else GpuError("NVML call timed out")
+            now, mono = self.now()
+            self.sched.work_failed(work, error, now)
+            log.warning(
+                "work.failed",
+                gpu=work.gpu,
+                ops=[str(op) for op in work.ops],
+                error=str(error),
+                lease_id=work.lease_id,
+            )
+            self.record(
+                "work.failed",
+                lease,
+                gpu=work.gpu,
+                ops=[str(o) for o in work.ops],
+                error=error.to_dict(),
+            )
+            if isinstance(exc, TimeoutError):
+                gpu.health = "an NVML call hung; the watchdog will restart migd"
+                self._watchdog_tripped = gpu.health
+                return
+            for note in await self._resync_gpu(work.gpu):
+                log.info("resync", gpu=work.gpu, note=note)
+            self._after_change(self.sched.schedule(now, mono))
+            return
+        now, mono = self.now()
+        self.sched.work_done(work, created, now)
+        for op in work.ops:
+            if isinstance(op, DestroyOp):
+                self.db.forget_instance(gpu.uuid, op.start)
+            else:
+                self.db.remember_instance(
+                    gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
+                )
+        elapsed = time.monotonic() - started
+        log.info(
+            "work.done",
+            gpu=work.gpu,
+            kind=work.kind,
+            ops=[str(op) for op in work.ops],
+            seconds=round(elapsed, 3),
+            lease_id=work.lease_id,
+        )
+        if lease is not None and lease.state is LeaseState.ACTIVE:
+            self.record(
+                "granted",
+                lease,
+                gpu=lease.gpu,
+                profile=lease.profile,
+                start=lease.start,
+                mig_uuid=lease.mig_uuid,
+                seconds=round(elapsed, 3),
+                decision=lease.decision,
+            )
+            log.info(
+                "lease.granted",
+                lease_id=lease.lease_id,
+                job_id=lease.request.job_id,
+                gpu=lease.gpu,
+                profile=lease.profile,
+                start=lease.start,
+                reason=(lease.decision or {}).get("reason"),
+            )
+        elif work.kind == "teardown":
+            self.record("teardown", None, gpu=work.gpu, ops=[str(o) for o in work.ops])
+        self._after_change(self.sched.schedule(now, mono))
+
+    def _execute(
+        self, work: Work, targets: dict[int, tuple[int | None, str | None]]
+    ) -> dict[int, tuple[int | None, str | None, int]]:
+        """Run a work item's NVML operations in order (in the GPU's thread)."""
+        created: dict[int, tuple[int | None, str | None, int]] = {}
+        for op in work.ops:
+            if isinstance(op, DestroyOp):
+                gi_id, uuid = targets[op.start]
+                if gi_id is None:
+                    raise GpuError(f"cannot destroy {op.profile.name}@{op.start}: unknown GI id")
+                if uuid and self.backend.processes(work.gpu, uuid):
+                    # Never destroy an instance a process uses, whatever our books say.
+                    raise GpuBusy(f"{op.profile.name}@{op.start} has processes; not destroying it")
+                self.backend.destroy_instance(work.gpu, gi_id)
+            elif isinstance(op, CreateOp):
+                inst = self.backend.create_instance(work.gpu, op.profile.profile_id, op.start)
+                created[op.start] = (inst.gi_id, inst.uuid, inst.memory_total_mib)
+        return created
+
+    # -- MPS --------------------------------------------------------------------------------
+
+    def _mps_env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
+        env = {
+            "CUDA_VISIBLE_DEVICES": gpu.uuid,
+            "NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
+        }
+        if self.mps is not None:
+            env.update(self.mps.client_env(gpu.uuid, lease))
+        return env
+
+    async def _ensure_mps(self, lease: Lease) -> None:
+        if lease.mode != "mps" or self.mps is None or lease.gpu is None:
+            return
+        gpu = self.sched.gpus[lease.gpu]
+        try:
+            await self.on_gpu(lease.gpu, self.mps.ensure, gpu, lease)
+        except MigdError:
+            self._release(lease, "MPS daemon could not start")
+            raise
+
+    # -- background loops -------------------------------------------------------------------
+
+    async def _reaper_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper.interval_s)
+            now, mono = self.now()
+            try:
+                await self._reap(now, mono)
+                # Instances that had processes without a lease are adopted once they empty.
+                for gpu in list(self.sched.gpus.values()):
+                    if any(i.origin is Origin.UNEXPLAINED for i in gpu.instances):
+                        for note in await self._resync_gpu(gpu.index):
+                            log.info("resync", gpu=gpu.index, note=note)
+                        self._after_change(self.sched.schedule(now, mono))
+            except Exception as exc:
+                log.exception("reaper.crashed", error=str(exc))
+
+    async def _reap(self, now: float, mono: float) -> None:
+        """Reclaim leases whose holder is gone; never free an instance processes still use."""
+        timeout = self.config.reaper.heartbeat_timeout_s
+        for lease in list(self.sched.active_leases()):
+            if lease.state is not LeaseState.ACTIVE:
+                continue
+            alive = self.procs.alive(lease.owner_pid, lease.owner_start_s)
+            stale = timeout > 0 and (now - (lease.heartbeat_s or lease.updated_s)) > timeout
+            if alive and not stale:
+                continue
+            reason = "holder process exited" if not alive else "no heartbeat"
+            still_used = False
+            if lease.mode == "mig" and lease.mig_uuid and lease.gpu is not None:
+                try:
+                    still_used = bool(
+                        await self.on_gpu(
+                            lease.gpu,
+                            self.backend.processes,
+                            lease.gpu,
+                            lease.mig_uuid,
+                            timeout_s=10.0,
+                        )
+                    )
+                except (MigdError, TimeoutError):
+                    still_used = True  # cannot tell: keep it untouchable
+            self._release(lease, reason, reclaim=True)
+            if still_used and lease.gpu is not None and lease.start is not None:
+                inst = self.sched.gpus[lease.gpu].instance_at(lease.start)
+                if inst is not None and inst.lease_id is None:
+                    inst.origin, inst.note = (
+                        Origin.UNEXPLAINED,
+                        (f"holder of {lease.lease_id} died but processes remain"),
+                    )
+                    log.warning("reaper.instance_in_use", gpu=lease.gpu, instance=str(inst))
+
+    async def _timer_loop(self) -> None:
+        """Queue deadlines, idle teardown, re-checks of unexplained instances, pruning."""
+        tick = 0
+        while True:
+            await asyncio.sleep(1.0)
+            tick += 1
+            now, mono = self.now()
+            try:
+                for lease in self.sched.expire(now, mono):
+                    self.save(lease)
+                    self.record("expired", lease, reason=lease.reason)
+                    log.info("lease.expired", lease_id=lease.lease_id, job_id=lease.request.job_id)
+                self._after_change([])
+                if tick % 10 == 0:
+                    self._after_change(self.sched.idle_teardown(now))
+                    self.db.set_meta(
+                        "demand",
+                        {"counts": self.sched.demand.snapshot(), "last_s": now},
+                    )
+                    self.sched.forget_terminal()
+                if tick % 3600 == 0:
+                    self.db.prune(self.config.daemon.history_keep)
+            except Exception as exc:
+                log.exception("timers.crashed", error=str(exc))
+
+    async def _sampler_loop(self) -> None:
+        """Memory in use per instance (for status); reads may degrade to unknown."""
+        while True:
+            await asyncio.sleep(5.0)
+            for gpu in list(self.sched.gpus.values()):
+                if gpu.mode is GpuMode.OFF or gpu.index not in self.workers:
+                    continue
+                index = gpu.index
+                try:
+                    memory = await self.on_gpu(index, self.backend.memory, index, timeout_s=10.0)
+                    gpu.used_mib = memory.used_mib
+                    for inst in gpu.instances:
+                        if inst.uuid and inst.status is InstanceStatus.READY:
+                            mem = await self.on_gpu(
+                                index, self.backend.memory, index, inst.uuid, timeout_s=10.0
+                            )
+                            inst.used_mib = mem.used_mib
+                except (MigdError, TimeoutError):
+                    gpu.used_mib = None
+
+    async def _watchdog_loop(self) -> None:
+        """Feed systemd's watchdog only while every GPU thread answers."""
+        period = (self.notifier.watchdog_s or 20.0) / 2
+        loop = asyncio.get_running_loop()
+        while True:
+            now_mono = self.clock.monotonic()
+            for index, worker in self.workers.items():
+                if worker.heartbeat_pending:
+                    continue
+                worker.heartbeat_pending = True
+
+                def beat(i: int = index) -> None:
+                    self.backend.heartbeat(i)
+
+                def done(fut: Any, w: GpuWorker = worker) -> None:
+                    w.heartbeat_pending = False
+                    if not fut.exception():
+                        w.last_ok_mono = self.clock.monotonic()
+
+                loop.run_in_executor(worker.executor, beat).add_done_callback(done)
+            await asyncio.sleep(period)
+            stale = [
+                i
+                for i, w in self.workers.items()
+                if self.clock.monotonic() - w.last_ok_mono > 2 * period + 1
+                and self.sched.gpus[i].mode is not GpuMode.OFF
+            ]
+            if stale or self._watchdog_tripped:
+                log.error(
+                    "watchdog.starved",
+                    gpus=stale,
+                    reason=self._watchdog_tripped or "GPU thread did not answer",
+                    hint="an NVML call hangs; systemd restarts migd when WatchdogSec passes",
+                )
+                continue
+            self.notifier.watchdog()
+            del now_mono
+
+    # -- reload and shutdown ----------------------------------------------------------------
+
+    async def reload(self) -> dict[str, Any]:
+        if self.reload_config is None:
+            return {"reloaded": False, "reason": "no config source"}
+        self.notifier.reloading()
+        try:
+            new = self.reload_config()
+        except ConfigError as exc:
+            log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
+            self.notifier.ready("reload failed; old configuration kept")
+            return {"reloaded": False, "error": exc.to_dict()}
+        needs_restart = changed_restart_keys(self.config, new)
+        self.config = new.model_copy(
+            update={
+                "daemon": new.daemon.model_copy(
+                    update={
+                        "state_dir": self.config.daemon.state_dir,
+                        "runtime_dir": self.config.daemon.runtime_dir,
+                    }
+                ),
+                "backend": self.config.backend,
+                "api": new.api.model_copy(update={"socket": self.config.api.socket}),
+                "gpu": self.config.gpu,
+                "policy": new.policy.model_copy(update={"profiles": self.config.policy.profiles}),
+            }
+        )
+        self.auth = Authorizer(self.config.api)
+        self.sched.set_policy(scheduler_policy(self.config))
+        try:
+            self._apply_demand_prior()
+        except ConfigError as exc:
+            log.error("config.reload_partial", error=exc.message)
+        from migd.daemon.logs import configure_logging
+
+        configure_logging(self.config.daemon.log_format, self.config.daemon.log_level)
+        log.info("config.reloaded", needs_restart=needs_restart)
+        self.record("reload", None, needs_restart=needs_restart)
+        now, mono = self.now()
+        self._after_change(self.sched.schedule(now, mono))
+        self.notifier.ready("configuration reloaded")
+        return {"reloaded": True, "needs_restart": needs_restart}
+
+    async def run(self) -> int:
+        try:
+            await self.start()
+        except MigdError as exc:
+            log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
+            await self.close()
+            return 1
+        await self.stopping.wait()
+        await self.shutdown()
+        return 0
+
+    async def shutdown(self) -> None:
+        """SIGTERM: stop taking requests, finish NVML work, keep every active lease."""
+        self.notifier.stopping()
+        log.info("daemon.stopping", active_leases=len(self.sched.active_leases()))
+        if self._server is not None:
+            self._server.close()
+        now, mono = self.now()
+        for lease_id, waiter in list(self.waiters.items()):
+            lease = self.sched.leases.get(lease_id)
+            if lease is not None and not lease.state.terminal:
+                self.sched.release(lease_id, now, mono, reason="migd stopped while waiting")
+                self.save(lease)
+                self.record("cancelled", lease, reason=lease.reason)
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    DaemonUnavailable("migd is stopping", hint="the wrapper retries after restart")
+                )
+        deadline = time.monotonic() + self.config.daemon.shutdown_grace_s
+        while time.monotonic() < deadline and any(
+            w.busy_since_mono is not None or not w.queue.empty() for w in self.workers.values()
+        ):
+            await asyncio.sleep(0.05)
+        if self.mps is not None:
+            with contextlib.suppress(Exception):
+                self.mps.shutdown(
+                    keep={x.gpu_uuid for x in self.sched.active_leases() if x.mode == "mps"}
+                )
+        for lease in self.sched.active_leases():
+            self.save(lease)
+        self.db.set_meta("demand", {"counts": self.sched.demand.snapshot(), "last_s": now})
+        await self.close()
+        log.info("daemon.stopped")
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            with contextlib.suppress(FileNotFoundError):
+                self.config.api.socket.unlink()
+        for worker in self.workers.values():
+            worker.executor.shutdown(wait=False, cancel_futures=True)
+        with contextlib.suppress(Exception):
+            self.backend.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def _signature(lease: Lease) -> tuple[Any, ...]:
+    return (lease.state, lease.updated_s, lease.gpu, lease.start, lease.mig_uuid, lease.heartbeat_s)
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse a socket location another user could hijack.
+
+    The directory must be a real directory (not a symlink), owned by us or root and
+    not writable by others; an existing socket must be stale (no daemon answers).
+
+    Raises:
+        ConfigError: the path is unsafe or another migd is running there.
+    """
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o755, parents=True)
+    st = parent.lstat()
+    where = "api.socket"
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{parent} is a symlink; refusing to put the socket there", where=where)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{parent} is not a directory", where=where)
+    if st.st_mode & stat.S_IWOTH:
+        raise ConfigError(
+            f"{parent} is world-writable; another user could replace the socket",
+            where=where,
+            hint="use a private directory such as /run/migd (the systemd unit creates it)",
+        )
+    if st.st_uid not in (0, os.geteuid()):
+        raise ConfigError(f"{parent} belongs to uid {st.st_uid}, not to migd", where=where)
+    if path.is_symlink():
+        raise ConfigError(f"{path} is a symlink; refusing to use it", where=where)
+    if path.exists():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ConfigError(f"{path} exists and is not a socket", where=where)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # stale socket of a dead daemon
+        else:
+            raise ConfigError(
+                f"another migd is already serving {path}",
+                where=where,
+                hint="stop it first (systemctl stop migd)",
+            )
+        finally:
+            probe.close()

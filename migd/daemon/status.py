@@ -1,0 +1,195 @@
+"""The ``status`` and ``explain`` replies (schema documented in docs/api.md; stable in v1)."""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+from migd import __version__
+from migd.core.leases import LeaseState
+from migd.core.planner import plan_on_gpu
+from migd.core.scheduler import GpuMode, ManagedGpu
+from migd.core.states import EMPTY, describe
+
+if TYPE_CHECKING:
+    from migd.daemon.service import Daemon
+
+STATUS_SCHEMA = 1
+
+
+def largest_placeable(daemon: Daemon, gpu: ManagedGpu) -> dict[str, Any] | None:
+    """The biggest partition a new job could get on this GPU now (idle instances count)."""
+    if not gpu.available:
+        return None
+    if gpu.mode is GpuMode.MIG and gpu.space is not None:
+        policy = daemon.sched.policy.planner
+        view = gpu.view()
+        for profile in sorted(gpu.space.profiles, key=lambda p: -p.memory_mib):
+            if plan_on_gpu(view, profile, policy) is not None:
+                return {"profile": profile.name, "memory_mib": profile.memory_mib}
+        return None
+    if gpu.mode is GpuMode.MPS:
+        free = (
+            gpu.memory_total_mib
+            - daemon.sched.policy.mps_reserve_mib
+            - sum(gpu.mps_shares.values())
+        )
+        if len(gpu.mps_shares) >= daemon.sched.policy.mps_max_clients or free <= 0:
+            return None
+        return {"profile": "mps", "memory_mib": free}
+    if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
+        return {"profile": "whole-gpu", "memory_mib": gpu.memory_total_mib}
+    return None
+
+
+def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
+    sched = daemon.sched
+    info = next((g for g in daemon.gpus if g.index == gpu.index), None)
+    out: dict[str, Any] = {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "name": gpu.name,
+        "model": gpu.model,
+        "mode": gpu.mode.value,
+        "mig_current": info.mig_current if info else None,
+        "mig_pending": info.mig_pending if info else None,
+        "health": gpu.health,
+        "healthy": gpu.health == "ok",
+        "draining": gpu.draining,
+        "memory_total_mib": gpu.memory_total_mib,
+        "memory_used_mib": gpu.used_mib,
+        "largest_placeable": largest_placeable(daemon, gpu),
+        "instances": [],
+    }
+    if gpu.space is not None:
+        space = gpu.space
+        live = list(gpu.instances)
+        try:
+            key = gpu.view().key
+            out.update(
+                state=describe(space, key),
+                reachability=space.reachability(key),
+                reachability_max=space.reachability(EMPTY),
+                creatable=space.creatable(key),
+            )
+        except Exception as exc:  # a layout the state machine does not know
+            out.update(state=f"unknown ({exc})", reachability=None, creatable={})
+        out["units"] = space.geometry.units
+        out["compute_slices"] = space.geometry.compute_slices
+        for inst in sorted(live, key=lambda i: i.start):
+            lease = sched.leases.get(inst.lease_id or "")
+            out["instances"].append(
+                {
+                    "profile": inst.profile.name,
+                    "profile_id": inst.profile.profile_id,
+                    "start": inst.start,
+                    "size": inst.profile.memory_slices,
+                    "memory_mib": inst.memory_mib,
+                    "memory_used_mib": inst.used_mib,
+                    "status": inst.status.value,
+                    "origin": inst.origin.value,
+                    "busy": inst.busy,
+                    "gi_id": inst.gi_id,
+                    "uuid": inst.uuid,
+                    "lease_id": inst.lease_id,
+                    "job_id": lease.request.job_id if lease else None,
+                    "idle_s": round(now - inst.idle_since_s, 1)
+                    if inst.idle_since_s is not None and not inst.busy
+                    else None,
+                    "note": inst.note,
+                }
+            )
+    if gpu.mode is GpuMode.MPS:
+        shares = [
+            {
+                "lease_id": lid,
+                "job_id": sched.leases[lid].request.job_id if lid in sched.leases else None,
+                "pinned_mib": mib,
+                "uid": sched.leases[lid].owner_uid if lid in sched.leases else None,
+            }
+            for lid, mib in gpu.mps_shares.items()
+        ]
+        out["mps"] = {
+            "shares": shares,
+            "pinned_mib": sum(gpu.mps_shares.values()),
+            "capacity_mib": gpu.memory_total_mib - sched.policy.mps_reserve_mib,
+            "max_clients": sched.policy.mps_max_clients,
+            "uid": gpu.mps_uid,
+            "multi_user": sched.policy.mps_multi_user,
+            "daemons": daemon.mps.status_for(gpu.uuid) if daemon.mps is not None else [],
+        }
+    if gpu.mode is GpuMode.EXCLUSIVE:
+        lease = sched.leases.get(gpu.exclusive_lease or "")
+        out["exclusive"] = {
+            "lease_id": gpu.exclusive_lease,
+            "job_id": lease.request.job_id if lease else None,
+        }
+    return out
+
+
+def build_status(daemon: Daemon) -> dict[str, Any]:
+    now, mono = daemon.now()
+    sched = daemon.sched
+    counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
+    for lease in sched.active_leases():
+        counts[lease.state.value] = counts.get(lease.state.value, 0) + 1
+    queue = []
+    for n, item in enumerate(sched.queue.order(mono), start=1):
+        queued = sched.leases.get(item.payload)
+        if queued is None:
+            continue
+        lease = queued
+        queue.append(
+            {
+                "lease_id": lease.lease_id,
+                "job_id": lease.request.job_id,
+                "memory_mib": lease.request.memory_mib,
+                "mode": lease.request.mode,
+                "position": n,
+                "waiting_s": round(item.age_s(mono), 1),
+                "deadline_s": lease.deadline_s,
+            }
+        )
+    cfg = daemon.config
+    return {
+        "schema": STATUS_SCHEMA,
+        "node": socket.gethostname(),
+        "daemon": {
+            "version": __version__,
+            "pid": __import__("os").getpid(),
+            "started_s": daemon.started_s,
+            "uptime_s": round(now - daemon.started_s, 1),
+            "backend": cfg.backend.kind,
+            "socket": str(cfg.api.socket),
+            "policy": {
+                "placement": cfg.policy.placement,
+                "gpu_choice": cfg.policy.gpu_choice,
+                "queue": cfg.policy.queue,
+                "fission_fusion": cfg.policy.fission_fusion,
+                "idle_policy": cfg.policy.idle_policy,
+                "profiles": cfg.policy.profiles,
+            },
+        },
+        "gpus": [
+            _gpu_status(daemon, g, now) for g in sorted(sched.gpus.values(), key=lambda g: g.index)
+        ],
+        "queue": queue,
+        "leases": counts,
+        "notes": list(daemon.notes[-50:]),
+    }
+
+
+def explain_job(daemon: Daemon, job_id: str) -> dict[str, Any]:
+    leases = {lease.lease_id: lease for lease in daemon.db.leases_for_job(job_id)}
+    for lease in daemon.sched.leases.values():
+        if lease.request.job_id == job_id:
+            leases[lease.lease_id] = lease
+    history = daemon.db.history(limit=200, job_id=job_id)
+    return {
+        "job_id": job_id,
+        "leases": [
+            {**lease.to_dict(), "decision": lease.decision}
+            for lease in sorted(leases.values(), key=lambda lease: lease.created_s)
+        ],
+        "history": [row.to_dict() for row in reversed(history)],
+    }

@@ -1,0 +1,385 @@
+"""The real daemon as a process: its socket, its signals, its notify messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from migd.errors import LeaseTimeout, MigdError, NotAuthorized, ProtocolError
+from tests.process.conftest import DaemonProcess, wait_for
+
+NOBODY = 65534
+
+
+def instance_of(status: dict[str, Any], lease_id: str) -> dict[str, Any] | None:
+    for gpu in status["gpus"]:
+        for inst in gpu["instances"]:
+            if inst["lease_id"] == lease_id:
+                return inst
+    return None
+
+
+def as_user(uid: int, code: str) -> subprocess.CompletedProcess[str]:
+    """Run Python code as another uid (peer credentials are the kernel's, not ours)."""
+    return subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=str(Path(__file__).resolve().parents[2]),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+
+
+def raw_exchange(path: Path, payload: bytes) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(payload)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        # after an error reply the daemon closes the connection
+        assert sock.recv(1) == b""
+    reply: dict[str, Any] = json.loads(data)
+    return reply
+
+
+def test_ready_watchdog_lease_and_release(daemon: DaemonProcess) -> None:
+    daemon.start()
+    wait_for(lambda: "WATCHDOG=1" in daemon.read_notifications(), what="watchdog pings")
+    client = daemon.client()
+    lease = client.lease(job_id="1.0", gpu_memory_mib=4000, wait_s=5)
+    assert lease["state"] == "active"
+    assert lease["profile"] == "1g.5gb"
+    assert lease["env"]["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    inst = instance_of(client.status(), lease["lease_id"])
+    assert inst is not None and inst["busy"] and inst["job_id"] == "1.0"
+    assert inst["uuid"] == lease["mig_uuid"]
+    client.release(lease["lease_id"])
+    status = client.status()
+    assert instance_of(status, lease["lease_id"]) is None
+    idle = [i for g in status["gpus"] for i in g["instances"] if not i["busy"]]
+    assert [(i["profile"], i["start"]) for i in idle] == [("1g.5gb", lease["start"])]
+    history = client.call("history", job_id="1.0")["history"]
+    assert {"submitted", "granted", "released"} <= {row["event"] for row in history}
+
+
+def test_malformed_messages_get_errors_and_the_daemon_keeps_serving(daemon: DaemonProcess) -> None:
+    daemon.start()
+    path = daemon.socket_path
+    cases = [
+        b"garbage\n",
+        b"[1, 2]\n",
+        b"{}\n",
+        b'{"version": 2, "op": "ping"}\n',
+        b'{"version": 1, "op": "explode"}\n',
+        b'{"version": 1, "op": "lease", "job_id": "1.0"}\n',
+        b'{"version": 1, "op": "lease", "job_id": "x", "gpu_memory_mib": -5}\n',
+        b'{"version": 1, "op": "ping", "surprise": true}\n',
+        b'{"version": 1, "op": "release", "lease_id": "../../etc"}\n',
+    ]
+    for payload in cases:
+        reply = raw_exchange(path, payload)
+        assert reply["ok"] is False, payload
+        assert reply["error"]["code"] == ProtocolError.code, (payload, reply)
+        assert reply["error"]["message"]
+    huge = b'{"version": 1, "op": "ping", "pad": "' + b"x" * 200_000 + b'"}\n'
+    reply = raw_exchange(path, huge)
+    assert reply["error"]["code"] == ProtocolError.code
+    assert "longer than" in reply["error"]["message"]
+    # a client that connects and vanishes mid-line
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(path))
+        sock.sendall(b'{"version": 1, "op"')
+    assert daemon.client().ping()["backend"] == "simulated"
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+def test_request_larger_than_any_gpu_is_refused_at_once(daemon: DaemonProcess) -> None:
+    daemon.start()
+    with pytest.raises(MigdError) as err:
+        daemon.client().lease(job_id="9.0", gpu_memory_mib=500_000, wait_s=60)
+    assert err.value.code == "request_too_large"
+    assert "40448 MiB" in err.value.message
+
+
+def test_queued_request_is_granted_when_capacity_frees(daemon: DaemonProcess) -> None:
+    daemon.start()
+    client = daemon.client()
+    first = client.lease(job_id="1.0", gpu_memory_mib=40000, wait_s=5)
+    second = client.lease(job_id="2.0", gpu_memory_mib=40000, wait_s=5)
+    assert {first["gpu"], second["gpu"]} == {0, 1}
+    got: dict[str, Any] = {}
+
+    def wait_third() -> None:
+        got["lease"] = daemon.client(timeout_s=30).lease(
+            job_id="3.0", gpu_memory_mib=19000, wait_s=20
+        )
+
+    waiter = threading.Thread(target=wait_third)
+    waiter.start()
+    wait_for(lambda: client.status()["queue"], what="the third request to queue")
+    assert client.status()["queue"][0]["job_id"] == "3.0"
+    client.release(first["lease_id"])
+    waiter.join(30)
+    third = got["lease"]
+    assert third["state"] == "active" and third["gpu"] == first["gpu"]
+    # the idle 7g was repartitioned (fission) into the 3g the job needed
+    assert third["profile"] == "3g.20gb"
+    assert third["decision"]["action"] == "repartition"
+
+
+def test_waiting_client_that_hangs_up_is_cancelled(daemon: DaemonProcess) -> None:
+    daemon.start()
+    client = daemon.client()
+    for n in range(2):
+        client.lease(job_id=f"{n}.0", gpu_memory_mib=40000, wait_s=5)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(daemon.socket_path))
+        sock.sendall(
+            b'{"version": 1, "op": "lease", "job_id": "7.0", "gpu_memory_mib": 1000, '
+            b'"wait_s": 60}\n'
+        )
+        wait_for(lambda: client.status()["queue"], what="queued")
+    wait_for(lambda: not client.status()["queue"], what="the hung-up request to leave the queue")
+    ended = [x for x in client.call("leases", all=True)["leases"] if x["job_id"] == "7.0"]
+    assert ended and ended[0]["state"] == "cancelled"
+    assert "disconnected" in ended[0]["reason"]
+
+
+def test_wait_deadline_expires(daemon: DaemonProcess) -> None:
+    daemon.start()
+    client = daemon.client()
+    for n in range(2):
+        client.lease(job_id=f"{n}.0", gpu_memory_mib=40000, wait_s=5)
+    with pytest.raises(LeaseTimeout):
+        client.lease(job_id="late.0", gpu_memory_mib=1000, wait_s=1.5)
+
+
+def test_sighup_reloads_and_keeps_old_config_on_error(daemon: DaemonProcess) -> None:
+    daemon.start()
+    client = daemon.client()
+    assert client.status()["daemon"]["policy"]["queue"] == "fifo"
+    daemon.config_path.write_text('version = 1\n[policy]\nqueue = "size"\n')
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: client.status()["daemon"]["policy"]["queue"] == "size", what="reload")
+    daemon.config_path.write_text('version = 1\n[policy]\nqueue = "lifo"\n')
+    daemon.signal(signal.SIGHUP)
+    wait_for(
+        lambda: any(e.get("event") == "config.reload_failed" for e in daemon.log_events()),
+        what="reload failure logged",
+    )
+    failure = next(e for e in daemon.log_events() if e.get("event") == "config.reload_failed")
+    assert "policy.queue" in failure["error"]
+    assert client.status()["daemon"]["policy"]["queue"] == "size"
+
+
+def test_sigterm_stops_cleanly_and_keeps_active_leases(daemon: DaemonProcess) -> None:
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        daemon.start()
+        lease = daemon.client().lease(
+            job_id="5.0", gpu_memory_mib=9000, wait_s=5, holder_pid=holder.pid
+        )
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait() == 0
+        assert "STOPPING=1" in daemon.read_notifications()
+        assert not daemon.socket_path.exists()
+        import sqlite3
+
+        db = sqlite3.connect(daemon.root / "state" / "migd.db")
+        state = db.execute(
+            "SELECT state FROM leases WHERE lease_id=?", (lease["lease_id"],)
+        ).fetchone()
+        assert state == ("active",)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_dead_holder_is_reclaimed(daemon: DaemonProcess) -> None:
+    holder = subprocess.Popen(["sleep", "120"])
+    daemon.start()
+    client = daemon.client()
+    lease = client.lease(job_id="6.0", gpu_memory_mib=9000, wait_s=5, holder_pid=holder.pid)
+    holder.kill()
+    holder.wait()
+    wait_for(lambda: instance_of(client.status(), lease["lease_id"]) is None, what="reclaim")
+    ended = [
+        x for x in client.call("leases", all=True)["leases"] if x["lease_id"] == lease["lease_id"]
+    ]
+    assert ended[0]["state"] == "reclaimed"
+    assert "holder" in ended[0]["reason"]
+
+
+def test_instance_with_processes_is_never_destroyed(daemon: DaemonProcess) -> None:
+    holder = subprocess.Popen(["sleep", "120"])
+    daemon.start()
+    client = daemon.client()
+    lease = client.lease(job_id="8.0", gpu_memory_mib=9000, wait_s=5, holder_pid=holder.pid)
+    # a CUDA process of the job outlives its wrapper
+    client.call("sim_attach", pid=424242, device_uuid=lease["mig_uuid"])
+    client.call("sim_alloc", pid=424242, mib=2000)
+    holder.kill()
+    holder.wait()
+    wait_for(lambda: instance_of(client.status(), lease["lease_id"]) is None, what="reclaim")
+    gpu = client.status()["gpus"][lease["gpu"]]
+    [inst] = [i for i in gpu["instances"] if i["uuid"] == lease["mig_uuid"]]
+    assert inst["origin"] == "unexplained" and inst["busy"]
+    result = client.call("reset", gpu=str(lease["gpu"]))
+    assert result["destroying"] == []
+    assert f"{inst['profile']}@{inst['start']}" in result["kept_busy"]
+    client.call("sim_detach", pid=424242)
+    wait_for(
+        lambda: any(
+            i["uuid"] == lease["mig_uuid"] and i["origin"] == "migd" and not i["busy"]
+            for i in client.status()["gpus"][lease["gpu"]]["instances"]
+        ),
+        what="the emptied instance to be adopted",
+    )
+
+
+def test_job_exit_hook_path_releases_by_job_id(daemon: DaemonProcess) -> None:
+    daemon.start()
+    client = daemon.client()
+    lease = client.lease(job_id="11.0", gpu_memory_mib=4000, wait_s=5)
+    assert client.call("release_job", job_id="11.0")["released"] == [lease["lease_id"]]
+    assert client.call("release_job", job_id="11.0")["released"] == []
+
+
+def test_other_users_are_refused_by_peer_credentials(daemon: DaemonProcess) -> None:
+    daemon.config_text = 'version = 1\n[api]\nlease_users = ["root"]\nlease_groups = []\n'
+    daemon.start()
+    lease = daemon.client().lease(job_id="1.0", gpu_memory_mib=4000, wait_s=5)
+    code = f"""
+import json
+from migd.client import MigdClient
+from migd.errors import MigdError
+c = MigdClient({str(daemon.socket_path)!r})
+out = {{}}
+for name, call in [
+    ("lease", lambda: c.lease(job_id="evil.0", gpu_memory_mib=100, wait_s=0)),
+    ("release", lambda: c.release({lease["lease_id"]!r})),
+    ("get_lease", lambda: c.call("get_lease", lease_id={lease["lease_id"]!r})),
+    ("drain", lambda: c.call("drain", gpu="0")),
+    ("status", lambda: c.status()["leases"]),
+    ("leases", lambda: sorted(c.call("leases")["leases"][0])),
+]:
+    try:
+        out[name] = ["ok", call()]
+    except MigdError as e:
+        out[name] = [e.code, e.message]
+print(json.dumps(out))
+"""
+    result = as_user(NOBODY, code)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    for op in ("lease", "release", "get_lease", "drain"):
+        assert out[op][0] == NotAuthorized.code, (op, out[op])
+    assert out["status"][0] == "ok"  # status is public by default
+    assert out["leases"][0] == "ok" and "env" not in out["leases"][1]
+    assert daemon.client().call("get_lease", lease_id=lease["lease_id"])["state"] == "active"
+
+
+def test_private_status_when_configured(daemon: DaemonProcess) -> None:
+    daemon.config_text = (
+        'version = 1\n[api]\nstatus_public = false\nlease_users = ["root"]\nlease_groups = []\n'
+    )
+    daemon.start()
+    code = f"from migd.client import MigdClient\nMigdClient({str(daemon.socket_path)!r}).status()"
+    # first line of defence: the socket file is not world-accessible
+    assert daemon.socket_path.stat().st_mode & 0o777 == 0o660
+    blocked = as_user(NOBODY, code)
+    assert blocked.returncode != 0 and "no permission to connect" in blocked.stderr
+    # second line: even with the file opened up, the peer's uid decides
+    daemon.socket_path.chmod(0o666)
+    refused = as_user(NOBODY, code)
+    assert refused.returncode != 0 and "may not read" in refused.stderr
+
+
+@pytest.mark.parametrize("problem", ["world-writable", "symlink"])
+def test_unsafe_socket_directories_are_refused(tmp_path: Path, problem: str) -> None:
+    root = Path("/tmp") / f"migd-unsafe-{os.getpid()}-{problem}"
+    subprocess.run(["rm", "-rf", str(root)], check=False)
+    root.mkdir()
+    try:
+        real = root / "real"
+        real.mkdir()
+        if problem == "world-writable":
+            real.chmod(0o777)
+            sock_dir = real
+        else:
+            real.chmod(0o755)
+            sock_dir = root / "link"
+            sock_dir.symlink_to(real)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "migd",
+                "--simulate",
+                "1xA100-40GB",
+                "--state-dir",
+                str(root / "state"),
+                "--socket",
+                str(sock_dir / "migd.sock"),
+                "--log-format",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 1
+        assert problem in result.stderr
+        assert not (real / "migd.sock").exists()
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def test_migctl_exit_codes(daemon: DaemonProcess) -> None:
+    def migctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    down = migctl("status")
+    assert down.returncode == 3 and "not running" in down.stderr and "hint:" in down.stderr
+    daemon.start()
+    up = migctl("status")
+    assert up.returncode == 0 and "GPU 0" in up.stdout and "[" in up.stdout
+    as_json = json.loads(migctl("status", "--json").stdout)
+    assert as_json["schema"] == 1 and len(as_json["gpus"]) == 2
+    assert migctl("drain", "7").returncode == 1
+    assert migctl("drain", "1").returncode == 0
+    assert json.loads(migctl("status", "--json").stdout)["gpus"][1]["draining"] is True
+    ad = migctl("condor-ad").stdout
+    assert "MigdHealthy = true" in ad and "MigdLargestPlaceableMB = 40448" in ad
+    assert migctl("bogus").returncode == 2
