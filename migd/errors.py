@@ -135,6 +135,7 @@ class ExclusiveConflict(IllegalTransition):
 
 class InstanceNotFound(IllegalTransition):
     code = "instance_not_found"
+    default_hint = "`migctl status` lists the instances"
 
 
 class RequestError(MigdError):

@@ -107,7 +107,7 @@ class GpuBackend(Protocol):
         ...
 
     def list_instances(self, gpu: int) -> list[MigInstance]:
-        """Existing GPU instances (with their compute instance and MIG UUID)."""
+        """Existing GPU instances (with their compute instance and MIG UUID); ``[]`` without MIG."""
         ...
 
     def create_instance(self, gpu: int, profile_id: int, start: int) -> MigInstance:
@@ -124,6 +124,7 @@ class GpuBackend(Protocol):
 
         Raises:
             GpuBusy: processes (or another NVML client) still use it.
+            InstanceNotFound: no GPU instance with that id.
         """
         ...
 

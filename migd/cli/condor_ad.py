@@ -1,14 +1,18 @@
 """HTCondor-facing output of ``migctl``: STARTD_CRON ads and the GPU inventory.
 
-``condor-ad`` prints one node-wide ad (merged into every slot) and, unless
-``--node-only``, one ad per GPU whose ``SlotMergeConstraint`` merges it only
-into slots that were assigned that GPU, so a per-GPU partitionable slot sees
-its own GPU's numbers. The ``START`` expression in ``condor_config/`` uses
+``condor-ad`` prints one node-wide ad (merged into every slot) and, with
+``--per-gpu``, one ad per GPU whose ``SlotMergeConstraint`` merges it only into
+slots that were assigned a share of that GPU (for layouts with one partitionable
+slot per GPU). The ``START`` expression in ``condor_config/`` uses
 ``MigdHealthy`` and ``MigdLargestPlaceableMB``.
 
-``gpu-inventory`` prints what ``MACHINE_RESOURCE_INVENTORY_GPUs`` expects:
-the *physical* GPUs (short UUIDs, as condor_gpu_discovery names them),
-independent of the MIG layout at the moment the startd starts.
+``gpu-inventory`` prints what ``MACHINE_RESOURCE_INVENTORY_GPUs`` expects: the
+*physical* GPUs (short UUIDs, as condor_gpu_discovery names them), independent
+of the MIG layout at the moment the startd starts, each listed as ``K``
+distinct shares ``GPU-xxxxxxxx_s0 .. _s{K-1}``: HTCondor 23.x collapses
+repeated IDs (HTCONDOR-2678, docs/htcondor-notes.md (e)), distinct ones work.
+``vram-inventory`` prints the node's GPU memory pool for
+``MACHINE_RESOURCE_INVENTORY_VRAM``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = True) -> str:
+def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     gpus = status["gpus"]
     healthy_gpus = [g for g in gpus if g["healthy"] and not g["draining"] and g["mode"] != "off"]
     largest = max(
@@ -59,8 +63,9 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = True) -> str:
             ok = g["healthy"] and not g["draining"] and g["mode"] != "off"
             reason = g["health"] if not g["healthy"] else ("draining" if g["draining"] else "")
             lines += [
-                f"SlotMergeConstraint = StringListIMember({_classad_str(short_uuid(g['uuid']))},"
-                " AssignedGPUs)",
+                # AssignedGPUs holds share IDs (GPU-xxxxxxxx_sN): match on the GPU's prefix
+                f"SlotMergeConstraint = regexp({_classad_str(short_uuid(g['uuid']) + '_s')},"
+                ' AssignedGPUs ?: "")',
                 f"MigdGpuHealthy = {_bool(ok)}",
                 f"MigdGpuMode = {_classad_str(g['mode'])}",
                 f"MigdGpuModel = {_classad_str(g['model'])}",
@@ -72,10 +77,49 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = True) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_inventory(status: dict[str, Any], *, repeat: int = 1) -> str:
+def render_inventory(gpus: list[dict[str, Any]], *, shares: int = 1) -> str:
+    """``DetectedGPUs`` for the startd: K distinct share IDs per managed GPU."""
     ids = []
-    for g in status["gpus"]:
-        if g["mode"] == "off":
+    for g in gpus:
+        if g.get("mode") == "off":
             continue
-        ids += [short_uuid(g["uuid"])] * max(1, repeat)
+        base = short_uuid(g["uuid"])
+        ids += [f"{base}_s{n}" for n in range(shares)] if shares > 1 else [base]
     return f'DetectedGPUs = "{", ".join(ids)}"\n'
+
+
+def render_vram_inventory(gpus: list[dict[str, Any]]) -> str:
+    """``DetectedVRAM``: the GPU memory (MiB) migd can hand out on this node."""
+    total = sum(int(g.get("vram_mib") or 0) for g in gpus if g.get("mode") != "off")
+    return f"DetectedVRAM = {total}\n"
+
+
+def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """GPU facts for the inventories, from migd's status or, if it is down, from NVML."""
+    if status is not None:
+        out = []
+        for g in status["gpus"]:
+            largest = max((i["memory_mib"] for i in g.get("instances", [])), default=0)
+            full = g.get("full_profile_mib") or largest or g["memory_total_mib"]
+            out.append({"uuid": g["uuid"], "mode": g["mode"], "vram_mib": full})
+        return out
+    # The startd runs inventories once at start-up; if migd is not up yet, read NVML
+    # (read-only) rather than advertise no GPUs for the startd's whole lifetime.
+    from migd.backends.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        gpus = []
+        for info in backend.discover():
+            vram = info.memory_total_mib
+            if info.mig_current:
+                try:
+                    vram = backend.geometry(info.index).full_profile.memory_mib
+                except Exception:
+                    vram = info.memory_total_mib
+            gpus.append(
+                {"uuid": info.uuid, "mode": "mig" if info.mig_current else "mps", "vram_mib": vram}
+            )
+        return gpus
+    finally:
+        backend.close()

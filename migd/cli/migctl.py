@@ -297,14 +297,23 @@ def cmd_condor_ad(client: MigdClient, args: argparse.Namespace) -> int:
         print(f'MigdHealthReason = "{exc.message}"')
         print("- migd update:true")
         return EXIT_OK
-    sys.stdout.write(render_condor_ad(status, per_gpu=not args.node_only))
+    sys.stdout.write(render_condor_ad(status, per_gpu=args.per_gpu))
     return EXIT_OK
 
 
 def cmd_inventory(client: MigdClient, args: argparse.Namespace) -> int:
-    from migd.cli.condor_ad import render_inventory
+    from migd.cli.condor_ad import gpus_for_inventory, render_inventory, render_vram_inventory
 
-    sys.stdout.write(render_inventory(client.status(), repeat=args.repeat))
+    try:
+        status = client.status()
+    except DaemonUnavailable as exc:
+        print(f"migctl: {exc.message}; reading NVML directly", file=sys.stderr)
+        status = None
+    gpus = gpus_for_inventory(status)
+    if args.command == "vram-inventory":
+        sys.stdout.write(render_vram_inventory(gpus))
+    else:
+        sys.stdout.write(render_inventory(gpus, shares=args.shares))
     return EXIT_OK
 
 
@@ -354,14 +363,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="")
     add("reload", "re-read the configuration (same as SIGHUP)")
     p = add("condor-ad", "ClassAd attributes for a STARTD_CRON job", json_flag=False)
-    p.add_argument("--node-only", action="store_true", help="one node-wide ad, no per-GPU ads")
+    p.add_argument(
+        "--per-gpu", action="store_true", help="also one ad per GPU (one p-slot per GPU layouts)"
+    )
     p = add(
         "gpu-inventory",
-        "MACHINE_RESOURCE_INVENTORY_GPUs output: physical GPUs only",
+        "MACHINE_RESOURCE_INVENTORY_GPUs output: physical GPUs as distinct share IDs",
         json_flag=False,
     )
     p.add_argument(
-        "--repeat", type=int, default=1, help="list each GPU N times (HTCondor >= 24.0.1)"
+        "--shares", type=int, default=7, help="IDs per GPU = jobs that may share it (default 7)"
+    )
+    add(
+        "vram-inventory",
+        "MACHINE_RESOURCE_INVENTORY_VRAM output: the node's GPU memory pool",
+        json_flag=False,
     )
     p = add("states", "dump a model's partition state table (offline)")
     p.add_argument("--model", help="e.g. A100-40GB (see --list-models)")
@@ -388,6 +404,7 @@ COMMANDS: dict[str, Callable[[MigdClient, argparse.Namespace], int]] = {
     "reload": cmd_reload,
     "condor-ad": cmd_condor_ad,
     "gpu-inventory": cmd_inventory,
+    "vram-inventory": cmd_inventory,
 }
 
 

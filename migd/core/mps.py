@@ -239,9 +239,7 @@ class MpsPool:
                     memory_mib=int(s["memory_mib"]),
                     clients=int(s.get("clients", 1)),
                     thread_percentage=(
-                        None
-                        if s.get("thread_percentage") is None
-                        else int(s["thread_percentage"])
+                        None if s.get("thread_percentage") is None else int(s["thread_percentage"])
                     ),
                 )
                 for s in data.get("shares", ())

@@ -370,8 +370,11 @@ def _is_quoted_or_echoed(lines: list[str], index: int, start: int) -> bool:
     line = lines[index]
     if _XTRACE.match(line) or _COMMAND_WORD.search(line[:start]):
         return True
-    if index > 0 and _TRACEBACK_FILE.match(lines[index - 1]):
-        return True  # a source line quoted by a Python traceback
+    if index > 0 and _TRACEBACK_FILE.match(lines[index - 1]) and line[:1].isspace():
+        # A source line quoted by a Python traceback is indented under its File line.
+        # Without source (python -c, .pyc-only installs) the next unindented line is
+        # the exception itself and must count.
+        return True
     opened = _inside_quotes(line, start)
     if opened is None:
         return False

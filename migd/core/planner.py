@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import Any, Literal
 
 from migd.core.costs import CostModel
@@ -87,7 +88,7 @@ class GpuView:
     def geometry(self) -> Geometry:
         return self.space.geometry
 
-    @property
+    @cached_property
     def key(self) -> StateKey:
         return self.space.key_of((i.profile, i.start) for i in self.instances)
 
@@ -135,8 +136,7 @@ class Decision:
     start: int
     ops: tuple[Op, ...]
     cost_s: float
-    state_before: str
-    state_after: str
+    before_key: StateKey
     result_key: StateKey
     reachability_after: int
     score_after: float
@@ -146,6 +146,16 @@ class Decision:
     alternatives: tuple[Alternative, ...] = ()
     other_gpus: tuple[dict[str, Any], ...] = ()
     rule: str = ""
+    space: StateSpace | None = field(default=None, compare=False, repr=False)
+
+    # Described on demand: a node plan builds a candidate per GPU, only one is shown.
+    @property
+    def state_before(self) -> str:
+        return describe(self.space, self.before_key) if self.space is not None else ""
+
+    @property
+    def state_after(self) -> str:
+        return describe(self.space, self.result_key) if self.space is not None else ""
 
     @property
     def reason(self) -> str:
@@ -442,8 +452,7 @@ def _decision(
         start=start,
         ops=ops,
         cost_s=cost,
-        state_before=describe(space, before),
-        state_after=describe(space, after),
+        before_key=before,
         result_key=after,
         reachability_after=space.reachability(after),
         score_after=score(space, after),
@@ -452,6 +461,7 @@ def _decision(
         wasted_after=compute_waste + unit_waste,
         alternatives=alternatives,
         rule=policy.placement.value,
+        space=space,
     )
 
 

@@ -271,6 +271,10 @@ class StateSpace:
         while the set is ``standard``) maps to the set's profile with the same compute
         slices, memory slices and starts: for placement purposes the two are the same.
         """
+        if isinstance(profile, Profile):
+            pos = self._profile_pos.get(profile.profile_id)
+            if pos is not None and self.profiles[pos] is profile:
+                return profile  # the common case, on every planning hot path
         prof = self.geometry.profile(profile)
         if prof.profile_id in self._profile_pos:
             return self.profiles[self._profile_pos[prof.profile_id]]

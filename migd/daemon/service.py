@@ -729,14 +729,27 @@ class Daemon:
             )
         self.auth.require_lease(peer)
         node = self.sim_node
-        if req.op == "sim_attach":
-            node.attach(req.pid, req.device_uuid, mps_pinned_limit_mib=req.mps_limit_mib)
-        elif req.op == "sim_alloc":
-            node.alloc(req.pid, req.mib)
-        elif req.op == "sim_free":
-            node.free(req.pid, req.mib)
-        else:
-            node.detach(req.pid)
+        try:
+            if req.op == "sim_attach":
+                node.attach(req.pid, req.device_uuid, mps_pinned_limit_mib=req.mps_limit_mib)
+            elif req.op == "sim_alloc":
+                node.alloc(req.pid, req.mib)
+            elif req.op == "sim_free":
+                node.free(req.pid, req.mib)
+            else:
+                node.detach(req.pid)
+        except RuntimeError as exc:
+            # What a CUDA program would get back (SimCudaError / SimOutOfMemory): a result
+            # for the fake job to print and exit on, not a daemon error.
+            return {
+                "pid": req.pid,
+                "cuda_error": str(exc),
+                "oom": type(exc).__name__ == "SimOutOfMemory",
+                "limit_mib": getattr(exc, "limit_mib", None),
+                "used_mib": getattr(exc, "used_mib", None),
+            }
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
         proc = node.process(req.pid)
         return {"pid": req.pid, "used_mib": getattr(proc, "used_mib", 0) if proc else 0}
 

@@ -76,6 +76,7 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
             out.update(state=f"unknown ({exc})", reachability=None, creatable={})
         out["units"] = space.geometry.units
         out["compute_slices"] = space.geometry.compute_slices
+        out["full_profile_mib"] = max(p.memory_mib for p in space.profiles)
         for inst in sorted(live, key=lambda i: i.start):
             lease = sched.leases.get(inst.lease_id or "")
             out["instances"].append(

@@ -449,3 +449,15 @@ def test_tail_buffer_feeds_the_classifier() -> None:
 def test_tail_buffer_rejects_non_positive_sizes(size: int) -> None:
     with pytest.raises(ValueError, match="positive"):
         TailBuffer(size)
+
+
+def test_traceback_without_source_line_still_counts() -> None:
+    """``python -c`` and .pyc-only jobs print no source line under ``File ...``."""
+    tail = (
+        "Traceback (most recent call last):\n"
+        '  File "<string>", line 1, in <module>\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 MiB. "
+        "GPU 0 has a total capacity of 4.75 GiB\n"
+    )
+    verdict = classify_exit(1, None, tail, 4096, 4864)
+    assert verdict.kind == "strong" and verdict.tried_mib == 1024.0

@@ -1,0 +1,104 @@
+"""HTCondor boundary: read job/machine ads, update the job's request through chirp.
+
+The only module that imports the HTCondor Python bindings (``classad2``,
+``htcondor2.htchirp``), lazily, so the daemon never loads them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from migd.errors import JobAdError
+
+CHIRP_CANDIDATES = (
+    "/usr/lib/condor/libexec/condor_chirp",  # Debian/Ubuntu packages
+    "/usr/libexec/condor/condor_chirp",  # RPM packages
+)
+
+
+def read_ad(path: str | Path, what: str = "job ad") -> dict[str, Any]:
+    """Parse an HTCondor ad file (``$_CONDOR_JOB_AD``, ``$_CONDOR_MACHINE_AD``) to plain values.
+
+    Expressions are evaluated in the ad's own scope; attributes that do not evaluate
+    to a literal (references to the other ad, undefined) are left out.
+
+    Raises:
+        JobAdError: the file is missing, unreadable or not an ad.
+    """
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        raise JobAdError(f"cannot read the {what} {path}: {exc.strerror}") from exc
+    if not text.strip():
+        raise JobAdError(f"the {what} {path} is empty")
+    try:
+        import classad2
+    except ImportError as exc:  # pragma: no cover - htcondor is a core dependency
+        raise JobAdError(
+            "the HTCondor Python bindings (htcondor package) are not installed",
+            hint="pip install htcondor",
+        ) from exc
+    try:
+        ad = classad2.parseOne(text)
+    except Exception as exc:  # classad2 raises plain ValueError/ClassAdException
+        raise JobAdError(f"the {what} {path} is not a ClassAd: {exc}") from exc
+    out: dict[str, Any] = {}
+    for key in ad:
+        try:
+            value = ad.eval(key)
+        except Exception:
+            continue
+        if isinstance(value, str | int | float | bool):
+            out[str(key)] = value
+    return out
+
+
+def set_job_attr(name: str, value: str | int, *, timeout_s: float = 30.0) -> str:
+    """``condor_chirp set_job_attr NAME VALUE`` from inside a job (needs ``WantIOProxy``).
+
+    Tries the Python chirp client first, then the ``condor_chirp`` binary.
+
+    Returns:
+        How it was done, for the log.
+
+    Raises:
+        JobAdError: chirp is not available or the schedd refused the update.
+    """
+    text = str(value)
+    if os.environ.get("_CONDOR_CHIRP_CONFIG"):
+        try:
+            from htcondor2 import htchirp
+
+            with htchirp.HTChirp() as chirp:
+                chirp.set_job_attr(name, text)
+            return "htchirp"
+        except Exception as exc:
+            first_error: Exception | None = exc
+    else:
+        first_error = None
+    binary = shutil.which("condor_chirp") or next(
+        (c for c in CHIRP_CANDIDATES if Path(c).exists()), None
+    )
+    if binary is None:
+        raise JobAdError(
+            f"cannot update {name}: no chirp ({first_error or 'no _CONDOR_CHIRP_CONFIG'})",
+            hint="submit with `+WantIOProxy = true` so the job can update its request",
+        )
+    result = subprocess.run(
+        [binary, "set_job_attr", name, text],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if result.returncode != 0:
+        why = result.stderr.strip() or f"exit {result.returncode}"
+        raise JobAdError(
+            f"condor_chirp set_job_attr {name} failed: {why}",
+            hint="submit with `+WantIOProxy = true`",
+        )
+    return binary

@@ -1,0 +1,1263 @@
+"""Runs NVIDIA MPS control daemons for migd: one per MPS device, started on demand.
+
+An *MPS device* is a whole GPU in MPS mode or one MIG device with MPS on top
+(:mod:`migd.core.mps` does the accounting). For each one the manager runs its own
+``nvidia-cuda-mps-control -d`` with
+
+* its own ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` under the
+  runtime directory (``<runtime>/mps/<uuid>/pipe`` and ``.../log``): "When there
+  are multiple instances of the control daemon running in parallel" each is
+  addressed through its pipe directory, where it writes
+  ``nvidia-cuda-mps-control.pid`` (docs.nvidia.com/deploy/mps, "Appendix: Tools and
+  Interface Reference"); the MIG user guide runs one daemon per MIG device the
+  same way;
+* ``CUDA_VISIBLE_DEVICES=<uuid>`` so the daemon, its server and its clients see
+  exactly that device, as device 0;
+* ``-M`` in multi-user mode. In per-user mode the daemon runs *as the share's
+  user* (NVIDIA's per-user recipe starts it "as $UID",
+  docs.nvidia.com/deploy/topics/topic_6_1_2_1.html): only that user's clients can
+  reach it, and a job that talks to its daemon can only affect its own user's
+  shares. That needs root; without root the manager runs everything as itself
+  and records so (tests, development).
+
+After start the manager sets the daemon's default pinned-memory limit
+(``set_default_device_pinned_mem_limit <uuid> <N>M``) to the largest limit among
+the device's active shares, and the same on each running server
+(``set_device_pinned_mem_limit <PID> ...``), because defaults only reach servers
+started later and per-server limits only reach new clients (MPS v2 interface
+docs). A client that drops ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` from its
+environment is then still bounded, by the largest active share rather than its
+own (htcondor-mps-nvml.md §4.5); NVML monitoring has to catch the rest.
+
+Commands go to the daemon the documented way, through a front-end invocation
+with the same pipe directory: ``echo quit | nvidia-cuda-mps-control``. Every call
+has a timeout. Control daemons this manager started are recorded in
+``<runtime>/mps/<uuid>/migd-mps.json``; on start-up it adopts the live ones it
+finds there and removes stale pipe directories; on shutdown it stops only those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from migd.core.mps import (
+    MpsShare,
+    UserPolicy,
+    format_limit_mib,
+    parse_limit_mib,
+    share_environment,
+)
+from migd.errors import MpsError
+from migd.ports import Clock, SystemClock
+
+PID_FILE_NAME = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe dir
+CONTROL_SOCKET_NAME = "control"  # "Starting control daemon using socket <pipe>/control"
+RECORD_FILE_NAME = "migd-mps.json"
+CONTROL_LOG_NAME = "control.log"
+SERVER_LOG_NAME = "server.log"
+# AF_UNIX sun_path holds 108 bytes with the terminator. Past it the daemon cannot bind
+# its control socket and the front end only says it cannot find the daemon.
+SOCKET_PATH_MAX_BYTES = 107
+
+NO_DAEMON_MESSAGE = "Cannot find MPS control daemon process"
+ALREADY_RUNNING_MESSAGE = "An instance of this daemon is already running"
+
+# Lines in control.log/server.log that mean trouble. The first two are the real
+# daemon's wording (control logs quoted in NVIDIA/k8s-device-plugin#685: "Server
+# encountered a fatal exception. Shutting down", "Server 95 exited with status 1").
+# The third is cudaErrorDevicesUnavailable's text, which *clients* print when they
+# cannot attach to the server (NVIDIA/k8s-device-plugin#647, #1118); whether the real
+# daemon logs it is not verified, so the wrapper should also pass it on from the job's
+# stderr (MpsManager.report_client_error).
+LOG_PROBLEMS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"Server (\d+) exited with status ([1-9]\d*)"), "server_crashed"),
+    (re.compile(r"Server encountered a fatal exception"), "server_crashed"),
+    (re.compile(r"all CUDA-capable devices are busy or unavailable"), "devices_unavailable"),
+)
+
+_POLL_S = 0.02
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class MpsBinaryNotFound(MpsError):
+    """The control program is not installed (or not where the config says)."""
+
+    default_hint = (
+        "install the driver's MPS tools (Debian: nvidia-cuda-mps; NVIDIA packages: "
+        "nvidia-compute-utils) or set the control binary path in migd.toml [mps]"
+    )
+
+
+class MpsCommandTimeout(MpsError):
+    """A front-end command or daemon start ran past its timeout (and was killed)."""
+
+    default_hint = (
+        "the MPS control daemon did not answer in time; migd restarts it on the next "
+        "health check (`migctl status` shows it)"
+    )
+
+
+class MpsCommandFailed(MpsError):
+    """The front end found no daemon, lost the link, or the daemon rejected a command."""
+
+    default_hint = "see the daemon's control.log (path in `migctl status`)"
+
+
+class MpsDaemonStartFailed(MpsError):
+    """``nvidia-cuda-mps-control -d`` failed, or the daemon never answered."""
+
+    default_hint = (
+        "see control.log in the device's MPS log directory; check that the GPU/MIG UUID "
+        "exists (`nvidia-smi -L`) and that nothing else uses that pipe directory"
+    )
+
+
+# -- running commands -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunAs:
+    """The user a daemon (and the commands sent to it) run as."""
+
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return (self.stdout + self.stderr).strip()
+
+
+class CommandRunner(Protocol):
+    """Runs one bounded command; the seam tests use to see what would run as whom."""
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: str | None,
+        timeout_s: float,
+        run_as: RunAs | None,
+    ) -> CommandResult:
+        """Run ``argv`` to completion.
+
+        Raises:
+            MpsBinaryNotFound: the program does not exist.
+            MpsCommandTimeout: it ran longer than ``timeout_s`` (it is killed).
+            MpsError: it could not be started (permissions, resources).
+        """
+        ...
+
+
+class SubprocessRunner:
+    """:class:`CommandRunner` over :func:`subprocess.run`.
+
+    Output goes to temporary files, not pipes: ``-d`` leaves a daemon behind, and a
+    daemon that kept an inherited pipe open would make the caller wait for it.
+    ``run_as`` is honoured only when this process is root; otherwise the command runs
+    as the current user (the caller records that).
+    """
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        stdin: str | None,
+        timeout_s: float,
+        run_as: RunAs | None,
+    ) -> CommandResult:
+        user: dict[str, Any] = {}
+        if run_as is not None and os.geteuid() == 0 and run_as.uid != 0:
+            user = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []}
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                proc = subprocess.run(
+                    list(argv),
+                    input=None if stdin is None else stdin.encode(),
+                    stdin=subprocess.DEVNULL if stdin is None else None,
+                    stdout=out,
+                    stderr=err,
+                    env=dict(env),
+                    timeout=timeout_s,
+                    check=False,
+                    close_fds=True,
+                    **user,
+                )
+            except FileNotFoundError as exc:
+                raise MpsBinaryNotFound(f"{argv[0]} not found", binary=argv[0]) from exc
+            except subprocess.TimeoutExpired as exc:
+                raise MpsCommandTimeout(
+                    f"`{' '.join(argv)}` did not finish within {timeout_s:g} s",
+                    argv=list(argv),
+                    timeout_s=timeout_s,
+                ) from exc
+            except OSError as exc:
+                raise MpsError(
+                    f"cannot run `{' '.join(argv)}`: {exc}",
+                    hint="check the binary's permissions and that migd runs as root",
+                    argv=list(argv),
+                ) from exc
+            out.seek(0)
+            err.seek(0)
+            return CommandResult(
+                argv=tuple(argv),
+                returncode=proc.returncode,
+                stdout=out.read().decode("utf-8", "replace"),
+                stderr=err.read().decode("utf-8", "replace"),
+            )
+
+
+# -- configuration and records ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MpsManagerConfig:
+    """``[mps]`` settings.
+
+    Attributes:
+        binary: the control program (``nvidia-cuda-mps-control`` on ``PATH``, or a path).
+        policy: per-user (daemon runs as the share's user) or multi-user (``-M``).
+        idle_stop_s: a daemon without shares is stopped after this long.
+        command_timeout_s: limit for each front-end command.
+        start_timeout_s: how long a new daemon may take to answer.
+        quit_timeout_s: how long ``quit`` may take before the daemon is killed.
+        prestart_server: start the server (``start_server -uid``) with the first share,
+            so a broken GPU shows up at lease time rather than in the job.
+        env: environment for the daemon and commands (``PATH`` from migd by default).
+    """
+
+    binary: str = "nvidia-cuda-mps-control"
+    policy: UserPolicy = UserPolicy.PER_USER
+    idle_stop_s: float = 300.0
+    command_timeout_s: float = 10.0
+    start_timeout_s: float = 30.0
+    quit_timeout_s: float = 30.0
+    prestart_server: bool = True
+    env: Mapping[str, str] | None = None
+
+
+@dataclass
+class DaemonRecord:
+    """What the manager knows of a control daemon it started (persisted as JSON)."""
+
+    device_uuid: str
+    pid: int
+    pipe_dir: str
+    log_dir: str
+    uid: int  # the user the daemon runs as
+    gid: int
+    serves_uid: int  # the user whose server it runs (0 in multi-user mode)
+    multi_user: bool
+    started_at: float
+    default_limit_mib: int = 0
+    run_as_self: bool = False  # not root: could not switch user, ran as migd's own uid
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DaemonRecord:
+        data = json.loads(text)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class MpsDaemonStatus:
+    """One control daemon as ``migctl status`` shows it."""
+
+    device_uuid: str
+    pid: int
+    uid: int
+    serves_uid: int
+    multi_user: bool
+    pipe_dir: str
+    log_dir: str
+    servers: tuple[int, ...]
+    clients: tuple[int, ...]
+    default_limit_mib: int | None
+    shares: int
+    healthy: bool
+    last_error: str
+    started_at: float
+    idle_for_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["servers"] = list(self.servers)
+        data["clients"] = list(self.clients)
+        return data
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One problem the health check found and what it did about it."""
+
+    device_uuid: str
+    problem: str  # daemon_gone, daemon_unresponsive, server_crashed, devices_unavailable
+    detail: str
+    action: str  # restarted_daemon, restarted_server, restart_failed, none
+    ok: bool  # the device serves again
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    events: tuple[HealthEvent, ...] = ()
+
+    @property
+    def affected_devices(self) -> tuple[str, ...]:
+        """Devices whose clients were (or may have been) lost: their leases need a look."""
+        return tuple(dict.fromkeys(e.device_uuid for e in self.events))
+
+    @property
+    def failed_devices(self) -> tuple[str, ...]:
+        """Devices that could not be brought back: mark them unavailable."""
+        return tuple(dict.fromkeys(e.device_uuid for e in self.events if not e.ok))
+
+
+@dataclass(frozen=True)
+class AdoptionReport:
+    adopted: tuple[str, ...] = ()  # device UUIDs whose live daemon was taken over
+    cleaned: tuple[str, ...] = ()  # directories removed (no live daemon)
+
+
+@dataclass
+class _Daemon:
+    record: DaemonRecord
+    shares: dict[str, MpsShare] = field(default_factory=dict)
+    idle_since: float | None = None
+    known_servers: set[int] = field(default_factory=set)
+    log_offsets: dict[str, int] = field(default_factory=dict)
+    healthy: bool = True
+    last_error: str = ""
+    reported: tuple[str, str] | None = None  # (problem, detail) from a client's report
+
+
+# -- what the manager needs of migd's leases (structural: no import of migd.daemon) ------------
+
+
+class _LeaseRequestLike(Protocol):
+    @property
+    def memory_mib(self) -> int: ...
+
+
+class LeaseLike(Protocol):
+    """A lease as :mod:`migd.core.scheduler` has it (``Lease``)."""
+
+    @property
+    def lease_id(self) -> str: ...
+
+    @property
+    def owner_uid(self) -> int: ...
+
+    @property
+    def memory_limit_mib(self) -> int | None: ...
+
+    @property
+    def request(self) -> _LeaseRequestLike: ...
+
+
+class HasUuid(Protocol):
+    @property
+    def uuid(self) -> str: ...
+
+
+# -- the manager ------------------------------------------------------------------------------
+
+
+class MpsManager:
+    """Starts, watches and stops the per-device MPS control daemons.
+
+    Thread-safe: calls for different devices may run at once; calls for one device
+    are serialised.
+
+    Args:
+        runtime_dir: migd's runtime directory (``/run/migd``); daemons live under
+            ``<runtime_dir>/mps``. It must be traversable by job users (0755).
+        config: ``[mps]`` settings.
+        runner: how commands run (default :class:`SubprocessRunner`).
+        clock: for idle times (default the system clock).
+    """
+
+    def __init__(
+        self,
+        runtime_dir: Path,
+        config: MpsManagerConfig | None = None,
+        *,
+        runner: CommandRunner | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config or MpsManagerConfig()
+        self.root = Path(runtime_dir) / "mps"
+        self._runner: CommandRunner = runner or SubprocessRunner()
+        self._clock: Clock = clock or SystemClock()
+        self._daemons: dict[str, _Daemon] = {}
+        self._registry_lock = threading.Lock()
+        self._device_locks: dict[str, threading.RLock] = {}
+
+    # -- paths
+
+    @staticmethod
+    def dir_name(device_uuid: str) -> str:
+        """Directory name for a device: the UUID, with the legacy MIG form's ``/`` as ``_``."""
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", device_uuid)
+        if not name or name in {".", ".."}:
+            raise MpsError(f"unusable device UUID {device_uuid!r}")
+        return name
+
+    def device_dir(self, device_uuid: str) -> Path:
+        return self.root / self.dir_name(device_uuid)
+
+    def pipe_dir(self, device_uuid: str) -> Path:
+        return self.device_dir(device_uuid) / "pipe"
+
+    def log_dir(self, device_uuid: str) -> Path:
+        return self.device_dir(device_uuid) / "log"
+
+    # -- public API
+
+    def start(self) -> AdoptionReport:
+        """Adopt live daemons found under the runtime directory; clean up stale ones.
+
+        Call once at migd start-up, before any share. An adopted daemon has no shares
+        until the daemon re-registers its leases with :meth:`ensure_share` (idempotent).
+        A directory whose daemon is gone, or whose pid file names a process that is not
+        an MPS control daemon (PID reuse), loses its pipe directory and record; logs stay.
+
+        Raises:
+            MpsError: the runtime directory cannot be created.
+        """
+        self._make_dir(self.root, 0o755)
+        adopted: list[str] = []
+        cleaned: list[str] = []
+        for device_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            record = self._read_record(device_dir)
+            pid = _read_pid(device_dir / "pipe" / PID_FILE_NAME)
+            if record is not None and pid is None:
+                pid = record.pid
+            if pid is not None and _pid_alive(pid) and _looks_like_mps_control(pid):
+                if record is None:
+                    record = self._record_for_foreign(device_dir, pid)
+                    if record is None:
+                        continue
+                record.pid = pid
+                daemon = _Daemon(record=record, idle_since=self._clock.monotonic())
+                answered = self._try_command(daemon, "get_server_list")
+                if answered is not None:
+                    daemon.known_servers = set(_live_pids(answered))
+                    self._skip_old_log(daemon)
+                    with self._registry_lock:
+                        self._daemons[record.device_uuid] = daemon
+                    self._write_record(record)
+                    adopted.append(record.device_uuid)
+                    continue
+                # Alive but mute: ours (it is in our directory) and wedged.
+                self._kill_daemon(daemon)
+            self._remove_stale(device_dir)
+            cleaned.append(str(device_dir))
+        return AdoptionReport(adopted=tuple(adopted), cleaned=tuple(cleaned))
+
+    def ensure_share(self, device_uuid: str, share: MpsShare) -> dict[str, str]:
+        """Make the device's daemon ready for ``share``; return the job's environment.
+
+        Starts the control daemon on the first share (as the share's user in per-user
+        mode), restarts it as another user when an idle per-user device changes hands,
+        raises the pinned-memory limits to the largest active share and (optionally)
+        starts the server. Idempotent for a share id already active.
+
+        The caller has admitted the share with :func:`migd.core.mps.admit` first.
+
+        Raises:
+            MpsError: the daemon could not be started or configured (subclasses say why);
+                in per-user mode also when the device still serves another user.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is not None and share.share_id in daemon.shares:
+                return self._environment(daemon, share)
+            if daemon is not None and not _pid_alive(daemon.record.pid):
+                # Died since the last health check: replace it before adding a share.
+                daemon = self._restart(daemon)
+            serves_uid = 0 if self._multi_user else share.uid
+            if daemon is not None and (
+                daemon.record.serves_uid != serves_uid
+                or daemon.record.multi_user != self._multi_user
+            ):
+                if daemon.shares:
+                    raise MpsError(
+                        f"MPS device {device_uuid} serves uid {daemon.record.serves_uid} "
+                        f"({len(daemon.shares)} share(s)); cannot start uid {share.uid}'s share",
+                        hint="per-user MPS serialises users; the request must wait",
+                        device_uuid=device_uuid,
+                    )
+                self._stop(daemon)
+                daemon = None
+            if daemon is None:
+                daemon = self._start_daemon(device_uuid, share)
+            daemon.shares[share.share_id] = share
+            daemon.idle_since = None
+            try:
+                servers = self._apply_limits(daemon)
+                if self.config.prestart_server:
+                    self._ensure_server(daemon, servers)
+            except MpsError:
+                daemon.shares.pop(share.share_id, None)
+                if not daemon.shares:
+                    daemon.idle_since = self._clock.monotonic()
+                raise
+            return self._environment(daemon, share)
+
+    def release_share(self, device_uuid: str, share_id: str) -> None:
+        """Forget a share (idempotent). The daemon stays until :meth:`stop_idle`.
+
+        Lowers the limits to the largest remaining share for clients that start later.
+        Failures to do so are recorded, not raised: release must not fail.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is None or daemon.shares.pop(share_id, None) is None:
+                return
+            if daemon.shares:
+                try:
+                    self._apply_limits(daemon)
+                except MpsError as exc:
+                    daemon.last_error = str(exc)
+            else:
+                daemon.idle_since = self._clock.monotonic()
+
+    def stop_idle(self) -> list[str]:
+        """Stop daemons without shares for ``idle_stop_s``; returns their device UUIDs."""
+        stopped = []
+        now = self._clock.monotonic()
+        for device_uuid in self._known_devices():
+            with self._device_lock(device_uuid):
+                daemon = self._daemons.get(device_uuid)
+                if (
+                    daemon is not None
+                    and not daemon.shares
+                    and daemon.idle_since is not None
+                    and now - daemon.idle_since >= self.config.idle_stop_s
+                ):
+                    self._stop(daemon)
+                    stopped.append(device_uuid)
+        return stopped
+
+    def stop_device(self, device_uuid: str) -> None:
+        """Stop one device's daemon now (e.g. before its MIG instance is destroyed).
+
+        Equivalent of ``echo quit | CUDA_MPS_PIPE_DIRECTORY=<pipe> nvidia-cuda-mps-control``.
+        Active shares are dropped with it.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is not None:
+                self._stop(daemon)
+
+    def shutdown(self, keep: Collection[str] = ()) -> None:
+        """Stop every daemon this manager started or adopted, and nothing else.
+
+        Args:
+            keep: device UUIDs whose daemons stay up because jobs still use them (migd
+                restarting under running jobs); the next :meth:`start` adopts them.
+        """
+        for device_uuid in self._known_devices():
+            if device_uuid not in keep:
+                self.stop_device(device_uuid)
+
+    def check_health(self) -> HealthReport:
+        """Find dead or sick daemons and servers, restart them, report the devices hit.
+
+        Checks, per daemon: its pid is alive; ``get_server_list`` answers in time;
+        servers seen before are still alive; control.log/server.log have no new crash
+        or ``all CUDA-capable devices are busy or unavailable`` lines. A dead, mute or
+        refusing daemon is restarted (killed first if needed); a crashed server is
+        started again. Every device in the report lost (or may have lost) its clients.
+        """
+        events: list[HealthEvent] = []
+        for device_uuid in self._known_devices():
+            with self._device_lock(device_uuid):
+                daemon = self._daemons.get(device_uuid)
+                if daemon is not None:
+                    events.extend(self._check_one(daemon))
+        return HealthReport(events=tuple(events))
+
+    def status(self) -> list[MpsDaemonStatus]:
+        """Every managed daemon with its servers, clients and limits (``migctl status``).
+
+        Asks each daemon (``get_server_list``, ``get_client_list``,
+        ``get_default_device_pinned_mem_limit``); a daemon that does not answer shows as
+        unhealthy with the error.
+        """
+        result = []
+        for device_uuid in self._known_devices():
+            with self._device_lock(device_uuid):
+                daemon = self._daemons.get(device_uuid)
+                if daemon is not None:
+                    result.append(self._status_of(daemon))
+        return result
+
+    def status_for(self, device_uuid: str) -> list[dict[str, Any]]:
+        """``status()`` of one device's daemon as JSON-ready dicts (empty if none runs)."""
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            return [] if daemon is None else [self._status_of(daemon).to_dict()]
+
+    def _status_of(self, daemon: _Daemon) -> MpsDaemonStatus:
+        record = daemon.record
+        servers: tuple[int, ...] = ()
+        clients: list[int] = []
+        limit: int | None = None
+        healthy, error = daemon.healthy, daemon.last_error
+        try:
+            servers = tuple(_parse_pids(self._command(daemon, "get_server_list")))
+            for server in servers:
+                clients.extend(_parse_pids(self._command(daemon, f"get_client_list {server}")))
+            limit = parse_limit_mib(
+                self._command(daemon, f"get_default_device_pinned_mem_limit {record.device_uuid}")
+            )
+        except MpsError as exc:
+            healthy, error = False, str(exc)
+        idle = daemon.idle_since
+        return MpsDaemonStatus(
+            device_uuid=record.device_uuid,
+            pid=record.pid,
+            uid=record.uid,
+            serves_uid=record.serves_uid,
+            multi_user=record.multi_user,
+            pipe_dir=record.pipe_dir,
+            log_dir=record.log_dir,
+            servers=servers,
+            clients=tuple(sorted(clients)),
+            default_limit_mib=limit,
+            shares=len(daemon.shares),
+            healthy=healthy,
+            last_error=error,
+            started_at=record.started_at,
+            idle_for_s=None if idle is None else self._clock.monotonic() - idle,
+        )
+
+    def report_client_error(self, device_uuid: str, message: str) -> None:
+        """A job on the device failed to attach (its stderr had ``message``).
+
+        ``all CUDA-capable devices are busy or unavailable`` from an MPS client means the
+        server does not take clients; the next :meth:`check_health` restarts the daemon.
+        Other messages are kept as the daemon's last error only.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is None:
+                return
+            daemon.last_error = message.strip()
+            if "all CUDA-capable devices are busy or unavailable" in message:
+                daemon.reported = ("devices_unavailable", f"client reported: {message.strip()}")
+
+    # -- for migd.daemon: leases instead of shares
+
+    def share_for(self, lease: LeaseLike) -> MpsShare:
+        """The MPS share of a lease: its id, owner, and granted (else requested) memory."""
+        request = lease.request
+        return MpsShare(
+            share_id=lease.lease_id,
+            uid=lease.owner_uid,
+            memory_mib=lease.memory_limit_mib or request.memory_mib,
+            clients=getattr(request, "mps_clients", None) or 1,
+            thread_percentage=getattr(request, "thread_percentage", None),
+        )
+
+    def client_env(self, device_uuid: str, lease: LeaseLike) -> dict[str, str]:
+        """The job environment for ``lease`` on ``device_uuid``, without starting anything.
+
+        The pipe directory depends only on the device, so the scheduler can hand out the
+        environment when it grants the lease and :meth:`ensure` can run later.
+        """
+        return share_environment(
+            self.share_for(lease),
+            str(self.pipe_dir(device_uuid)),
+            device_uuid,
+            str(self.log_dir(device_uuid)),
+        )
+
+    def ensure(self, device: HasUuid, lease: LeaseLike) -> dict[str, str]:
+        """:meth:`ensure_share` for a lease on a device (anything with ``.uuid``)."""
+        return self.ensure_share(device.uuid, self.share_for(lease))
+
+    def release(self, device_uuid: str, lease_id: str) -> None:
+        """:meth:`release_share` under the daemon's naming."""
+        self.release_share(device_uuid, lease_id)
+
+    def command(self, device_uuid: str, command: str) -> str:
+        """Send one control command to a managed device's daemon; return its output.
+
+        Raises:
+            MpsError: no daemon for the device, or the command failed.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is None:
+                raise MpsError(
+                    f"no MPS control daemon runs for {device_uuid}",
+                    hint="`migctl status` lists the MPS devices",
+                )
+            return self._command(daemon, command)
+
+    def environment(self, device_uuid: str, share_id: str) -> dict[str, str]:
+        """The environment of an active share (e.g. for a wrapper that reconnects).
+
+        Raises:
+            MpsError: no such active share.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            share = None if daemon is None else daemon.shares.get(share_id)
+            if daemon is None or share is None:
+                raise MpsError(f"no active MPS share {share_id} on {device_uuid}")
+            return self._environment(daemon, share)
+
+    # -- internals: daemons
+
+    @property
+    def _multi_user(self) -> bool:
+        return self.config.policy is UserPolicy.MULTI_USER
+
+    def _known_devices(self) -> list[str]:
+        with self._registry_lock:
+            return sorted(self._daemons)
+
+    @contextlib.contextmanager
+    def _device_lock(self, device_uuid: str) -> Iterator[None]:
+        with self._registry_lock:
+            lock = self._device_locks.setdefault(device_uuid, threading.RLock())
+        with lock:
+            yield
+
+    def _environment(self, daemon: _Daemon, share: MpsShare) -> dict[str, str]:
+        return share_environment(
+            share, daemon.record.pipe_dir, daemon.record.device_uuid, daemon.record.log_dir
+        )
+
+    def _base_env(self) -> dict[str, str]:
+        if self.config.env is not None:
+            return dict(self.config.env)
+        return {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
+
+    def _daemon_env(self, record: DaemonRecord) -> dict[str, str]:
+        env = self._base_env()
+        env["CUDA_MPS_PIPE_DIRECTORY"] = record.pipe_dir
+        env["CUDA_MPS_LOG_DIRECTORY"] = record.log_dir
+        env["CUDA_VISIBLE_DEVICES"] = record.device_uuid
+        return env
+
+    def _run_as_for(self, share: MpsShare) -> tuple[RunAs | None, int, int]:
+        """(RunAs or None, uid, gid) the daemon for ``share`` runs as."""
+        if os.geteuid() != 0:
+            return None, os.geteuid(), os.getegid()
+        if self._multi_user:
+            return None, 0, 0
+        gid = share.gid if share.gid is not None else _primary_gid(share.uid)
+        return RunAs(share.uid, gid), share.uid, gid
+
+    @staticmethod
+    def _run_as(record: DaemonRecord) -> RunAs | None:
+        if record.run_as_self or record.uid == 0:
+            return None
+        return RunAs(record.uid, record.gid)
+
+    def _start_daemon(self, device_uuid: str, share: MpsShare) -> _Daemon:
+        run_as, uid, gid = self._run_as_for(share)
+        pipe_dir, log_dir = self.pipe_dir(device_uuid), self.log_dir(device_uuid)
+        socket_path = str(pipe_dir / CONTROL_SOCKET_NAME)
+        if len(socket_path.encode()) > SOCKET_PATH_MAX_BYTES:
+            raise MpsDaemonStartFailed(
+                f"MPS control socket path {socket_path} is longer than "
+                f"{SOCKET_PATH_MAX_BYTES} bytes",
+                hint="use a shorter runtime directory (e.g. /run/migd)",
+                device_uuid=device_uuid,
+            )
+        self._make_dir(self.root, 0o755)
+        self._make_dir(self.device_dir(device_uuid), 0o755)
+        # Per-user: only the share's user reaches the daemon. Multi-user: every job user
+        # must reach the root daemon's socket.
+        mode = 0o755 if self._multi_user else 0o700
+        self._make_dir(pipe_dir, mode, owner=run_as)
+        self._make_dir(log_dir, mode, owner=run_as)
+        record = DaemonRecord(
+            device_uuid=device_uuid,
+            pid=0,
+            pipe_dir=str(pipe_dir),
+            log_dir=str(log_dir),
+            uid=uid,
+            gid=gid,
+            serves_uid=0 if self._multi_user else share.uid,
+            multi_user=self._multi_user,
+            started_at=self._clock.now(),
+            run_as_self=os.geteuid() != 0,
+        )
+        daemon = _Daemon(record=record)
+        self._skip_old_log(daemon)
+        argv = [self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
+        for attempt in (1, 2):
+            result = self._runner.run(
+                argv,
+                env=self._daemon_env(record),
+                stdin=None,
+                timeout_s=self.config.start_timeout_s,
+                run_as=run_as,
+            )
+            if result.returncode == 0:
+                break
+            orphan = _read_pid(pipe_dir / PID_FILE_NAME)
+            if (
+                attempt == 1
+                and ALREADY_RUNNING_MESSAGE in result.output
+                and orphan is not None
+                and _pid_alive(orphan)
+            ):
+                # A daemon in *our* pipe directory that we lost track of (a start that
+                # timed out earlier): it is ours, and in the way.
+                record.pid = orphan
+                self._kill_daemon(daemon)
+                continue
+            raise MpsDaemonStartFailed(
+                f"`{' '.join(argv)}` for {device_uuid} failed (exit {result.returncode}): "
+                f"{result.output or 'no output'}",
+                device_uuid=device_uuid,
+                pipe_dir=record.pipe_dir,
+            )
+        try:
+            record.pid = self._wait_ready(daemon)
+        except MpsDaemonStartFailed:
+            # Do not leave a half-started daemon behind to block the next attempt.
+            started = _read_pid(pipe_dir / PID_FILE_NAME)
+            if started is not None:
+                record.pid = started
+                self._kill_daemon(daemon)
+            raise
+        self._write_record(record)
+        with self._registry_lock:
+            self._daemons[device_uuid] = daemon
+        return daemon
+
+    def _wait_ready(self, daemon: _Daemon) -> int:
+        """Poll until the pid file names a live process and the daemon answers."""
+        record = daemon.record
+        pid_file = Path(record.pipe_dir) / PID_FILE_NAME
+        deadline = time.monotonic() + self.config.start_timeout_s
+        last = "no pid file"
+        while time.monotonic() < deadline:
+            pid = _read_pid(pid_file)
+            if pid is not None and _pid_alive(pid):
+                record.pid = pid
+                answered = self._try_command(daemon, "get_server_list")
+                if answered is not None:
+                    daemon.known_servers = set(_parse_pids(answered))
+                    return pid
+                last = daemon.last_error
+            time.sleep(_POLL_S)
+        raise MpsDaemonStartFailed(
+            f"MPS control daemon for {record.device_uuid} did not come up within "
+            f"{self.config.start_timeout_s:g} s ({last})",
+            device_uuid=record.device_uuid,
+            log_dir=record.log_dir,
+        )
+
+    def _apply_limits(self, daemon: _Daemon) -> list[int] | None:
+        """Default and per-server pinned limit := the largest active share's limit.
+
+        Returns the live servers when it had to list them (``None`` if nothing changed).
+        """
+        target = max((s.memory_mib for s in daemon.shares.values()), default=0)
+        if target <= 0 or target == daemon.record.default_limit_mib:
+            return None
+        value = format_limit_mib(target)
+        uuid = daemon.record.device_uuid
+        # Default first, then list: a server that starts in between already has it.
+        servers = self._set_then_list(
+            daemon, [f"set_default_device_pinned_mem_limit {uuid} {value}"]
+        )
+        if servers:
+            servers = self._set_then_list(
+                daemon, [f"set_device_pinned_mem_limit {pid} {uuid} {value}" for pid in servers]
+            )
+        daemon.record.default_limit_mib = target
+        self._write_record(daemon.record)
+        return servers
+
+    def _ensure_server(self, daemon: _Daemon, servers: list[int] | None = None) -> bool:
+        """Start the daemon's server unless one runs; True if it had to start one."""
+        if servers is None:
+            servers = _live_pids(self._command(daemon, "get_server_list"))
+        started = not servers
+        if started:
+            servers = self._set_then_list(daemon, [f"start_server -uid {daemon.record.serves_uid}"])
+        if not servers:
+            raise MpsCommandFailed(
+                f"MPS server for uid {daemon.record.serves_uid} on "
+                f"{daemon.record.device_uuid} did not start",
+                device_uuid=daemon.record.device_uuid,
+                log_dir=daemon.record.log_dir,
+            )
+        daemon.known_servers = set(servers)
+        return started
+
+    def _set_then_list(self, daemon: _Daemon, commands: list[str]) -> list[int]:
+        """Run commands that print nothing on success, then ``get_server_list``, in one go.
+
+        One front-end invocation reads any number of commands from stdin
+        (``nvidia-cuda-mps-control(1)``); a rejected command shows up as a line that is
+        not a PID.
+
+        Raises:
+            MpsCommandFailed: a command was rejected (its message is in the error).
+        """
+        output = self._command(daemon, "\n".join([*commands, "get_server_list"]))
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        rejected = [line for line in lines if not line.isdigit()]
+        if rejected:
+            raise MpsCommandFailed(
+                f"MPS command(s) {'; '.join(commands)} for {daemon.record.device_uuid} "
+                f"rejected: {' '.join(rejected)}",
+                device_uuid=daemon.record.device_uuid,
+                commands=commands,
+            )
+        return [pid for pid in map(int, lines) if _pid_alive(pid)]
+
+    def _stop(self, daemon: _Daemon) -> None:
+        """``quit`` the daemon, kill it if it will not go, remove its pipe dir and record."""
+        record = daemon.record
+        quit_ok = False
+        if _pid_alive(record.pid):
+            with contextlib.suppress(MpsError):
+                result = self._runner.run(
+                    [self.config.binary],
+                    env=self._daemon_env(record),
+                    stdin="quit\n",
+                    timeout_s=self.config.quit_timeout_s,
+                    run_as=self._run_as(record),
+                )
+                quit_ok = result.returncode == 0
+            if quit_ok:
+                quit_ok = _wait_gone(record.pid, self.config.quit_timeout_s)
+            if not quit_ok:
+                self._kill_daemon(daemon)
+        with self._registry_lock:
+            self._daemons.pop(record.device_uuid, None)
+        self._remove_stale(Path(record.pipe_dir).parent)
+
+    def _kill_daemon(self, daemon: _Daemon) -> None:
+        """SIGTERM, then SIGKILL, the control daemon and the servers it was last seen with."""
+        pids = [daemon.record.pid, *sorted(daemon.known_servers)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                if pid > 0 and _pid_alive(pid) and _looks_like_mps(pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+            if all(_wait_gone(pid, 2.0) for pid in pids if pid > 0):
+                return
+
+    def _restart(self, daemon: _Daemon) -> _Daemon:
+        """Replace a daemon with a fresh one for the same user, limits and shares."""
+        shares = dict(daemon.shares)
+        self._kill_daemon(daemon)
+        with self._registry_lock:
+            self._daemons.pop(daemon.record.device_uuid, None)
+        self._remove_stale(Path(daemon.record.pipe_dir).parent)
+        template = next(iter(shares.values()), None) or MpsShare(
+            share_id="restart", uid=daemon.record.serves_uid, memory_mib=1
+        )
+        fresh = self._start_daemon(daemon.record.device_uuid, template)
+        fresh.shares = shares
+        fresh.idle_since = None if shares else self._clock.monotonic()
+        if shares:
+            servers = self._apply_limits(fresh)
+            if self.config.prestart_server:
+                self._ensure_server(fresh, servers)
+        return fresh
+
+    # -- internals: health
+
+    def _check_one(self, daemon: _Daemon) -> list[HealthEvent]:
+        uuid = daemon.record.device_uuid
+        problem, detail = "", ""
+        if not _pid_alive(daemon.record.pid):
+            problem, detail = "daemon_gone", f"control daemon {daemon.record.pid} is gone"
+        else:
+            answered = self._try_command(daemon, "get_server_list")
+            if answered is None:
+                problem, detail = "daemon_unresponsive", daemon.last_error
+            else:
+                servers = set(_live_pids(answered))
+                lost = sorted(p for p in daemon.known_servers if p not in servers)
+                log_problem = daemon.reported or self._scan_logs(daemon)
+                daemon.reported = None
+                if log_problem is not None and log_problem[0] == "devices_unavailable":
+                    problem, detail = log_problem
+                elif lost or log_problem is not None:
+                    problem = "server_crashed"
+                    detail = (
+                        log_problem[1]
+                        if log_problem is not None
+                        else f"MPS server(s) {', '.join(map(str, lost))} exited"
+                    )
+                    daemon.known_servers = servers
+                    return [self._recover_server(daemon, detail)]
+                daemon.known_servers = servers
+        if not problem:
+            daemon.healthy = True
+            return []
+        daemon.healthy, daemon.last_error = False, detail
+        try:
+            self._restart(daemon)
+        except MpsError as exc:
+            # Keep the dead daemon registered so the next check tries again.
+            daemon.last_error = f"{detail}; restart failed: {exc}"
+            with self._registry_lock:
+                self._daemons.setdefault(uuid, daemon)
+            return [HealthEvent(uuid, problem, daemon.last_error, "restart_failed", False)]
+        return [HealthEvent(uuid, problem, detail, "restarted_daemon", True)]
+
+    def _recover_server(self, daemon: _Daemon, detail: str) -> HealthEvent:
+        uuid = daemon.record.device_uuid
+        if not daemon.shares or not self.config.prestart_server:
+            # The control daemon starts a server on the next client by itself.
+            daemon.healthy = True
+            return HealthEvent(uuid, "server_crashed", detail, "none", True)
+        try:
+            started = self._ensure_server(daemon)
+        except MpsError as exc:
+            daemon.healthy, daemon.last_error = False, f"{detail}; {exc}"
+            return HealthEvent(uuid, "server_crashed", daemon.last_error, "restart_failed", False)
+        daemon.healthy = True
+        action = "restarted_server" if started else "none"
+        return HealthEvent(uuid, "server_crashed", detail, action, True)
+
+    def _log_files(self, daemon: _Daemon) -> list[Path]:
+        log_dir = Path(daemon.record.log_dir)
+        return [log_dir / CONTROL_LOG_NAME, log_dir / SERVER_LOG_NAME]
+
+    def _skip_old_log(self, daemon: _Daemon) -> None:
+        for path in self._log_files(daemon):
+            with contextlib.suppress(OSError):
+                daemon.log_offsets[str(path)] = path.stat().st_size
+
+    def _scan_logs(self, daemon: _Daemon) -> tuple[str, str] | None:
+        """The worst new problem line in the daemon's logs since the last scan."""
+        found: tuple[str, str] | None = None
+        for path in self._log_files(daemon):
+            offset = daemon.log_offsets.get(str(path), 0)
+            try:
+                with path.open("rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    if size < offset:  # rotated or truncated
+                        offset = 0
+                    fh.seek(offset)
+                    text = fh.read().decode("utf-8", "replace")
+                    daemon.log_offsets[str(path)] = size
+            except OSError:
+                continue
+            for line in text.splitlines():
+                for pattern, kind in LOG_PROBLEMS:
+                    # A refusing device outranks a crashed server: it needs a restart.
+                    if pattern.search(line) and (found is None or kind == "devices_unavailable"):
+                        found = (kind, line.strip())
+        return found
+
+    # -- internals: commands
+
+    def _command(self, daemon: _Daemon, command: str) -> str:
+        """Send one command (or several, one a line) through the front end; return stdout.
+
+        Raises:
+            MpsCommandTimeout, MpsBinaryNotFound: see :class:`SubprocessRunner`.
+            MpsCommandFailed: non-zero exit: no daemon, or the link to it broke.
+        """
+        record = daemon.record
+        result = self._runner.run(
+            [self.config.binary],
+            env=self._daemon_env(record),
+            stdin=command + "\n",
+            timeout_s=self.config.command_timeout_s,
+            run_as=self._run_as(record),
+        )
+        if result.returncode != 0 or NO_DAEMON_MESSAGE in result.output:
+            raise MpsCommandFailed(
+                f"MPS command `{command}` for {record.device_uuid} failed "
+                f"(exit {result.returncode}): {result.output or 'no output'}",
+                device_uuid=record.device_uuid,
+                command=command,
+            )
+        return result.stdout
+
+    def _try_command(self, daemon: _Daemon, command: str) -> str | None:
+        try:
+            return self._command(daemon, command)
+        except MpsError as exc:
+            daemon.last_error = str(exc)
+            return None
+
+    # -- internals: files
+
+    @staticmethod
+    def _make_dir(path: Path, mode: int, owner: RunAs | None = None) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(mode)
+            if owner is not None and os.geteuid() == 0:
+                os.chown(path, owner.uid, owner.gid)
+        except OSError as exc:
+            raise MpsError(
+                f"cannot prepare MPS directory {path}: {exc}",
+                hint="migd needs to own its runtime directory (run it as root)",
+            ) from exc
+
+    def _write_record(self, record: DaemonRecord) -> None:
+        path = Path(record.pipe_dir).parent / RECORD_FILE_NAME
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(record.to_json(), encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:
+            raise MpsError(f"cannot write {path}: {exc}") from exc
+
+    @staticmethod
+    def _read_record(device_dir: Path) -> DaemonRecord | None:
+        try:
+            return DaemonRecord.from_json((device_dir / RECORD_FILE_NAME).read_text("utf-8"))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _record_for_foreign(self, device_dir: Path, pid: int) -> DaemonRecord | None:
+        """A record for a live daemon found in our directory without one (record lost)."""
+        try:
+            stat = Path(f"/proc/{pid}").stat()
+        except OSError:
+            return None
+        uuid = _daemon_visible_devices(pid) or device_dir.name
+        return DaemonRecord(
+            device_uuid=uuid,
+            pid=pid,
+            pipe_dir=str(device_dir / "pipe"),
+            log_dir=str(device_dir / "log"),
+            uid=stat.st_uid,
+            gid=stat.st_gid,
+            serves_uid=stat.st_uid,
+            multi_user=self._multi_user,
+            started_at=self._clock.now(),
+            run_as_self=os.geteuid() != 0,
+        )
+
+    @staticmethod
+    def _remove_stale(device_dir: Path) -> None:
+        """Drop a device's pipe directory and record; keep its logs for post-mortems."""
+        shutil.rmtree(device_dir / "pipe", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (device_dir / RECORD_FILE_NAME).unlink()
+
+
+# -- process helpers ----------------------------------------------------------------------------
+
+
+def _parse_pids(text: str) -> list[int]:
+    return [int(word) for word in text.split() if word.isdigit()]
+
+
+def _live_pids(text: str) -> list[int]:
+    """PIDs from a server list that still run (a crashed server may be listed until reaped)."""
+    return [pid for pid in _parse_pids(text) if _pid_alive(pid)]
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text("utf-8").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie (PID 1 may not reap re-parented daemons)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text("utf-8")
+    except OSError:
+        return True  # no procfs: trust kill(0)
+    state = stat.rsplit(")", 1)[-1].split()[:1]
+    return state != ["Z"]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _looks_like_mps_control(pid: int) -> bool:
+    """Guards against a reused PID in a stale pid file (the fake's module name counts)."""
+    cmdline = _cmdline(pid)
+    return not cmdline or "mps-control" in cmdline or "mps_control" in cmdline
+
+
+def _looks_like_mps(pid: int) -> bool:
+    cmdline = _cmdline(pid)
+    return not cmdline or "mps" in cmdline
+
+
+def _daemon_visible_devices(pid: int) -> str | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"CUDA_VISIBLE_DEVICES="):
+            return item.split(b"=", 1)[1].decode() or None
+    return None
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _primary_gid(uid: int) -> int:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid

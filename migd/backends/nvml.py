@@ -1,0 +1,1188 @@
+"""The NVML GPU backend: the only module in migd that talks to ``pynvml``.
+
+:class:`NvmlBackend` implements :class:`migd.ports.GpuBackend` over a
+``pynvml``-compatible module: the real ``pynvml`` (``nvidia-ml-py``, imported
+lazily) or the simulated stand-in
+(:class:`migd.backends.simulated.fake_pynvml.FakePynvml`). The same code runs
+against both; it relies only on pynvml's documented calling conventions
+(verified against ``pynvml.py`` of nvidia-ml-py 13.615.71):
+
+* MIG handles and structures are ctypes objects; ``char[]`` fields may read as
+  ``str`` or ``bytes`` (both handled);
+* the placement given to ``nvmlDeviceCreateGpuInstanceWithPlacement`` is passed
+  with ``ctypes.byref``: pynvml forwards it unchanged to a C function that takes
+  a pointer (no ``argtypes``), and a by-value structure crashes the process;
+* list calls fill a caller-allocated ctypes array and write the count through
+  ``ctypes.byref(c_uint)``; arrays are sized from the profile's instance count.
+
+Every NVML error is translated here, once, into :mod:`migd.errors`
+(:func:`nvml_errors`). Reads that only add detail degrade to ``None``/empty and
+log once; reads the daemon decides on (instances, processes) and all writes raise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NoReturn
+
+from migd.core import catalog
+from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
+from migd.errors import (
+    DriverUnavailable,
+    GpuBusy,
+    GpuError,
+    GpuNotFound,
+    GpuPermissionDenied,
+    GpuUnsupported,
+    IllegalTransition,
+    InstanceNotFound,
+    InsufficientResources,
+    InvalidStart,
+    MigdError,
+    MigModeError,
+    PlacementOverlap,
+    UnknownModel,
+)
+from migd.ports import GpuInfo, GpuProcess, MemoryInfo, MigInstance
+
+_log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+# NVML return codes (nvml.h; the same values in pynvml and the simulated module). Kept here
+# so the translation does not depend on the module object it is given.
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23
+NVML_ERROR_GPU_NOT_FOUND = 28
+
+_ERROR_NAMES: dict[int, str] = {
+    NVML_ERROR_UNINITIALIZED: "NVML_ERROR_UNINITIALIZED",
+    NVML_ERROR_INVALID_ARGUMENT: "NVML_ERROR_INVALID_ARGUMENT",
+    NVML_ERROR_NOT_SUPPORTED: "NVML_ERROR_NOT_SUPPORTED",
+    NVML_ERROR_NO_PERMISSION: "NVML_ERROR_NO_PERMISSION",
+    5: "NVML_ERROR_ALREADY_INITIALIZED",
+    NVML_ERROR_NOT_FOUND: "NVML_ERROR_NOT_FOUND",
+    7: "NVML_ERROR_INSUFFICIENT_SIZE",
+    8: "NVML_ERROR_INSUFFICIENT_POWER",
+    NVML_ERROR_DRIVER_NOT_LOADED: "NVML_ERROR_DRIVER_NOT_LOADED",
+    NVML_ERROR_TIMEOUT: "NVML_ERROR_TIMEOUT",
+    11: "NVML_ERROR_IRQ_ISSUE",
+    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML_ERROR_LIBRARY_NOT_FOUND",
+    NVML_ERROR_FUNCTION_NOT_FOUND: "NVML_ERROR_FUNCTION_NOT_FOUND",
+    14: "NVML_ERROR_CORRUPTED_INFOROM",
+    NVML_ERROR_GPU_IS_LOST: "NVML_ERROR_GPU_IS_LOST",
+    NVML_ERROR_RESET_REQUIRED: "NVML_ERROR_RESET_REQUIRED",
+    17: "NVML_ERROR_OPERATING_SYSTEM",
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
+    NVML_ERROR_IN_USE: "NVML_ERROR_IN_USE",
+    20: "NVML_ERROR_MEMORY",
+    21: "NVML_ERROR_NO_DATA",
+    NVML_ERROR_INSUFFICIENT_RESOURCES: "NVML_ERROR_INSUFFICIENT_RESOURCES",
+    27: "NVML_ERROR_NOT_READY",
+    NVML_ERROR_GPU_NOT_FOUND: "NVML_ERROR_GPU_NOT_FOUND",
+    29: "NVML_ERROR_INVALID_STATE",
+    999: "NVML_ERROR_UNKNOWN",
+}
+
+# Codes that mean "this profile index does not exist here" when enumerating profiles
+# (nvml.h: enumerate "until the API returns NVML_ERROR_INVALID_ARGUMENT"; NOT_SUPPORTED
+# "if profile isn't supported").
+_ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
+
+_NOT_AVAILABLE_UINT = 0xFFFFFFFF  # gpuInstanceId of a process outside MIG
+
+MigModeReader = Callable[[], tuple[bool | None, bool | None]]
+
+
+# -- error translation ------------------------------------------------------------------------
+
+
+def nvml_error_code(exc: BaseException) -> int | None:
+    """The NVML return code of a ``pynvml.NVMLError`` (real or simulated), else ``None``."""
+    value = getattr(exc, "value", None)
+    if isinstance(value, int) and any(c.__name__ == "NVMLError" for c in type(exc).__mro__):
+        return value
+    return None
+
+
+def translate_nvml_error(
+    code: int,
+    *,
+    op: str,
+    gpu: int | None = None,
+    mig_mode: MigModeReader | None = None,
+    not_found: type[MigdError] = GpuNotFound,
+    invalid_argument: type[MigdError] = GpuError,
+    **details: Any,
+) -> MigdError:
+    """Map one NVML return code to the migd error a caller can act on.
+
+    Args:
+        code: the NVML return code.
+        op: what was being done, e.g. ``"create 3g.20gb at unit 4"``.
+        gpu: GPU index, for the message and details.
+        mig_mode: reads (current, pending) MIG mode; used to tell "MIG disabled" or
+            "pending a reset" from "not supported" when NVML says NOT_SUPPORTED.
+        not_found: the error for NVML_ERROR_NOT_FOUND (e.g. ``InstanceNotFound``
+            when looking up a GPU instance by id).
+        invalid_argument: the error for NVML_ERROR_INVALID_ARGUMENT (e.g.
+            ``InvalidStart`` for a placement start the profile does not allow).
+        **details: structured context for the error.
+    """
+    name = _ERROR_NAMES.get(code, f"NVML error {code}")
+    where = f" on GPU {gpu}" if gpu is not None else ""
+    message = f"{op}{where} failed: {name}"
+    info: dict[str, Any] = {"op": op, "nvml_error": name, **details}
+    if gpu is not None:
+        info["gpu"] = gpu
+    if code == NVML_ERROR_NO_PERMISSION:
+        return GpuPermissionDenied(message, **info)
+    if code == NVML_ERROR_INSUFFICIENT_RESOURCES:
+        return InsufficientResources(message, **info)
+    if code == NVML_ERROR_IN_USE:
+        return GpuBusy(message, **info)
+    if code == NVML_ERROR_TIMEOUT:
+        return GpuBusy(
+            message, hint="the driver timed out; retry, and check `dmesg` if it persists", **info
+        )
+    if code == NVML_ERROR_RESET_REQUIRED:
+        return MigModeError(
+            message,
+            hint="reset the GPU (`nvidia-smi -r -i N`, idle GPU "
+            "only) or reboot to apply the pending MIG mode",
+            **info,
+        )
+    if code == NVML_ERROR_NOT_SUPPORTED:
+        return _not_supported(message, mig_mode, info)
+    if code in (
+        NVML_ERROR_LIBRARY_NOT_FOUND,
+        NVML_ERROR_DRIVER_NOT_LOADED,
+        NVML_ERROR_UNINITIALIZED,
+    ):
+        return DriverUnavailable(message, **info)
+    if code == NVML_ERROR_LIB_RM_VERSION_MISMATCH:
+        return DriverUnavailable(
+            message,
+            hint="the NVIDIA library and kernel module differ "
+            "(driver upgraded without reboot): reboot the node",
+            **info,
+        )
+    if code == NVML_ERROR_FUNCTION_NOT_FOUND:
+        return GpuUnsupported(
+            message,
+            hint="the NVIDIA driver is older than this NVML call; upgrade the driver",
+            **info,
+        )
+    if code in (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_GPU_NOT_FOUND):
+        return GpuNotFound(message, **info)
+    if code == NVML_ERROR_NOT_FOUND:
+        return not_found(message, **info)
+    if code == NVML_ERROR_INVALID_ARGUMENT:
+        return invalid_argument(message, **info)
+    return GpuError(message, hint="`nvidia-smi -q -i N` and `dmesg` may say more", **info)
+
+
+def _not_supported(message: str, mig_mode: MigModeReader | None, info: dict[str, Any]) -> MigdError:
+    current: bool | None = True
+    pending: bool | None = True
+    if mig_mode is not None:
+        try:
+            current, pending = mig_mode()
+        except MigdError:  # the mode cannot be read either: say what we know
+            current = pending = True
+    if current is None:
+        return GpuUnsupported(
+            f"{message} (this GPU has no MIG)",
+            hint="use the GPU whole (MPS only), or leave it out of migd.toml",
+            **info,
+        )
+    if not current and pending:
+        return MigModeError(
+            f"{message} (MIG enabling is pending a GPU reset)",
+            hint="reset the GPU (`nvidia-smi -r -i N`) or reboot the node",
+            **info,
+        )
+    if not current:
+        return MigModeError(f"{message} (MIG is disabled)", **info)
+    return GpuUnsupported(
+        f"{message} (not supported by this GPU or driver)",
+        hint="`nvidia-smi mig -lgip` lists what the driver supports",
+        **info,
+    )
+
+
+@contextmanager
+def nvml_errors(
+    op: str,
+    *,
+    gpu: int | None = None,
+    mig_mode: MigModeReader | None = None,
+    not_found: type[MigdError] = GpuNotFound,
+    invalid_argument: type[MigdError] = GpuError,
+    **details: Any,
+) -> Iterator[None]:
+    """Translate NVML errors raised in the block (see :func:`translate_nvml_error`).
+
+    migd errors and non-NVML exceptions pass through unchanged.
+    """
+    try:
+        yield
+    except MigdError:
+        raise
+    except Exception as exc:
+        code = nvml_error_code(exc)
+        if code is None and _is_library_mismatch(exc):
+            raise GpuUnsupported(
+                f"{op} failed: the NVIDIA driver is older than this pynvml call ({exc})",
+                hint="upgrade the driver, or install the nvidia-ml-py release of its branch",
+                op=op,
+                gpu=gpu,
+            ) from exc
+        if code is None:
+            raise
+        raise translate_nvml_error(
+            code,
+            op=op,
+            gpu=gpu,
+            mig_mode=mig_mode,
+            not_found=not_found,
+            invalid_argument=invalid_argument,
+            **details,
+        ) from exc
+
+
+def _is_library_mismatch(exc: BaseException) -> bool:
+    # pynvml raises NVMLLibraryMismatchError (not an NVMLError) when an unversioned
+    # wrapper meets a driver without the newest versioned function (pynvml.py:1033).
+    return type(exc).__name__ == "NVMLLibraryMismatchError"
+
+
+def _versioned_info(function: Callable[..., Any], *args: Any) -> Any:
+    """A profile-info query as ``version=2`` (with the name), else ``version=1``.
+
+    pynvml's default ``version=2`` needs the driver's ``...ProfileInfoV`` entry point;
+    an older driver answers FUNCTION_NOT_FOUND, and the v1 structure has no name.
+    """
+    try:
+        return function(*args)
+    except Exception as exc:
+        if nvml_error_code(exc) != NVML_ERROR_FUNCTION_NOT_FOUND:
+            raise
+        return function(*args, version=1)
+
+
+def _text(value: Any) -> str:
+    """A pynvml string result: ``str`` (pynvml decodes most) or ``bytes`` (raw fields)."""
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return str(value)
+
+
+def _instance_ids(proc: Any) -> tuple[int, int] | None:
+    """(GPU instance id, compute instance id) of an NVML process entry; None outside MIG."""
+    gi_id = getattr(proc, "gpuInstanceId", None)
+    ci_id = getattr(proc, "computeInstanceId", None)
+    if not isinstance(gi_id, int) or not isinstance(ci_id, int) or gi_id == _NOT_AVAILABLE_UINT:
+        return None
+    return gi_id, ci_id
+
+
+def _mib_up(byte_count: int) -> int:
+    return -(-byte_count // MIB)
+
+
+@dataclass(frozen=True, slots=True)
+class _CiProfile:
+    index: int  # NVML_COMPUTE_INSTANCE_PROFILE_*
+    profile_id: int
+    instance_count: int
+    slices: int
+
+
+# -- the backend ------------------------------------------------------------------------------
+
+
+class NvmlBackend:
+    """:class:`migd.ports.GpuBackend` over NVML (``pynvml`` or the simulated stand-in).
+
+    Args:
+        nvml: a ``pynvml``-compatible module or object; ``None`` imports ``pynvml``
+            on first use.
+        destroy_retries: further attempts after a destroy meets NVML "in use".
+        retry_backoff_s: wait before the first retry; doubles each time.
+        sleep: how to wait between retries (tests pass a recorder).
+
+    Raises:
+        DriverUnavailable: (on first use) no bindings, no library or no driver.
+    """
+
+    def __init__(
+        self,
+        nvml: ModuleType | object | None = None,
+        *,
+        destroy_retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._given: Any = nvml
+        self._nvml: Any = None
+        self._initialized = False
+        self._destroy_retries = max(0, destroy_retries)
+        self._retry_backoff_s = retry_backoff_s
+        self._sleep = sleep
+        self._init_lock = threading.Lock()
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        self._handles: dict[int, Any] = {}
+        self._infos: dict[int, GpuInfo] = {}
+        self._versions: tuple[str, str] | None = None
+        self._geometries: dict[int, Geometry] = {}
+        self._ci_profile_cache: dict[tuple[int, int], list[_CiProfile]] = {}
+        self._mig_ids: dict[int, dict[str, tuple[int, int]]] = {}
+        self._logged: set[str] = set()
+
+    # -- session ----------------------------------------------------------------------------
+
+    @property
+    def nvml(self) -> Any:
+        """The initialised pynvml module in use."""
+        return self._n()
+
+    def _n(self) -> Any:
+        if self._initialized:
+            return self._nvml
+        with self._init_lock:
+            if self._nvml is None:
+                self._nvml = self._given if self._given is not None else _import_pynvml()
+            if not self._initialized:
+                nvml = self._nvml
+                with nvml_errors("initialise NVML"):
+                    flag = getattr(nvml, "NVML_INIT_FLAG_NO_GPUS", None)
+                    if flag is not None and hasattr(nvml, "nvmlInitWithFlags"):
+                        # Succeeds on a node without GPUs, so discovery can say "none".
+                        nvml.nvmlInitWithFlags(flag)
+                    else:
+                        nvml.nvmlInit()
+                self._initialized = True
+        return self._nvml
+
+    def close(self) -> None:
+        """End the NVML session (``nvmlShutdown``); a later call starts a new one."""
+        with self._init_lock:
+            if self._initialized:
+                try:
+                    self._nvml.nvmlShutdown()
+                except Exception as exc:  # shutting down: nothing left to protect
+                    _log.warning("nvmlShutdown failed: %s", exc)
+                self._initialized = False
+            self._reset_caches()
+
+    def __enter__(self) -> NvmlBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _log_once(self, key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            _log.log(level, message, *args)
+
+    def _handle(self, gpu: int) -> Any:
+        handle = self._handles.get(gpu)
+        if handle is None:
+            nvml = self._n()
+            if gpu < 0:
+                raise GpuNotFound(f"there is no GPU {gpu}", gpu=gpu)
+            with nvml_errors("open GPU", gpu=gpu, invalid_argument=GpuNotFound):
+                handle = nvml.nvmlDeviceGetHandleByIndex(gpu)
+            self._handles[gpu] = handle
+        return handle
+
+    # -- discovery ----------------------------------------------------------------------------
+
+    def discover(self) -> list[GpuInfo]:
+        """All GPUs in NVML index order (``nvidia-smi -L``, ``nvidia-smi -q``).
+
+        A GPU that has fallen off the bus is left out (and logged); the others keep
+        their NVML index.
+
+        Raises:
+            DriverUnavailable: no NVML library, no driver, or NVML not initialisable.
+        """
+        nvml = self._n()
+        with nvml_errors("count GPUs"):
+            count = int(nvml.nvmlDeviceGetCount())
+        found: list[GpuInfo] = []
+        for index in range(count):
+            try:
+                found.append(self._read_gpu(index))
+            except GpuNotFound as err:
+                _log.error("GPU %d left out of discovery: %s", index, err)
+        return found
+
+    def _read_gpu(self, gpu: int) -> GpuInfo:
+        nvml = self._n()
+        handle = self._handle(gpu)
+        driver, cuda = self._driver_versions()
+        with nvml_errors("read GPU identity", gpu=gpu):
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            pci = nvml.nvmlDeviceGetPciInfo(handle)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        mig_current, mig_pending = self._mig_mode(gpu)
+        capability = self._degradable(
+            "read compute capability",
+            gpu,
+            lambda: tuple(int(v) for v in nvml.nvmlDeviceGetCudaComputeCapability(handle)),
+        )
+        total_mib = int(memory.total) // MIB
+        pci_device_id = int(pci.pciDeviceId)
+        info = GpuInfo(
+            index=gpu,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=_text(pci.busId),
+            pci_device_id=pci_device_id,
+            memory_total_mib=total_mib,
+            mig_current=mig_current,
+            mig_pending=mig_pending,
+            driver_version=driver,
+            cuda_version=cuda,
+            model=catalog.detect_model(pci_device_id, name, total_mib),
+            compute_capability=(capability[0], capability[1]) if capability else None,
+        )
+        self._infos[gpu] = info
+        return info
+
+    def _info(self, gpu: int) -> GpuInfo:
+        return self._infos.get(gpu) or self._read_gpu(gpu)
+
+    def _driver_versions(self) -> tuple[str, str]:
+        if self._versions is None:
+            nvml = self._n()
+            driver = self._degradable(
+                "read driver version", None, lambda: _text(nvml.nvmlSystemGetDriverVersion())
+            )
+            cuda_int = self._degradable(
+                "read CUDA version", None, lambda: int(nvml.nvmlSystemGetCudaDriverVersion())
+            )
+            cuda = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}" if cuda_int else ""
+            self._versions = (driver or "", cuda)
+        return self._versions
+
+    def _degradable(self, op: str, gpu: int | None, read: Callable[[], Any]) -> Any:
+        """Run a read that only adds detail: ``None`` (logged once) if NVML cannot say.
+
+        A lost GPU or a missing driver still raises: those are not details.
+        """
+        try:
+            with nvml_errors(op, gpu=gpu):
+                return read()
+        except (GpuNotFound, DriverUnavailable):
+            raise
+        except GpuError as err:
+            self._log_once(f"{op}:{gpu}", "%s; reported as unknown", err, level=logging.INFO)
+            return None
+
+    def _mig_mode(self, gpu: int) -> tuple[bool | None, bool | None]:
+        """(current, pending) MIG mode; (None, None) where the GPU has no MIG."""
+        nvml = self._n()
+        handle = self._handle(gpu)
+        try:
+            with nvml_errors("read MIG mode", gpu=gpu):
+                current, pending = nvml.nvmlDeviceGetMigMode(handle)
+        except GpuUnsupported:
+            return None, None
+        except (GpuNotFound, DriverUnavailable):
+            raise
+        except GpuError as err:
+            self._log_once(f"migmode:{gpu}", "%s; MIG mode reported as unknown", err)
+            return None, None
+        return bool(current), bool(pending)
+
+    def _mig_mode_reader(self, gpu: int) -> MigModeReader:
+        return lambda: self._mig_mode(gpu)
+
+    # -- geometry -----------------------------------------------------------------------------
+
+    def geometry(self, gpu: int) -> Geometry:
+        """The GPU's MIG geometry from NVML (``nvidia-smi mig -lgip`` / ``-lgipp``).
+
+        Profile infos and possible placements come from NVML; values NVML cannot give
+        (driver default order, shared caps) from the built-in table of the detected
+        model. The built-in table alone is used where NVML cannot say: placements need
+        root, or MIG is disabled (then nothing is cached, so enabling MIG later is seen).
+
+        Raises:
+            GpuUnsupported: the GPU has no MIG, or NVML reports no usable profiles.
+            MigModeError: MIG is disabled and the model is not in the built-in tables.
+            GpuPermissionDenied: not root and the model is not in the built-in tables.
+        """
+        cached = self._geometries.get(gpu)
+        if cached is not None:
+            return cached
+        info = self._info(gpu)
+        current, _pending = self._mig_mode(gpu)
+        if current is None:
+            raise GpuUnsupported(
+                f"GPU {gpu} ({info.name}) does not support MIG",
+                hint="use the GPU whole (MPS only), or leave it out of migd.toml",
+                gpu=gpu,
+            )
+        builtin = self._builtin(info)
+        if not current:
+            if builtin is None:
+                raise MigModeError(
+                    f"MIG is disabled on GPU {gpu} ({info.name}) and migd has "
+                    "no built-in table for it",
+                    gpu=gpu,
+                )
+            self._log_once(
+                f"geo-disabled:{gpu}",
+                "MIG is disabled on GPU %d; using the built-in %s table",
+                gpu,
+                builtin.model,
+                level=logging.INFO,
+            )
+            return builtin
+        try:
+            infos = self.profile_infos(gpu)
+            placements = {p.profile_id: self.possible_placements(gpu, p.profile_id) for p in infos}
+        except GpuPermissionDenied as err:
+            if builtin is None:
+                raise GpuPermissionDenied(
+                    f"reading the MIG placements of GPU {gpu} needs root, and migd has no "
+                    f"built-in table for {info.name!r}",
+                    gpu=gpu,
+                ) from err
+            self._log_once(f"geo-perm:{gpu}", "%s; using the built-in %s table", err, builtin.model)
+            geometry = builtin
+        else:
+            try:
+                geometry = Geometry.from_nvml(
+                    info.model or info.name,
+                    infos,
+                    placements,
+                    display_name=info.name,
+                    builtin=builtin,
+                )
+            except ValueError as exc:
+                if builtin is None:
+                    raise GpuUnsupported(f"GPU {gpu} ({info.name}): {exc}", gpu=gpu) from exc
+                self._log_once(
+                    f"geo-bad:{gpu}",
+                    "GPU %d: %s; using the built-in %s table",
+                    gpu,
+                    exc,
+                    builtin.model,
+                )
+                geometry = builtin
+            else:
+                if builtin is not None:
+                    self._compare_with_builtin(gpu, geometry, builtin)
+        self._geometries[gpu] = geometry
+        return geometry
+
+    def _builtin(self, info: GpuInfo) -> Geometry | None:
+        if info.model is None:
+            return None
+        try:
+            return catalog.geometry(info.model)
+        except UnknownModel:
+            return None
+
+    def _compare_with_builtin(self, gpu: int, nvml_geo: Geometry, builtin: Geometry) -> None:
+        known = {p.profile_id: p for p in builtin.profiles}
+        differences = []
+        for profile in nvml_geo.profiles:
+            prior = known.get(profile.profile_id)
+            if prior is None:
+                differences.append(f"{profile.name} (id {profile.profile_id}) not in the table")
+            elif (prior.starts, prior.memory_slices, prior.max_instances) != (
+                profile.starts,
+                profile.memory_slices,
+                profile.max_instances,
+            ):
+                differences.append(
+                    f"{profile.name}: NVML starts {profile.starts} size {profile.memory_slices} "
+                    f"max {profile.max_instances}, table {prior.starts} size "
+                    f"{prior.memory_slices} max {prior.max_instances}"
+                )
+        if differences:
+            self._log_once(
+                f"geo-diff:{gpu}",
+                "GPU %d: NVML's MIG geometry differs from the built-in %s table (NVML wins): %s",
+                gpu,
+                builtin.model,
+                "; ".join(differences),
+            )
+
+    def _gi_profile_indices(self) -> list[int]:
+        nvml = self._n()
+        return sorted(
+            {
+                int(getattr(nvml, name))
+                for name in dir(nvml)
+                if name.startswith("NVML_GPU_INSTANCE_PROFILE_") and not name.endswith("_COUNT")
+            }
+        )
+
+    def profile_infos(self, gpu: int) -> list[NvmlProfileInfo]:
+        """What NVML says about every GPU instance profile of this GPU (``-lgip``).
+
+        Raises:
+            MigModeError: MIG is disabled. GpuPermissionDenied: NVML refuses the read.
+        """
+        return [info for info, _engines in self.profile_infos_with_engines(gpu)]
+
+    def profile_infos_with_engines(self, gpu: int) -> list[tuple[NvmlProfileInfo, dict[str, int]]]:
+        """:meth:`profile_infos` plus each profile's engine counts (``ce``, ``dec``, ...)."""
+        nvml = self._n()
+        handle = self._handle(gpu)
+        seen: set[int] = set()
+        out: list[tuple[NvmlProfileInfo, dict[str, int]]] = []
+        for index in self._gi_profile_indices():
+            with nvml_errors(
+                "read MIG profile info",
+                gpu=gpu,
+                nvml_index=index,
+                mig_mode=self._mig_mode_reader(gpu),
+            ):
+                try:
+                    raw = _versioned_info(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
+                except Exception as exc:
+                    if nvml_error_code(exc) in _ABSENT:
+                        continue  # the index is not a profile of this GPU / driver
+                    raise
+            profile_id = int(raw.id)
+            if profile_id in seen:
+                continue
+            seen.add(profile_id)
+            out.append(
+                (
+                    NvmlProfileInfo(
+                        nvml_index=index,
+                        profile_id=profile_id,
+                        compute_slices=int(raw.sliceCount),
+                        max_instances=int(raw.instanceCount),
+                        memory_mib=int(raw.memorySizeMB),
+                        name=_text(getattr(raw, "name", "")),
+                        multiprocessor_count=int(raw.multiprocessorCount) or None,
+                    ),
+                    {
+                        "ce": int(raw.copyEngineCount),
+                        "dec": int(raw.decoderCount),
+                        "enc": int(raw.encoderCount),
+                        "jpeg": int(raw.jpegCount),
+                        "ofa": int(raw.ofaCount),
+                    },
+                )
+            )
+        return out
+
+    def possible_placements(self, gpu: int, profile_id: int) -> list[tuple[int, int]]:
+        """``(start, size)`` of every placement of a profile, free or not (``-lgipp``).
+
+        Raises:
+            GpuPermissionDenied: NVML requires root for this query.
+        """
+        nvml = self._n()
+        handle = self._handle(gpu)
+        count = ctypes.c_uint(0)
+        with nvml_errors(
+            "read possible placements",
+            gpu=gpu,
+            profile_id=profile_id,
+            mig_mode=self._mig_mode_reader(gpu),
+        ):
+            # First call with NULL: nvml.h "Can be NULL to discover number of allowed
+            # placements"; then an array of exactly that size.
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(
+                handle, profile_id, None, ctypes.byref(count)
+            )
+            array = (nvml.c_nvmlGpuInstancePlacement_t * max(count.value, 1))()
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(
+                handle, profile_id, array, ctypes.byref(count)
+            )
+        return [(int(array[i].start), int(array[i].size)) for i in range(count.value)]
+
+    # -- instances ----------------------------------------------------------------------------
+
+    def list_instances(self, gpu: int) -> list[MigInstance]:
+        """GPU instances with their compute instance and MIG UUID (``nvidia-smi mig -lgi``).
+
+        Empty when MIG is disabled.
+
+        Raises:
+            GpuUnsupported: no MIG on this GPU.
+            GpuPermissionDenied: not root (NVML lists instances for root only).
+        """
+        current, _pending = self._mig_mode(gpu)
+        if current is False:
+            self._mig_ids[gpu] = {}
+            return []
+        geometry = self.geometry(gpu)
+        nvml = self._n()
+        handle = self._handle(gpu)
+        found: list[MigInstance] = []
+        for profile in geometry.profiles:
+            count = ctypes.c_uint(0)
+            # nvml.h: "the buffer must be large enough to accommodate the instances
+            # supported by the profile".
+            array = (nvml.c_nvmlGpuInstance_t * max(profile.max_instances, geometry.units))()
+            with nvml_errors(
+                "list GPU instances",
+                gpu=gpu,
+                profile=profile.name,
+                mig_mode=self._mig_mode_reader(gpu),
+            ):
+                nvml.nvmlDeviceGetGpuInstances(
+                    handle, profile.profile_id, array, ctypes.byref(count)
+                )
+            found.extend(self._describe_gi(gpu, array[i], profile) for i in range(count.value))
+        found.sort(key=lambda m: (m.start, m.gi_id))
+        self._mig_ids[gpu] = {
+            m.uuid: (m.gi_id, m.ci_id) for m in found if m.uuid is not None and m.ci_id is not None
+        }
+        return found
+
+    def _describe_gi(self, gpu: int, gi: Any, profile: Profile) -> MigInstance:
+        nvml = self._n()
+        with nvml_errors("read GPU instance", gpu=gpu):
+            info = nvml.nvmlGpuInstanceGetInfo(gi)
+        ci_id, uuid = self._first_ci(gpu, gi, int(info.profileId))
+        return MigInstance(
+            gpu=gpu,
+            gi_id=int(info.id),
+            profile_id=int(info.profileId),
+            start=int(info.placement.start),
+            size=int(info.placement.size),
+            ci_id=ci_id,
+            uuid=uuid,
+            memory_total_mib=profile.memory_mib,
+        )
+
+    def _ci_profiles(self, gpu: int, gi: Any, gi_profile_id: int) -> list[_CiProfile]:
+        """Compute instance profiles a GI of this profile supports, largest first (cached)."""
+        key = (gpu, gi_profile_id)
+        cached = self._ci_profile_cache.get(key)
+        if cached is not None:
+            return cached
+        nvml = self._n()
+        found: list[_CiProfile] = []
+        indices = sorted(
+            {
+                int(getattr(nvml, name))
+                for name in dir(nvml)
+                if name.startswith("NVML_COMPUTE_INSTANCE_PROFILE_") and not name.endswith("_COUNT")
+            }
+        )
+        for index in indices:
+            with nvml_errors("read compute instance profile", gpu=gpu, ci_index=index):
+                try:
+                    raw = _versioned_info(
+                        nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo,
+                        gi,
+                        index,
+                        nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                    )
+                except Exception as exc:
+                    if nvml_error_code(exc) in _ABSENT:
+                        continue
+                    raise
+            found.append(
+                _CiProfile(index, int(raw.id), int(raw.instanceCount), int(raw.sliceCount))
+            )
+        found.sort(key=lambda c: -c.slices)
+        self._ci_profile_cache[key] = found
+        return found
+
+    def _compute_instances(self, gpu: int, gi: Any, ci_profile: _CiProfile) -> list[Any]:
+        nvml = self._n()
+        count = ctypes.c_uint(0)
+        array = (nvml.c_nvmlComputeInstance_t * max(ci_profile.instance_count, 1))()
+        with nvml_errors("list compute instances", gpu=gpu):
+            nvml.nvmlGpuInstanceGetComputeInstances(
+                gi, ci_profile.profile_id, array, ctypes.byref(count)
+            )
+        return [array[i] for i in range(count.value)]
+
+    def _first_ci(self, gpu: int, gi: Any, gi_profile_id: int) -> tuple[int | None, str | None]:
+        nvml = self._n()
+        for ci_profile in self._ci_profiles(gpu, gi, gi_profile_id):
+            cis = self._compute_instances(gpu, gi, ci_profile)
+            if cis:
+                with nvml_errors("read compute instance", gpu=gpu):
+                    info = nvml.nvmlComputeInstanceGetInfo(cis[0])
+                    uuid = _text(nvml.nvmlDeviceGetUUID(info.device))
+                return int(info.id), uuid
+        return None, None
+
+    def create_instance(self, gpu: int, profile_id: int, start: int) -> MigInstance:
+        """Create a GPU instance at ``start`` plus its full compute instance.
+
+        Same as ``nvidia-smi mig -cgi <profile_id>:<start> -C -i <gpu>``.
+
+        Raises:
+            UnknownProfile: the GPU has no such profile.
+            InvalidStart: ``start`` is not a placement of the profile.
+            InsufficientResources: slices taken, or a per-profile/shared limit reached
+                (the message says which, from migd's state machine).
+            GpuPermissionDenied: not root. MigModeError: MIG disabled or pending.
+            GpuBusy, GpuNotFound: see :mod:`migd.errors`.
+        """
+        geometry = self.geometry(gpu)
+        profile = geometry.by_id(profile_id)
+        nvml = self._n()
+        handle = self._handle(gpu)
+        placement = nvml.c_nvmlGpuInstancePlacement_t()
+        placement.start = start
+        placement.size = profile.memory_slices
+        op = f"create {profile.name} at unit {start}"
+        try:
+            with nvml_errors(
+                op,
+                gpu=gpu,
+                profile=profile.name,
+                start=start,
+                mig_mode=self._mig_mode_reader(gpu),
+                invalid_argument=(
+                    InsufficientResources if start in profile.starts else InvalidStart
+                ),
+            ):
+                # byref: NVML takes a pointer and pynvml passes the argument through as is
+                # (reference §5.1/§5.2); a by-value struct crashes the process.
+                gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                    handle, profile_id, ctypes.byref(placement)
+                )
+        except InvalidStart as err:
+            raise InvalidStart(
+                f"{profile.name} cannot start at unit {start} on GPU {gpu} ({err.message})",
+                hint=f"legal starts of {profile.name}: " + ", ".join(map(str, profile.starts)),
+                **err.details,
+            ) from err.__cause__
+        except InsufficientResources as err:
+            # Chain to NVML's error itself: the message is refined, not translated twice.
+            raise self._explain_refusal(gpu, geometry, profile, start, err) from err.__cause__
+        return self._finish_create(gpu, gi, profile)
+
+    def _finish_create(self, gpu: int, gi: Any, profile: Profile) -> MigInstance:
+        nvml = self._n()
+        ci: Any = None
+        try:
+            with nvml_errors("read new GPU instance", gpu=gpu):
+                gi_info = nvml.nvmlGpuInstanceGetInfo(gi)
+            ci_index = self._ci_index_for(profile.compute_slices)
+            with nvml_errors(
+                f"create the compute instance of {profile.name}", gpu=gpu, profile=profile.name
+            ):
+                ci_profile = _versioned_info(
+                    nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo,
+                    gi,
+                    ci_index,
+                    nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                )
+                ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, int(ci_profile.id))
+            with nvml_errors("read new compute instance", gpu=gpu):
+                ci_info = nvml.nvmlComputeInstanceGetInfo(ci)
+                uuid = _text(nvml.nvmlDeviceGetUUID(ci_info.device))
+        except BaseException:
+            self._roll_back(gpu, gi, ci)
+            raise
+        instance = MigInstance(
+            gpu=gpu,
+            gi_id=int(gi_info.id),
+            profile_id=profile.profile_id,
+            start=int(gi_info.placement.start),
+            size=int(gi_info.placement.size),
+            ci_id=int(ci_info.id),
+            uuid=uuid,
+            memory_total_mib=profile.memory_mib,
+        )
+        self._mig_ids.setdefault(gpu, {})[uuid] = (instance.gi_id, int(ci_info.id))
+        return instance
+
+    def _ci_index_for(self, compute_slices: int) -> int:
+        index = getattr(self._n(), f"NVML_COMPUTE_INSTANCE_PROFILE_{compute_slices}_SLICE", None)
+        if index is None:
+            raise GpuUnsupported(
+                f"NVML has no compute instance profile with {compute_slices} slices",
+                hint="upgrade nvidia-ml-py and the driver",
+            )
+        return int(index)
+
+    def _roll_back(self, gpu: int, gi: Any, ci: Any) -> None:
+        """Undo a half-made instance; log (never raise) if that fails too."""
+        nvml = self._n()
+        try:
+            if ci is not None:
+                nvml.nvmlComputeInstanceDestroy(ci)
+            nvml.nvmlGpuInstanceDestroy(gi)
+        except Exception as exc:
+            _log.error(
+                "GPU %d: could not remove a half-created GPU instance (%s); it stays "
+                "until destroyed by hand (`nvidia-smi mig -dgi`)",
+                gpu,
+                exc,
+            )
+
+    def _explain_refusal(
+        self, gpu: int, geometry: Geometry, profile: Profile, start: int, err: InsufficientResources
+    ) -> InsufficientResources:
+        """NVML only says INSUFFICIENT_RESOURCES; say which rule (overlap, limit, cap) applies."""
+        from migd.core.states import state_space
+
+        hint: str | None = None
+        try:
+            existing = [(m.profile_id, m.start) for m in self.list_instances(gpu)]
+            space = state_space(geometry, "all")
+            key = space.key_of(existing)
+            space.allocate(key, profile.profile_id, start)
+        except PlacementOverlap as why:
+            reason = why.message
+        except IllegalTransition as why:  # instance limit or a shared engine (e.g. one OFA)
+            reason = why.message
+            hint = "release an instance of the same kind, or use another profile"
+        except MigdError as other:  # cannot look: keep NVML's word
+            reason = f"the current layout could not be read ({other.message})"
+        else:
+            reason = (
+                "migd's placement table allows it, so another NVML client changed the "
+                "GPU or the table is wrong for this driver"
+            )
+        return InsufficientResources(
+            f"cannot create {profile.name} at unit {start} on GPU {gpu}: {reason}",
+            hint=hint,
+            **err.details,
+        )
+
+    def destroy_instance(self, gpu: int, gi_id: int) -> None:
+        """Destroy the compute instance(s), then the GPU instance (``nvidia-smi mig -dci/-dgi``).
+
+        NVML "in use" is retried ``destroy_retries`` times with doubling back-off.
+
+        Raises:
+            InstanceNotFound: no GPU instance ``gi_id`` on this GPU.
+            GpuBusy: still in use after the retries (processes, or another NVML client
+                such as DCGM holding handles).
+            GpuPermissionDenied: not root.
+        """
+        attempts = self._destroy_retries + 1
+        last: GpuBusy | None = None
+        for attempt in range(attempts):
+            try:
+                self._destroy_once(gpu, gi_id)
+            except GpuBusy as err:
+                last = err
+                if attempt + 1 < attempts:
+                    self._sleep(self._retry_backoff_s * (2**attempt))
+                continue
+            ids = self._mig_ids.get(gpu, {})
+            for uuid in [u for u, (g, _c) in ids.items() if g == gi_id]:
+                del ids[uuid]
+            return
+        pids = self._pids_on_gi(gpu, gi_id)
+        raise GpuBusy(
+            f"GPU instance {gi_id} on GPU {gpu} is still in use after {attempts} attempts"
+            + (f" (processes {', '.join(map(str, pids))})" if pids else ""),
+            gpu=gpu,
+            gi_id=gi_id,
+            attempts=attempts,
+            pids=pids,
+        ) from last
+
+    def _destroy_once(self, gpu: int, gi_id: int) -> None:
+        nvml = self._n()
+        handle = self._handle(gpu)
+        try:
+            with nvml_errors(
+                f"find GPU instance {gi_id}",
+                gpu=gpu,
+                gi_id=gi_id,
+                not_found=InstanceNotFound,
+                invalid_argument=InstanceNotFound,
+                mig_mode=self._mig_mode_reader(gpu),
+            ):
+                gi = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+                gi_profile_id = int(nvml.nvmlGpuInstanceGetInfo(gi).profileId)
+        except InstanceNotFound as err:
+            raise InstanceNotFound(
+                f"GPU {gpu} has no GPU instance {gi_id} ({err.message})",
+                hint="`migctl status` (or `nvidia-smi mig -lgi`) lists the instances",
+                **err.details,
+            ) from err
+        for ci_profile in self._ci_profiles(gpu, gi, gi_profile_id):
+            for ci in self._compute_instances(gpu, gi, ci_profile):
+                with nvml_errors(
+                    f"destroy a compute instance of GPU instance {gi_id}", gpu=gpu, gi_id=gi_id
+                ):
+                    nvml.nvmlComputeInstanceDestroy(ci)
+        with nvml_errors(f"destroy GPU instance {gi_id}", gpu=gpu, gi_id=gi_id):
+            nvml.nvmlGpuInstanceDestroy(gi)
+
+    def _pids_on_gi(self, gpu: int, gi_id: int) -> list[int]:
+        pids: set[int] = set()
+        for uuid, (g, _c) in list(self._mig_ids.get(gpu, {}).items()):
+            if g == gi_id:
+                try:
+                    pids.update(p.pid for p in self.processes(gpu, uuid))
+                except MigdError:
+                    continue
+        return sorted(pids)
+
+    # -- MIG devices, memory, processes --------------------------------------------------------
+
+    def _mig_handle(self, gpu: int, mig_uuid: str, *, refreshed: bool = False) -> Any:
+        ids = self._mig_ids.get(gpu, {}).get(mig_uuid)
+        if ids is None and not refreshed:
+            self.list_instances(gpu)
+            return self._mig_handle(gpu, mig_uuid, refreshed=True)
+        if ids is None:
+            self._no_mig_device(gpu, mig_uuid)
+        gi_id, ci_id = ids
+        nvml = self._n()
+        try:
+            with nvml_errors(
+                "open MIG device",
+                gpu=gpu,
+                mig_uuid=mig_uuid,
+                not_found=InstanceNotFound,
+                invalid_argument=InstanceNotFound,
+            ):
+                gi = nvml.nvmlDeviceGetGpuInstanceById(self._handle(gpu), gi_id)
+                ci = nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+                device = nvml.nvmlComputeInstanceGetInfo(ci).device
+                actual = _text(nvml.nvmlDeviceGetUUID(device))
+        except InstanceNotFound as err:
+            if refreshed:
+                self._no_mig_device(gpu, mig_uuid, err)
+            actual = None
+        if actual != mig_uuid:  # ids were reused by a newer instance: look again
+            self._mig_ids.get(gpu, {}).pop(mig_uuid, None)
+            if refreshed:
+                self._no_mig_device(gpu, mig_uuid)
+            self.list_instances(gpu)
+            return self._mig_handle(gpu, mig_uuid, refreshed=True)
+        return device
+
+    @staticmethod
+    def _no_mig_device(gpu: int, mig_uuid: str, cause: BaseException | None = None) -> NoReturn:
+        raise GpuNotFound(
+            f"there is no MIG device {mig_uuid} on GPU {gpu}",
+            hint="the instance was destroyed or re-created (MIG UUIDs change then); "
+            "`migctl status` lists the current ones",
+            gpu=gpu,
+            mig_uuid=mig_uuid,
+        ) from cause
+
+    def memory(self, gpu: int, mig_uuid: str | None = None) -> MemoryInfo:
+        """Memory of the GPU or of one MIG device (``nvidia-smi --query-gpu=memory.*``).
+
+        Raises:
+            GpuNotFound: no such GPU or MIG device.
+        """
+        nvml = self._n()
+        handle = self._mig_handle(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
+        with nvml_errors("read memory", gpu=gpu, mig_uuid=mig_uuid):
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return MemoryInfo(total_mib=int(memory.total) // MIB, used_mib=_mib_up(int(memory.used)))
+
+    def processes(self, gpu: int, mig_uuid: str | None = None) -> list[GpuProcess]:
+        """CUDA processes (and MPS clients) on the GPU or one MIG device, by pid.
+
+        Same as the process table of ``nvidia-smi``. On a MIG GPU the whole-GPU query
+        needs root (NVML aggregates across instances for privileged callers only).
+
+        Raises:
+            GpuPermissionDenied: whole-GPU query in MIG mode without root.
+            GpuNotFound: no such GPU or MIG device.
+        """
+        handle = self._mig_handle(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
+        with nvml_errors("list compute processes", gpu=gpu, mig_uuid=mig_uuid):
+            raw = self._process_list("nvmlDeviceGetComputeRunningProcesses", handle)
+        try:
+            with nvml_errors("list MPS client processes", gpu=gpu, mig_uuid=mig_uuid):
+                raw += self._process_list("nvmlDeviceGetMPSComputeRunningProcesses", handle)
+        except GpuUnsupported as err:  # pre-Volta, or an old driver: no MPS listing
+            self._log_once(f"mps-list:{gpu}", "%s; MPS clients not listed", err, level=logging.INFO)
+        uuid_of = self._uuids_by_ids(gpu, [] if mig_uuid else raw)
+        merged: dict[int, GpuProcess] = {}
+        for proc in raw:
+            pid = int(proc.pid)
+            used = getattr(proc, "usedGpuMemory", None)
+            used_mib = None if used is None else _mib_up(int(used))
+            uuid = mig_uuid or uuid_of.get(_instance_ids(proc) or (-1, -1))
+            previous = merged.get(pid)
+            if previous is not None and (previous.used_mib or 0) >= (used_mib or 0):
+                continue  # listed twice (compute and MPS): keep the larger figure
+            merged[pid] = GpuProcess(pid=pid, used_mib=used_mib, gpu=gpu, mig_uuid=uuid)
+        return [merged[pid] for pid in sorted(merged)]
+
+    def _process_list(self, function: str, handle: Any) -> list[Any]:
+        """One pynvml process query; the ``_v2`` variant where the driver predates ``_v3``."""
+        nvml = self._n()
+        try:
+            return list(getattr(nvml, function)(handle))
+        except Exception as exc:
+            older = getattr(nvml, f"{function}_v2", None)
+            if _is_library_mismatch(exc) and older is not None:
+                return list(older(handle))
+            raise
+
+    def _uuids_by_ids(self, gpu: int, raw: list[Any]) -> dict[tuple[int, int], str]:
+        """(GI id, CI id) -> MIG UUID for the processes' instances; one refresh if unknown."""
+        wanted = {ids for ids in map(_instance_ids, raw) if ids is not None}
+        known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
+        if wanted - known.keys():
+            try:
+                self.list_instances(gpu)
+            except MigdError as err:  # the UUIDs are detail; the processes are still right
+                self._log_once(f"uuids:{gpu}", "%s; MIG UUIDs of processes unknown", err)
+            known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
+        return known
+
+    def heartbeat(self, gpu: int) -> None:
+        """One cheap NVML call on the GPU; raises if the driver or the GPU stopped answering.
+
+        Raises:
+            GpuNotFound: the GPU fell off the bus. DriverUnavailable: the driver is gone.
+        """
+        nvml = self._n()
+        with nvml_errors("heartbeat", gpu=gpu):
+            nvml.nvmlDeviceGetMemoryInfo(self._handle(gpu))
+
+
+def _import_pynvml() -> ModuleType:
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise DriverUnavailable(
+            "the NVML Python bindings (nvidia-ml-py) are not installed",
+            hint="install nvidia-ml-py in migd's environment",
+        ) from exc
+    module: ModuleType = pynvml
+    return module
+
+
+__all__ = ["NvmlBackend", "nvml_error_code", "nvml_errors", "translate_nvml_error"]

@@ -1,0 +1,68 @@
+"""A simulated GPU node at the ``pynvml`` level, for tests, demos and ``migd --simulate``.
+
+* :class:`SimNode` (``node.py``): the node's state and rules (placements, processes,
+  memory, faults);
+* :class:`FakePynvml` (``fake_pynvml.py``): the ``pynvml`` API over a node, so the real
+  :class:`~migd.backends.nvml.NvmlBackend` runs unchanged on top of it;
+* :func:`simulated_backend`: both wired together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from migd.backends.nvml import NvmlBackend
+from migd.backends.simulated.fake_pynvml import FakePynvml
+from migd.backends.simulated.node import (
+    InstanceView,
+    SimCudaError,
+    SimNode,
+    SimOutOfMemory,
+)
+from migd.backends.simulated.specs import SimGpuSpec, SimInstanceSpec, SimProcessSpec
+
+_BACKEND_OPTIONS = ("destroy_retries", "retry_backoff_s", "sleep")
+
+
+def simulated_backend(
+    description: str | Path | SimNode, **options: Any
+) -> tuple[NvmlBackend, SimNode]:
+    """An :class:`NvmlBackend` over a simulated node, and the node (to inspect or disturb).
+
+    Args:
+        description: ``"8xA100-40GB"``, a mixed list, TOML text or file, a probe JSON
+            file (see :mod:`migd.backends.simulated.specs`), or a ready :class:`SimNode`.
+        **options: ``destroy_retries``, ``retry_backoff_s`` and ``sleep`` go to the
+            backend; the rest (``seed``, ``time_scale``, ``root``, ...) to the node.
+
+    Raises:
+        ConfigError: the description is malformed.
+    """
+    backend_options = {k: options.pop(k) for k in _BACKEND_OPTIONS if k in options}
+    if isinstance(description, SimNode):
+        if options:
+            raise TypeError(f"node options {sorted(options)} given with a ready SimNode")
+        node = description
+    elif isinstance(description, Path) and description.suffix == ".json":
+        node = SimNode.from_probe(description, **options)
+    else:
+        node = SimNode.from_description(description, **options)
+    sleep: Callable[[float], None] | None = backend_options.pop("sleep", None)
+    if sleep is not None:
+        return NvmlBackend(FakePynvml(node), sleep=sleep, **backend_options), node
+    return NvmlBackend(FakePynvml(node), **backend_options), node
+
+
+__all__ = [
+    "FakePynvml",
+    "InstanceView",
+    "SimCudaError",
+    "SimGpuSpec",
+    "SimInstanceSpec",
+    "SimNode",
+    "SimOutOfMemory",
+    "SimProcessSpec",
+    "simulated_backend",
+]

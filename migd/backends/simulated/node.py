@@ -1,0 +1,765 @@
+"""A simulated GPU node: what NVML and CUDA programs on it would see. Thread-safe.
+
+:class:`SimNode` keeps the state of every GPU (MIG mode, GPU and compute
+instances, processes and their memory) and enforces MIG placement rules the way
+the driver does. :class:`~migd.backends.simulated.fake_pynvml.FakePynvml` exposes
+it through the ``pynvml`` API; tests also drive it directly (workloads, faults).
+
+Placement legality is implemented here from the geometry's *data* (legal starts,
+placement sizes, per-profile instance limits, exclusive groups, engine budget),
+with its own plain unit-set arithmetic, and deliberately without
+:mod:`migd.core.states`: tests compare the two, so each checks the other.
+
+Errors NVML would return are raised as :class:`~migd.backends.simulated.nvml_api.NVMLError`
+with the code real NVML documents (``nvml.h`` of NVIDIA/go-nvml ``2f9e261``, cited
+at each raise). Errors a CUDA program would see are :class:`SimCudaError`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid as uuid_module
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from migd.backends.simulated import nvml_api as api
+from migd.backends.simulated.specs import (
+    SimGpuSpec,
+    SimInstanceSpec,
+    SimProcessSpec,
+    parse_probe,
+    parse_source,
+    read_json,
+)
+from migd.core.costs import CostModel
+from migd.core.geometry import Geometry, Profile
+from migd.errors import ConfigError, MigdError, UnknownProfile
+
+MIB = 1024 * 1024
+DEFAULT_DRIVER_VERSION = "580.95.05"
+DEFAULT_CUDA_VERSION = 13000  # nvmlSystemGetCudaDriverVersion encoding: 1000*major + 10*minor
+
+# NVML_COMPUTE_INSTANCE_PROFILE_* index -> compute slices (nvml.h); REV1 and 7_SLICE_NVL
+# (0x7, 0x8) are special-purpose CI profiles the simulator does not offer.
+CI_PROFILE_SLICES: dict[int, int] = {0x0: 1, 0x1: 2, 0x2: 3, 0x3: 4, 0x4: 7, 0x5: 8, 0x6: 6}
+
+
+class SimCudaError(RuntimeError):
+    """An error a CUDA program on the simulated node would get (``CUDA error: ...``)."""
+
+
+class SimOutOfMemory(SimCudaError):
+    """``cudaErrorMemoryAllocation`` (2): the allocation does not fit.
+
+    Raised past the MIG device's memory, past an MPS client's pinned-memory limit,
+    or past a non-MIG GPU's memory, exactly where ``cudaMalloc`` would fail.
+    """
+
+    def __init__(
+        self,
+        *,
+        pid: int,
+        device_uuid: str,
+        requested_mib: int,
+        used_mib: int,
+        limit_mib: int,
+        limit: str,
+    ) -> None:
+        super().__init__(
+            f"CUDA error: out of memory (pid {pid} tried to allocate {requested_mib} MiB on "
+            f"{device_uuid}; {used_mib} MiB of the {limit} of {limit_mib} MiB already in use)"
+        )
+        self.pid = pid
+        self.device_uuid = device_uuid
+        self.requested_mib = requested_mib
+        self.used_mib = used_mib
+        self.limit_mib = limit_mib
+        self.limit = limit
+
+
+@dataclass(eq=False)
+class SimComputeInstance:
+    serial: int  # unique for the node's lifetime (handles stay unique even when ids are reused)
+    ci_id: int
+    profile_index: int  # NVML_COMPUTE_INSTANCE_PROFILE_*
+    slices: int
+    uuid: str  # the MIG device UUID
+
+
+@dataclass(eq=False)
+class SimGpuInstance:
+    serial: int
+    gi_id: int
+    profile: Profile
+    start: int
+    cis: dict[int, SimComputeInstance] = field(default_factory=dict)  # by ci_id
+
+    @property
+    def size(self) -> int:
+        return self.profile.memory_slices
+
+    @property
+    def units(self) -> set[int]:
+        return set(range(self.start, self.start + self.profile.memory_slices))
+
+
+@dataclass(eq=False)
+class SimProcess:
+    pid: int
+    gpu: int
+    gi_serial: int | None  # None: the whole (non-MIG) GPU
+    ci_serial: int | None
+    device_uuid: str
+    used_mib: int = 0
+    mps: bool = False
+    mps_pinned_limit_mib: int | None = None
+
+
+@dataclass(eq=False)
+class SimGpu:
+    """Live state of one simulated GPU."""
+
+    index: int
+    spec: SimGpuSpec
+    uuid: str
+    pci_bus_id: str
+    mig_current: bool | None
+    mig_pending: bool | None
+    lost: bool = False
+    instances: dict[int, SimGpuInstance] = field(default_factory=dict)  # by gi_id
+
+    @property
+    def geometry(self) -> Geometry | None:
+        return self.spec.geometry
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """A read-only snapshot of one GPU instance (for tests and ``migd --simulate`` status)."""
+
+    gi_id: int
+    profile_id: int
+    profile_name: str
+    start: int
+    size: int
+    ci_ids: tuple[int, ...]
+    uuids: tuple[str, ...]
+
+
+@dataclass
+class _Injected:
+    call: str
+    code: int
+    times: int
+    gpu: int | None
+
+
+class SimNode:
+    """A stateful simulated node. Every public method is thread-safe.
+
+    Args:
+        gpus: the GPUs, in NVML index order.
+        seed: seeds GPU UUIDs (stable per index) and MIG UUIDs (new per creation).
+        time_scale: multiplies seed 003 Table 1 create/destroy latencies
+            (:mod:`migd.core.costs`); 0 (the default) makes every operation instant.
+        root: whether NVML callers are privileged (``set_root`` changes it later).
+        driver_version, cuda_version: what ``nvmlSystemGetDriverVersion`` /
+            ``nvmlSystemGetCudaDriverVersion`` report (``"12.4"`` or ``12040``).
+        sleep: how latencies are waited for (tests may pass a fake).
+    """
+
+    def __init__(
+        self,
+        gpus: Sequence[SimGpuSpec],
+        *,
+        seed: int = 0,
+        time_scale: float = 0.0,
+        root: bool = True,
+        driver_version: str = DEFAULT_DRIVER_VERSION,
+        cuda_version: int | str = DEFAULT_CUDA_VERSION,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not gpus:
+            raise ConfigError("a simulated node needs at least one GPU", where="description")
+        self._specs = tuple(gpus)
+        self.seed = seed
+        self.time_scale = time_scale
+        self.driver_version = driver_version
+        self.cuda_version = _cuda_version_int(cuda_version)
+        self._sleep = sleep
+        self._initial_root = root
+        self._lock = threading.RLock()
+        self._costs = [CostModel.for_model(s.model or "H100") for s in self._specs]
+        self.call_counts: Counter[str] = Counter()
+        self._serials = 0
+        self.reset()
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_description(cls, description: str | Path, **options: Any) -> SimNode:
+        """Build a node from ``"8xA100-40GB"``, a mixed list, TOML text/file or a probe JSON.
+
+        ``options`` (``seed``, ``time_scale``, ``root``, ...) override the source's.
+
+        Raises:
+            ConfigError: the description is malformed or names an unknown model.
+        """
+        parsed = parse_source(description)
+        return cls(parsed.gpus, **{**parsed.options, **options})
+
+    @classmethod
+    def from_probe(
+        cls, path: str | Path, *, with_processes: bool = True, **options: Any
+    ) -> SimNode:
+        """Build a node that reproduces a ``scripts/gpu_probe.py`` record.
+
+        Raises:
+            ConfigError: the file is not a probe record or lacks the data needed.
+        """
+        parsed = parse_probe(read_json(Path(path)), where=str(path), with_processes=with_processes)
+        return cls(parsed.gpus, **{**parsed.options, **options})
+
+    def reset(self) -> None:
+        """Back to the initial state: same GPUs, instances, processes, UUIDs and modes.
+
+        Also clears injected faults, lost GPUs and the call counters.
+        """
+        with self._lock:
+            self._rng = random.Random(self.seed)
+            self._root = self._initial_root
+            self._injected: list[_Injected] = []
+            self._processes: dict[int, SimProcess] = {}
+            self._gi_by_serial: dict[int, tuple[SimGpu, SimGpuInstance]] = {}
+            self._ci_by_serial: dict[int, tuple[SimGpu, SimGpuInstance, SimComputeInstance]] = {}
+            self._by_uuid: dict[str, tuple[SimGpu, SimGpuInstance, SimComputeInstance]] = {}
+            self.call_counts.clear()
+            self.gpus: list[SimGpu] = []
+            for index, spec in enumerate(self._specs):
+                self.gpus.append(self._new_gpu(index, spec))
+            for gpu in self.gpus:
+                self._populate(gpu)
+
+    def _new_gpu(self, index: int, spec: SimGpuSpec) -> SimGpu:
+        stable = random.Random(f"{self.seed}:gpu:{index}")
+        mig_current = spec.mig_current if spec.geometry is not None else None
+        mig_pending = (
+            None
+            if spec.geometry is None
+            else spec.mig_pending
+            if spec.mig_pending is not None
+            else spec.mig_current
+        )
+        return SimGpu(
+            index=index,
+            spec=spec,
+            uuid=spec.uuid or f"GPU-{uuid_module.UUID(int=stable.getrandbits(128), version=4)}",
+            pci_bus_id=spec.pci_bus_id or f"00000000:{0x07 + 0x10 * index:02X}:00.0",
+            mig_current=mig_current,
+            mig_pending=mig_pending,
+        )
+
+    def _populate(self, gpu: SimGpu) -> None:
+        where = f"gpu[{gpu.index}]"
+        for inst in gpu.spec.instances:
+            if gpu.geometry is None or not gpu.mig_current:
+                raise ConfigError("instances need a GPU with MIG enabled", where=where)
+            try:
+                profile = gpu.geometry.profile(inst.profile)
+            except UnknownProfile as err:
+                raise ConfigError(err.message, where=where, hint=err.hint) from err
+            refusal = self._refusal(gpu, profile, inst.start, profile.memory_slices)
+            if refusal is not None:
+                raise ConfigError(
+                    f"instance {profile.name}@{inst.start} is not placeable: "
+                    f"{api.error_name(refusal)}",
+                    where=where,
+                )
+            if inst.gi_id is not None and inst.gi_id in gpu.instances:
+                raise ConfigError(f"GPU instance id {inst.gi_id} given twice", where=where)
+            gi = self._add_gi(gpu, profile, inst.start, gi_id=inst.gi_id)
+            self._add_ci(gpu, gi, _full_ci_index(profile), uuid=inst.uuid)
+        for proc in gpu.spec.processes:
+            device = self._spec_device_uuid(gpu, proc, where)
+            self.attach(proc.pid, device, proc.mps_pinned_limit_mib, mps=proc.mps)
+            if proc.used_mib:
+                self.alloc(proc.pid, proc.used_mib)
+
+    def _spec_device_uuid(self, gpu: SimGpu, proc: SimProcessSpec, where: str) -> str:
+        if proc.device == "gpu":
+            return gpu.uuid
+        if proc.device.startswith(("MIG-", "GPU-")):
+            return proc.device
+        profile_ref, _, start = proc.device.rpartition("@")
+        if gpu.geometry is None or not start.isdigit():
+            raise ConfigError(
+                f"process device {proc.device!r} is not 'gpu', a UUID or '<profile>@<start>'",
+                where=where,
+            )
+        profile = gpu.geometry.profile(profile_ref)
+        for gi in gpu.instances.values():
+            if gi.profile.profile_id == profile.profile_id and gi.start == int(start):
+                return next(iter(gi.cis.values())).uuid
+        raise ConfigError(f"no instance {proc.device} for pid {proc.pid}", where=where)
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def is_root(self) -> bool:
+        return self._root
+
+    def gpu(self, index: int) -> SimGpu:
+        """The live state of GPU ``index`` (read it under no assumption of stability)."""
+        return self.gpus[index]
+
+    def placements(self, index: int) -> frozenset[tuple[int, int]]:
+        """``{(profile_id, start), ...}`` of GPU ``index`` now."""
+        with self._lock:
+            return frozenset(
+                (gi.profile.profile_id, gi.start) for gi in self.gpus[index].instances.values()
+            )
+
+    def instances(self, index: int) -> list[InstanceView]:
+        """The GPU instances of GPU ``index``, by start."""
+        with self._lock:
+            return [
+                InstanceView(
+                    gi_id=gi.gi_id,
+                    profile_id=gi.profile.profile_id,
+                    profile_name=gi.profile.name,
+                    start=gi.start,
+                    size=gi.size,
+                    ci_ids=tuple(sorted(gi.cis)),
+                    uuids=tuple(ci.uuid for _, ci in sorted(gi.cis.items())),
+                )
+                for gi in sorted(self.gpus[index].instances.values(), key=lambda g: g.start)
+            ]
+
+    def can_create(self, index: int, profile_id: int, start: int) -> bool:
+        """Whether the driver would accept ``profile_id`` at ``start`` on GPU ``index`` now.
+
+        Answers from the simulator's own rules (not :mod:`migd.core.states`); tests compare
+        the two on every state.
+        """
+        with self._lock:
+            gpu = self.gpus[index]
+            if gpu.geometry is None or not gpu.mig_current:
+                return False
+            profile = next((p for p in gpu.geometry.profiles if p.profile_id == profile_id), None)
+            return (
+                profile is not None
+                and self._refusal(gpu, profile, start, profile.memory_slices) is None
+            )
+
+    def process(self, pid: int) -> SimProcess | None:
+        with self._lock:
+            return self._processes.get(pid)
+
+    # -- fault injection -------------------------------------------------------------------
+
+    def fail_next(self, call: str, code: int, *, times: int = 1, gpu: int | None = None) -> None:
+        """Make the next ``times`` calls of the pynvml function ``call`` fail with ``code``.
+
+        ``gpu`` restricts the fault to calls about that GPU. Example:
+        ``node.fail_next("nvmlGpuInstanceDestroy", NVML_ERROR_IN_USE, times=2)``
+        models DCGM holding a handle for two attempts.
+        """
+        with self._lock:
+            self._injected.append(_Injected(call, code, times, gpu))
+
+    def lose_gpu(self, index: int) -> None:
+        """GPU ``index`` falls off the bus: every NVML call about it fails with GPU_IS_LOST."""
+        with self._lock:
+            self.gpus[index].lost = True
+
+    def set_root(self, root: bool) -> None:
+        """Privileged or not: without root, MIG writes and privileged reads get NO_PERMISSION."""
+        with self._lock:
+            self._root = root
+
+    def set_mig_mode(self, index: int, current: bool, pending: bool | None = None) -> None:
+        """Set MIG mode as after ``nvidia-smi -mig`` (+ reset when ``pending == current``).
+
+        Raises:
+            ValueError: the GPU has no MIG, or instances exist while disabling it.
+        """
+        with self._lock:
+            gpu = self.gpus[index]
+            if gpu.geometry is None:
+                raise ValueError(f"GPU {index} ({gpu.spec.name}) has no MIG")
+            if not current and gpu.instances:
+                raise ValueError(f"GPU {index} has MIG instances; destroy them first")
+            gpu.mig_current = current
+            gpu.mig_pending = current if pending is None else pending
+
+    def check_call(self, call: str, gpu: int | None = None, *, privileged: bool = False) -> None:
+        """Count the call, then raise an injected fault, GPU_IS_LOST or NO_PERMISSION.
+
+        Used by :class:`FakePynvml` at the start of every function.
+        """
+        with self._lock:
+            self.call_counts[call] += 1
+            for fault in self._injected:
+                if fault.call == call and (fault.gpu is None or fault.gpu == gpu):
+                    fault.times -= 1
+                    if fault.times <= 0:
+                        self._injected.remove(fault)
+                    raise api.NVMLError(fault.code)
+            if gpu is not None and self.gpus[gpu].lost:
+                # nvml.h: NVML_ERROR_GPU_IS_LOST "if the target GPU has fallen off the bus".
+                raise api.NVMLError(api.NVML_ERROR_GPU_IS_LOST)
+            if privileged and not self._root:
+                # nvml.h: MIG create/destroy/list calls "Require privileged user" and
+                # return NVML_ERROR_NO_PERMISSION otherwise.
+                raise api.NVMLError(api.NVML_ERROR_NO_PERMISSION)
+
+    # -- MIG operations (called by FakePynvml with the NVML argument conventions) -------------
+
+    def require_mig(self, gpu: SimGpu) -> Geometry:
+        """The GPU's geometry if MIG is enabled now, else NVML's NOT_SUPPORTED."""
+        if gpu.geometry is None or not gpu.mig_current:
+            # nvml.h: instance calls return NVML_ERROR_NOT_SUPPORTED "If device doesn't have
+            # MIG mode enabled" (and for GPUs without MIG).
+            raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
+        return gpu.geometry
+
+    def create_gpu_instance(
+        self, index: int, profile_id: int, start: int, size: int
+    ) -> SimGpuInstance:
+        """``nvmlDeviceCreateGpuInstanceWithPlacement`` semantics.
+
+        Raises:
+            NVMLError: NOT_SUPPORTED (MIG off), INVALID_ARGUMENT (unknown profile, illegal
+                start or size), INSUFFICIENT_RESOURCES (overlap, instance limit, shared cap).
+        """
+        with self._lock:
+            gpu = self.gpus[index]
+            geometry = self.require_mig(gpu)
+            profile = next((p for p in geometry.profiles if p.profile_id == profile_id), None)
+            if profile is None:
+                # nvml.h: INVALID_ARGUMENT "If device, profile, profileId, placement or
+                # gpuInstance are invalid".
+                raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+            refusal = self._refusal(gpu, profile, start, size)
+            if refusal is not None:
+                raise api.NVMLError(refusal)
+            self._pause(self._costs[index].create_s(profile.compute_slices))
+            return self._add_gi(gpu, profile, start)
+
+    def _refusal(self, gpu: SimGpu, profile: Profile, start: int, size: int) -> int | None:
+        """Why the driver refuses ``profile`` at ``start`` now (an NVML code), or None."""
+        if start not in profile.starts or size != profile.memory_slices:
+            # nvml.h: INVALID_ARGUMENT if the placement is invalid.
+            return api.NVML_ERROR_INVALID_ARGUMENT
+        wanted = set(range(start, start + size))
+        existing = list(gpu.instances.values())
+        taken: set[int] = set()
+        for gi in existing:
+            taken |= gi.units
+        if wanted & taken:
+            # NVML_ERROR_INSUFFICIENT_RESOURCES "If the requested GPU instance could not be
+            # created"; placement collisions report it too (NVIDIA/k8s-dra-driver-gpu
+            # cmd/gpu-kubelet-plugin/nvlib.go, reference §5.3), not "already exists".
+            return api.NVML_ERROR_INSUFFICIENT_RESOURCES
+        if sum(gi.profile.profile_id == profile.profile_id for gi in existing) >= (
+            profile.max_instances
+        ):
+            return api.NVML_ERROR_INSUFFICIENT_RESOURCES
+        geometry = gpu.geometry
+        assert geometry is not None
+        for group in geometry.exclusive_groups:
+            if profile.profile_id in group.profile_ids:
+                members = sum(gi.profile.profile_id in group.profile_ids for gi in existing)
+                if members + 1 > group.max_instances:
+                    return api.NVML_ERROR_INSUFFICIENT_RESOURCES
+        budget = geometry.engine_budget
+        if budget and profile.engines is not None:
+            for engine, cap in budget.items():
+                used = sum((gi.profile.engines or {}).get(engine, 0) for gi in existing)
+                if used + profile.engines.get(engine, 0) > cap:
+                    return api.NVML_ERROR_INSUFFICIENT_RESOURCES
+        return None
+
+    def _add_gi(
+        self, gpu: SimGpu, profile: Profile, start: int, gi_id: int | None = None
+    ) -> SimGpuInstance:
+        geometry = gpu.geometry
+        assert geometry is not None
+        if gi_id is None:
+            # The driver hands out free ids and reuses freed ones. The whole-GPU instance
+            # gets id 0 as on A100/H100; everything else the lowest free id from 1.
+            whole = profile.memory_slices == geometry.units and 0 not in gpu.instances
+            gi_id = 0 if whole else _lowest_free(gpu.instances, 1)
+        self._serials += 1
+        gi = SimGpuInstance(self._serials, gi_id, profile, start)
+        gpu.instances[gi_id] = gi
+        self._gi_by_serial[gi.serial] = (gpu, gi)
+        return gi
+
+    def destroy_gpu_instance(self, gi_serial: int) -> None:
+        """``nvmlGpuInstanceDestroy``: IN_USE while compute instances exist.
+
+        Raises:
+            NVMLError: INVALID_ARGUMENT (stale handle), IN_USE.
+        """
+        with self._lock:
+            gpu, gi = self.lookup_gi(gi_serial)
+            self.require_mig(gpu)
+            if gi.cis:
+                # nvml.h: IN_USE "if processes (e.g. CUDA application) or compute instances
+                # are active on the GPU instance".
+                raise api.NVMLError(api.NVML_ERROR_IN_USE)
+            self._pause(self._costs[gpu.index].destroy_s(gi.profile.compute_slices))
+            del gpu.instances[gi.gi_id]
+            del self._gi_by_serial[gi.serial]
+
+    def lookup_gi(self, gi_serial: int) -> tuple[SimGpu, SimGpuInstance]:
+        """A live GPU instance by handle serial (INVALID_ARGUMENT for a stale handle)."""
+        found = self._gi_by_serial.get(gi_serial)
+        if found is None:
+            # nvml.h: INVALID_ARGUMENT "If gpuInstance is invalid" (destroyed: handle invalid).
+            raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+        return found
+
+    def lookup_ci(self, ci_serial: int) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
+        found = self._ci_by_serial.get(ci_serial)
+        if found is None:
+            raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+        return found
+
+    def ci_profile(self, gi: SimGpuInstance, profile_index: int) -> tuple[int, int]:
+        """(slices, instance count) of CI profile ``profile_index`` inside ``gi``.
+
+        Raises:
+            NVMLError: INVALID_ARGUMENT past the enum, NOT_SUPPORTED where the GI
+                cannot host it (nvml.h: "If profile isn't supported").
+        """
+        if not 0 <= profile_index < api.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
+            raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+        slices = CI_PROFILE_SLICES.get(profile_index)
+        gi_slices = gi.profile.compute_slices
+        if slices is None or slices > gi_slices or (slices > 4 and slices != gi_slices):
+            raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
+        return slices, gi_slices // slices
+
+    def create_compute_instance(self, gi_serial: int, profile_index: int) -> SimComputeInstance:
+        """``nvmlGpuInstanceCreateComputeInstance`` (profile ID == CI profile index here).
+
+        Raises:
+            NVMLError: NOT_SUPPORTED, INSUFFICIENT_RESOURCES (compute slices used up).
+        """
+        with self._lock:
+            gpu, gi = self.lookup_gi(gi_serial)
+            slices, _count = self.ci_profile(gi, profile_index)
+            if sum(ci.slices for ci in gi.cis.values()) + slices > gi.profile.compute_slices:
+                raise api.NVMLError(api.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            return self._add_ci(gpu, gi, profile_index)
+
+    def _add_ci(
+        self, gpu: SimGpu, gi: SimGpuInstance, profile_index: int, uuid: str | None = None
+    ) -> SimComputeInstance:
+        self._serials += 1
+        ci = SimComputeInstance(
+            serial=self._serials,
+            ci_id=_lowest_free(gi.cis, 0),
+            profile_index=profile_index,
+            slices=CI_PROFILE_SLICES[profile_index],
+            uuid=uuid or f"MIG-{uuid_module.UUID(int=self._rng.getrandbits(128), version=4)}",
+        )
+        gi.cis[ci.ci_id] = ci
+        self._ci_by_serial[ci.serial] = (gpu, gi, ci)
+        self._by_uuid[ci.uuid] = (gpu, gi, ci)
+        return ci
+
+    def destroy_compute_instance(self, ci_serial: int) -> None:
+        """``nvmlComputeInstanceDestroy``: IN_USE while a process uses the MIG device.
+
+        Raises:
+            NVMLError: INVALID_ARGUMENT (stale handle), IN_USE.
+        """
+        with self._lock:
+            _gpu, gi, ci = self.lookup_ci(ci_serial)
+            if any(p.ci_serial == ci.serial for p in self._processes.values()):
+                # nvml.h: IN_USE "if processes (e.g. CUDA application) are active on the
+                # compute instance".
+                raise api.NVMLError(api.NVML_ERROR_IN_USE)
+            del gi.cis[ci.ci_id]
+            del self._ci_by_serial[ci.serial]
+            del self._by_uuid[ci.uuid]
+
+    def _pause(self, seconds: float) -> None:
+        if self.time_scale > 0 and seconds > 0:
+            # Sleeping under the node lock serialises operations as the driver does.
+            self._sleep(seconds * self.time_scale)
+
+    # -- memory and processes -----------------------------------------------------------------
+
+    def memory_mib(self, index: int, gi_serial: int | None = None) -> tuple[int, int]:
+        """(total, used) MiB of the whole GPU or of one GPU instance's memory."""
+        with self._lock:
+            gpu = self.gpus[index]
+            if gi_serial is None:
+                used = sum(p.used_mib for p in self._processes.values() if p.gpu == index)
+                return gpu.spec.memory_total_mib, used
+            _, gi = self.lookup_gi(gi_serial)
+            used = sum(p.used_mib for p in self._processes.values() if p.gi_serial == gi_serial)
+            return gi.profile.memory_mib, used
+
+    def processes_on(self, index: int, ci_serial: int | None = None) -> list[SimProcess]:
+        """Processes on GPU ``index`` (all of them) or on one MIG device."""
+        with self._lock:
+            return [
+                p
+                for p in self._processes.values()
+                if p.gpu == index and (ci_serial is None or p.ci_serial == ci_serial)
+            ]
+
+    def attach(
+        self,
+        pid: int,
+        device_uuid: str,
+        mps_pinned_limit_mib: int | None = None,
+        *,
+        mps: bool | None = None,
+    ) -> None:
+        """Process ``pid`` creates a CUDA context on ``device_uuid`` (a MIG or GPU UUID).
+
+        ``mps_pinned_limit_mib`` makes it an MPS client with that pinned-memory limit
+        (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``); ``mps=True`` makes it an MPS client
+        without a limit.
+
+        Raises:
+            SimCudaError: the UUID names no usable device (e.g. a MIG-mode parent GPU,
+                which CUDA cannot use), or the GPU is lost.
+            ValueError: ``pid`` already has a context.
+        """
+        with self._lock:
+            if pid in self._processes:
+                raise ValueError(f"pid {pid} is already attached")
+            found = self._by_uuid.get(device_uuid)
+            if found is not None:
+                gpu, gi, ci = found
+                proc = SimProcess(pid, gpu.index, gi.serial, ci.serial, device_uuid)
+            else:
+                gpu_match = next((g for g in self.gpus if g.uuid == device_uuid), None)
+                if gpu_match is None:
+                    raise SimCudaError(f"CUDA error: invalid device ordinal ({device_uuid})")
+                if gpu_match.mig_current:
+                    # With MIG on, CUDA enumerates MIG devices only; the parent is not usable.
+                    raise SimCudaError(
+                        "CUDA error: no CUDA-capable device is detected "
+                        f"({device_uuid} is in MIG mode)"
+                    )
+                gpu = gpu_match
+                proc = SimProcess(pid, gpu.index, None, None, device_uuid)
+            if gpu.lost:
+                raise SimCudaError("CUDA error: unspecified launch failure (GPU is lost)")
+            proc.mps = bool(mps) if mps is not None else mps_pinned_limit_mib is not None
+            proc.mps_pinned_limit_mib = mps_pinned_limit_mib
+            self._processes[pid] = proc
+
+    def alloc(self, pid: int, mib: int) -> None:
+        """``cudaMalloc`` of ``mib`` MiB by ``pid``.
+
+        Raises:
+            SimOutOfMemory: past the MPS client's pinned limit, or past the device's
+                memory (MIG instance memory, or the whole GPU without MIG).
+            ValueError: ``pid`` is not attached or ``mib`` is negative.
+        """
+        if mib < 0:
+            raise ValueError("allocation size must not be negative")
+        with self._lock:
+            proc = self._attached(pid)
+            if self.gpus[proc.gpu].lost:
+                raise SimCudaError("CUDA error: unspecified launch failure (GPU is lost)")
+            limit = proc.mps_pinned_limit_mib
+            if limit is not None and proc.used_mib + mib > limit:
+                raise SimOutOfMemory(
+                    pid=pid,
+                    device_uuid=proc.device_uuid,
+                    requested_mib=mib,
+                    used_mib=proc.used_mib,
+                    limit_mib=limit,
+                    limit="MPS pinned-memory limit",
+                )
+            total, used = self.memory_mib(proc.gpu, proc.gi_serial)
+            if used + mib > total:
+                raise SimOutOfMemory(
+                    pid=pid,
+                    device_uuid=proc.device_uuid,
+                    requested_mib=mib,
+                    used_mib=used,
+                    limit_mib=total,
+                    limit="device memory",
+                )
+            proc.used_mib += mib
+
+    def free(self, pid: int, mib: int) -> None:
+        """``cudaFree`` of ``mib`` MiB.
+
+        Raises:
+            ValueError: more than the process holds, or not attached.
+        """
+        with self._lock:
+            proc = self._attached(pid)
+            if not 0 <= mib <= proc.used_mib:
+                raise ValueError(f"pid {pid} holds {proc.used_mib} MiB, cannot free {mib}")
+            proc.used_mib -= mib
+
+    def detach(self, pid: int) -> None:
+        """The process exits: its context and memory go away (no error if not attached)."""
+        with self._lock:
+            self._processes.pop(pid, None)
+
+    def _attached(self, pid: int) -> SimProcess:
+        proc = self._processes.get(pid)
+        if proc is None:
+            raise ValueError(f"pid {pid} has no CUDA context on this node")
+        return proc
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The node lock (re-entrant): hold it across calls that need one consistent view."""
+        return self._lock
+
+
+def _lowest_free(used: dict[int, Any], first: int) -> int:
+    candidate = first
+    while candidate in used:
+        candidate += 1
+    return candidate
+
+
+def _full_ci_index(profile: Profile) -> int:
+    for index, slices in CI_PROFILE_SLICES.items():
+        if slices == profile.compute_slices:
+            return index
+    raise MigdError(f"no compute instance profile has {profile.compute_slices} slices")
+
+
+def _cuda_version_int(version: int | str) -> int:
+    if isinstance(version, int):
+        return version
+    major, _, minor = version.partition(".")
+    return int(major) * 1000 + int(minor or 0) * 10
+
+
+__all__ = [
+    "InstanceView",
+    "SimCudaError",
+    "SimGpu",
+    "SimGpuSpec",
+    "SimInstanceSpec",
+    "SimNode",
+    "SimOutOfMemory",
+    "SimProcessSpec",
+]

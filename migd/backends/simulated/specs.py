@@ -1,0 +1,413 @@
+"""Descriptions of a simulated node: what GPUs it has and what runs on them.
+
+Three sources, one result (a list of :class:`SimGpuSpec` plus node options):
+
+* a short description, ``"8xA100-40GB"`` or ``"2xA100-40GB,1xH100-80GB,1xV100-32GB"``;
+  an item may carry a MIG-mode flag: ``"1xA100-40GB:mig=off"``, ``":mig=pending"``
+  (enable pending a reset) or ``":mig=disabling"`` (on now, off after a reset);
+* a TOML document (file or text)::
+
+      seed = 7                      # node options: seed, time_scale, root,
+      time_scale = 0.0              # driver_version, cuda_version
+      [[gpu]]
+      model = "A100-40GB"
+      count = 1                     # optional, default 1
+      mig = true                    # current MIG mode (default on for MIG models)
+      mig_pending = true            # optional, default = mig
+      instances = [["3g.20gb", 4], {profile = "1g.5gb", start = 0}]
+      processes = [{pid = 4242, device = "3g.20gb@4", used_mib = 1024,
+                    mps_pinned_limit_mib = 2048}]
+
+* a probe recorded on real hardware by ``scripts/gpu_probe.py`` (JSON), so the
+  simulator can be made to agree with what a real GPU reported.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from migd.backends.simulated.hardware import board
+from migd.core import catalog
+from migd.core.geometry import Geometry, NvmlProfileInfo
+from migd.errors import ConfigError
+
+PROBE_SCHEMA = "migd-gpu-probe/1"
+
+
+@dataclass(frozen=True, slots=True)
+class SimInstanceSpec:
+    """A GPU instance (with its full compute instance) that exists when the node starts."""
+
+    profile: str | int  # profile name or ID
+    start: int
+    uuid: str | None = None  # MIG UUID to use (a recorded one); generated when None
+    gi_id: int | None = None  # GPU instance id to use (a recorded one); next free when None
+
+
+@dataclass(frozen=True, slots=True)
+class SimProcessSpec:
+    """A CUDA process already running when the node starts.
+
+    ``device`` is ``"gpu"`` (the whole GPU, non-MIG), ``"<profile>@<start>"`` (a
+    pre-existing instance of this GPU) or a MIG UUID of one.
+    """
+
+    pid: int
+    device: str = "gpu"
+    used_mib: int = 0
+    mps_pinned_limit_mib: int | None = None
+    mps: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SimGpuSpec:
+    """One simulated GPU: identity, geometry (``None``: no MIG), mode and initial contents."""
+
+    name: str
+    pci_device_id: int
+    memory_total_mib: int
+    geometry: Geometry | None = None
+    model: str | None = None
+    compute_capability: tuple[int, int] | None = None
+    mig_current: bool = True
+    mig_pending: bool | None = None  # None: same as mig_current
+    instances: tuple[SimInstanceSpec, ...] = ()
+    processes: tuple[SimProcessSpec, ...] = ()
+    uuid: str | None = None  # generated from the node seed when None
+    pci_bus_id: str | None = None
+
+    @classmethod
+    def for_model(cls, model: str, **overrides: Any) -> SimGpuSpec:
+        """A GPU of a catalog (or non-MIG table) model; ``overrides`` replace fields.
+
+        Raises:
+            ConfigError: unknown model.
+        """
+        facts = board(model)
+        spec = cls(
+            name=facts.name,
+            pci_device_id=facts.pci_device_id,
+            memory_total_mib=facts.memory_total_mib,
+            geometry=facts.geometry,
+            model=facts.model,
+            compute_capability=facts.compute_capability,
+            mig_current=facts.geometry is not None,
+        )
+        return replace(spec, **overrides) if overrides else spec
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """GPUs plus node options (``seed``, ``time_scale``, ``root``, versions) from a source."""
+
+    gpus: tuple[SimGpuSpec, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+_NODE_OPTIONS = ("seed", "time_scale", "root", "driver_version", "cuda_version")
+
+
+def parse_source(source: str | Path) -> NodeSpec:
+    """Parse a description string, TOML text, a TOML file or a probe JSON file.
+
+    Raises:
+        ConfigError: the source is malformed (``where`` says which part).
+    """
+    if isinstance(source, Path) or _looks_like_path(source):
+        path = Path(source)
+        if path.suffix == ".json":
+            return parse_probe(read_json(path), where=str(path))
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc}", where="description") from exc
+        return parse_toml(text, where=str(path))
+    if "\n" in source or "=" in source.split(":", 1)[0] or source.lstrip().startswith("["):
+        return parse_toml(source, where="description")
+    return parse_description(source)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``.
+
+    Raises:
+        ConfigError: unreadable, not JSON, or not an object.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path} as JSON: {exc}", where=str(path)) from exc
+    if not isinstance(data, dict):
+        raise ConfigError("a probe record is a JSON object", where=str(path))
+    return data
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.endswith((".toml", ".json")) and "\n" not in text
+
+
+def parse_description(text: str) -> NodeSpec:
+    """``"2xA100-40GB,1xV100-32GB"`` -> GPU specs in that order.
+
+    Raises:
+        ConfigError: an item is not ``[N x]MODEL[:mig=on|off|pending|disabling]``.
+    """
+    gpus: list[SimGpuSpec] = []
+    for position, raw in enumerate(item.strip() for item in text.split(",")):
+        if not raw:
+            continue
+        where = f"description[{position}]"
+        head, _, flags = raw.partition(":")
+        count_text, sep, model = head.partition("x")
+        if not sep or not count_text.strip().isdigit():
+            count_text, model = "1", head
+        count = int(count_text)
+        if count < 1:
+            raise ConfigError(f"GPU count must be at least 1 in {raw!r}", where=where)
+        spec = SimGpuSpec.for_model(model.strip())
+        for flag in (f.strip() for f in flags.split(":") if f.strip()):
+            spec = _apply_mig_flag(spec, flag, where)
+        gpus.extend([spec] * count)
+    if not gpus:
+        raise ConfigError(
+            "the description names no GPU",
+            where="description",
+            hint='write e.g. "8xA100-40GB" or "2xA100-40GB,1xV100-32GB"',
+        )
+    return NodeSpec(tuple(gpus))
+
+
+def _apply_mig_flag(spec: SimGpuSpec, flag: str, where: str) -> SimGpuSpec:
+    modes = {
+        "mig=on": (True, True),
+        "mig=off": (False, False),
+        "mig=pending": (False, True),  # enabled, waiting for a GPU reset
+        "mig=disabling": (True, False),  # disabled, waiting for a GPU reset
+    }
+    if flag not in modes:
+        raise ConfigError(f"unknown flag {flag!r}", where=where, hint="flags: " + ", ".join(modes))
+    if spec.geometry is None:
+        raise ConfigError(f"{spec.name} has no MIG; {flag!r} does not apply", where=where)
+    current, pending = modes[flag]
+    return replace(spec, mig_current=current, mig_pending=pending)
+
+
+def parse_toml(text: str, *, where: str = "description") -> NodeSpec:
+    """Parse the TOML form (see the module docstring).
+
+    Raises:
+        ConfigError: invalid TOML or an invalid entry.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", where=where) from exc
+    options = {k: data[k] for k in _NODE_OPTIONS if k in data}
+    unknown = set(data) - set(_NODE_OPTIONS) - {"gpu"}
+    if unknown:
+        raise ConfigError(
+            f"unknown keys {sorted(unknown)}",
+            where=where,
+            hint="top-level keys: " + ", ".join((*_NODE_OPTIONS, "gpu")),
+        )
+    gpus: list[SimGpuSpec] = []
+    for position, entry in enumerate(data.get("gpu", [])):
+        gpus.extend(_gpu_from_table(entry, f"{where}: gpu[{position}]"))
+    if not gpus:
+        raise ConfigError("no [[gpu]] table", where=where)
+    return NodeSpec(tuple(gpus), options)
+
+
+def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
+    allowed = {
+        "model",
+        "count",
+        "mig",
+        "mig_pending",
+        "instances",
+        "processes",
+        "uuid",
+        "name",
+        "memory_total_mib",
+    }
+    unknown = set(entry) - allowed
+    if unknown:
+        raise ConfigError(
+            f"unknown keys {sorted(unknown)}",
+            where=where,
+            hint="keys: " + ", ".join(sorted(allowed)),
+        )
+    if "model" not in entry:
+        raise ConfigError("missing 'model'", where=where)
+    spec = SimGpuSpec.for_model(str(entry["model"]))
+    overrides: dict[str, Any] = {}
+    if "name" in entry:
+        overrides["name"] = str(entry["name"])
+    if "memory_total_mib" in entry:
+        overrides["memory_total_mib"] = int(entry["memory_total_mib"])
+    if "mig" in entry:
+        if spec.geometry is None and entry["mig"]:
+            raise ConfigError(f"{spec.name} has no MIG", where=f"{where}.mig")
+        overrides["mig_current"] = bool(entry["mig"])
+    if "mig_pending" in entry:
+        overrides["mig_pending"] = bool(entry["mig_pending"])
+    instances: list[SimInstanceSpec] = []
+    for i, inst in enumerate(entry.get("instances", [])):
+        if isinstance(inst, Mapping):
+            instances.append(
+                SimInstanceSpec(
+                    inst["profile"], int(inst["start"]), inst.get("uuid"), inst.get("gi_id")
+                )
+            )
+        elif isinstance(inst, Sequence) and len(inst) == 2:
+            instances.append(SimInstanceSpec(inst[0], int(inst[1])))
+        else:
+            raise ConfigError(
+                "an instance is [profile, start] or {profile=..., start=...}",
+                where=f"{where}.instances[{i}]",
+            )
+    processes = tuple(
+        SimProcessSpec(
+            pid=int(p["pid"]),
+            device=str(p.get("device", "gpu")),
+            used_mib=int(p.get("used_mib", 0)),
+            mps_pinned_limit_mib=p.get("mps_pinned_limit_mib"),
+            mps=bool(p.get("mps", p.get("mps_pinned_limit_mib") is not None)),
+        )
+        for p in entry.get("processes", [])
+    )
+    spec = replace(spec, instances=tuple(instances), processes=processes, **overrides)
+    count = int(entry.get("count", 1))
+    if count < 1:
+        raise ConfigError("count must be at least 1", where=f"{where}.count")
+    if "uuid" in entry:
+        if count != 1:
+            raise ConfigError("a fixed uuid needs count = 1", where=f"{where}.uuid")
+        spec = replace(spec, uuid=str(entry["uuid"]))
+    if count > 1 and processes:
+        raise ConfigError("processes need count = 1 (PIDs are unique)", where=f"{where}.processes")
+    return [spec] * count
+
+
+def parse_probe(
+    data: Mapping[str, Any], *, where: str = "probe", with_processes: bool = True
+) -> NodeSpec:
+    """Build specs from a ``scripts/gpu_probe.py`` record.
+
+    Geometry comes from the recorded profile infos and possible placements
+    (:meth:`Geometry.from_nvml`, with the catalog entry of the detected model for
+    the values NVML cannot give); a probe without placements (run without root, or
+    with MIG disabled) falls back to the catalog. Recorded instances keep their
+    MIG UUIDs; recorded processes are attached to the devices they used.
+
+    Raises:
+        ConfigError: not a probe record, or a GPU without usable MIG data.
+    """
+    if data.get("schema") != PROBE_SCHEMA:
+        raise ConfigError(
+            f"not a {PROBE_SCHEMA} record (schema={data.get('schema')!r})", where=where
+        )
+    options: dict[str, Any] = {}
+    if data.get("driver_version"):
+        options["driver_version"] = str(data["driver_version"])
+    if data.get("cuda_version"):
+        options["cuda_version"] = str(data["cuda_version"])
+    gpus: list[SimGpuSpec] = []
+    for position, gpu in enumerate(data.get("gpus", [])):
+        gpus.append(_gpu_from_probe(gpu, f"{where}: gpus[{position}]", with_processes))
+    if not gpus:
+        raise ConfigError("the probe lists no GPU", where=where)
+    return NodeSpec(tuple(gpus), options)
+
+
+def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) -> SimGpuSpec:
+    model = gpu.get("model")
+    builtin = catalog.builtin_models().get(model) if isinstance(model, str) else None
+    mig = gpu.get("mig") or {}
+    geometry: Geometry | None = None
+    if gpu.get("mig_current") is not None:
+        profiles = mig.get("profiles") or []
+        infos = [
+            NvmlProfileInfo(
+                nvml_index=int(p["nvml_index"]),
+                profile_id=int(p["id"]),
+                compute_slices=int(p["slice_count"]),
+                max_instances=int(p["instance_count"]),
+                memory_mib=int(p["memory_mib"]),
+                name=str(p.get("name") or ""),
+                multiprocessor_count=p.get("multiprocessor_count"),
+            )
+            for p in profiles
+        ]
+        placements = {
+            int(p["id"]): [(int(s), int(z)) for s, z in p["placements"]]
+            for p in profiles
+            if p.get("placements")
+        }
+        if infos and placements:
+            geometry = Geometry.from_nvml(
+                str(model or gpu["name"]),
+                infos,
+                placements,
+                display_name=str(gpu["name"]),
+                builtin=builtin,
+            )
+            # Engine counts as recorded (NVML reports them per profile; the catalog may not).
+            engines = {
+                int(p["id"]): {k: int(v) for k, v in p["engines"].items()}
+                for p in profiles
+                if p.get("engines")
+            }
+            if engines:
+                geometry = replace(
+                    geometry,
+                    profiles=tuple(
+                        replace(p, engines=engines.get(p.profile_id, p.engines))
+                        for p in geometry.profiles
+                    ),
+                    _by_id={},
+                    _by_name={},
+                )
+        elif builtin is not None:
+            geometry = builtin
+        else:
+            raise ConfigError(
+                "MIG-capable GPU of an unknown model without recorded placements",
+                where=where,
+                hint="re-run scripts/gpu_probe.py as root with MIG enabled",
+            )
+    instances = tuple(
+        SimInstanceSpec(int(i["profile_id"]), int(i["start"]), i.get("uuid"), i.get("gi_id"))
+        for i in mig.get("instances") or []
+    )
+    processes: tuple[SimProcessSpec, ...] = ()
+    if with_processes:
+        processes = tuple(
+            SimProcessSpec(
+                pid=int(p["pid"]),
+                device=str(p.get("mig_uuid") or "gpu"),
+                used_mib=int(p.get("used_mib") or 0),
+                mps=bool(p.get("mps", False)),
+            )
+            for p in gpu.get("processes") or []
+        )
+    cc = gpu.get("compute_capability")
+    return SimGpuSpec(
+        name=str(gpu["name"]),
+        pci_device_id=int(gpu["pci_device_id"]),
+        memory_total_mib=int(gpu["memory_total_mib"]),
+        geometry=geometry,
+        model=str(model) if model else None,
+        compute_capability=(int(cc[0]), int(cc[1])) if cc else None,
+        mig_current=bool(gpu.get("mig_current")),
+        mig_pending=None if gpu.get("mig_pending") is None else bool(gpu["mig_pending"]),
+        instances=instances,
+        processes=processes,
+        uuid=str(gpu["uuid"]) if gpu.get("uuid") else None,
+        pci_bus_id=str(gpu["pci_bus_id"]) if gpu.get("pci_bus_id") else None,
+    )

@@ -1,0 +1,591 @@
+"""A stand-in ``nvidia-cuda-mps-control`` for tests without a GPU.
+
+Run as ``python -m migd.testing.fake_mps_control [-d | -f] [-M]``; tests put an
+executable shim named ``nvidia-cuda-mps-control`` on ``PATH``
+(:func:`write_fake_mps_control`). It behaves like the real program as far as
+migd relies on it:
+
+* ``-d`` daemonizes, writes ``nvidia-cuda-mps-control.pid`` into
+  ``$CUDA_MPS_PIPE_DIRECTORY`` (the file name the MPS docs give, "Appendix: Tools
+  and Interface Reference"), listens on the ``control`` socket there (the real
+  daemon logs "Starting control daemon using socket <pipe>/control"), and logs to
+  ``$CUDA_MPS_LOG_DIRECTORY/control.log`` in the real line format
+  (``[YYYY-MM-DD HH:MM:SS.mmm Control  PID] message``, as in the control logs
+  quoted in NVIDIA/k8s-device-plugin#685, #1614). A second ``-d`` on the same pipe
+  directory prints ``An instance of this daemon is already running`` and exits 1
+  (the message scripts test for, e.g. in third-party MPS launchers); stale pid
+  and socket files of a dead daemon do not block a new one. ``-f`` runs in the
+  foreground; ``-M`` is multi-user mode (every client is served by one root
+  server).
+* Without ``-d``/``-f`` it is the front end: reads commands from stdin until EOF,
+  one per line, sends each to the daemon and prints the reply on stdout. If no
+  daemon answers it prints ``Cannot find MPS control daemon process`` and exits 1;
+  "the exit status of the front-end UI is zero if communication with the daemon
+  is successful. A non-zero value is returned if the daemon is not found or
+  connection to the daemon is broken unexpectedly" (``nvidia-cuda-mps-control(1)``).
+* Commands (MPS v2 interface, docs.nvidia.com/deploy/mps/latest/mpsv2-interface.html):
+  ``get_server_list`` (one PID a line), ``start_server -uid N``,
+  ``shutdown_server PID [-f]``, ``get_client_list PID``,
+  ``set_default_device_pinned_mem_limit DEV VALUE`` and ``get_...``,
+  ``set_device_pinned_mem_limit PID DEV VALUE`` and ``get_...``,
+  ``set_default_active_thread_percentage PCT`` (echoes ``PCT.0``) and ``get_...``
+  (``100.0`` by default), ``set_active_thread_percentage PID PCT``, ``quit [-t S]``.
+  Defaults apply to servers started *later* only, as on the real daemon; set
+  commands print nothing on success; an unknown or malformed command prints an
+  error line (wording made up: the real text is not documented).
+* MPS servers are real child processes of the daemon (so tests can kill one);
+  they exit when the daemon goes away.
+
+Test-only (clearly not NVIDIA's) commands, prefixed ``fake_``:
+``fake_register_client PID UID`` connects a client process the way CUDA init
+would (starting a server for the UID; per-user serialisation; the client cap from
+``$FAKE_MPS_MAX_CLIENTS``, default 48) and prints the server PID;
+``fake_unregister_client PID``; ``fake_status`` prints the daemon's state as JSON.
+
+Failure modes: create ``<pipe dir>/fake-fault-<name>`` (:func:`fault_path`):
+
+* ``crash-server`` (one-shot): every server logs "Server encountered a fatal
+  exception. Shutting down" and exits with status 1.
+* ``refuse-clients`` (while present): new clients and ``start_server`` fail with
+  ``all CUDA-capable devices are busy or unavailable`` (logged).
+* ``die`` (one-shot): the daemon exits at once, leaving its pid file and socket.
+* ``hang`` (while present): the daemon stops answering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import selectors
+import shlex
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+PID_FILE_NAME = "nvidia-cuda-mps-control.pid"
+CONTROL_SOCKET_NAME = "control"
+LOCK_FILE_NAME = "control_lock"
+CONTROL_LOG_NAME = "control.log"
+SERVER_LOG_NAME = "server.log"
+
+NO_DAEMON_MESSAGE = "Cannot find MPS control daemon process"
+ALREADY_RUNNING_MESSAGE = "An instance of this daemon is already running"
+DEVICES_UNAVAILABLE_MESSAGE = "all CUDA-capable devices are busy or unavailable"
+
+FAULTS = ("crash-server", "refuse-clients", "die", "hang")
+_ONE_SHOT_FAULTS = ("crash-server", "die")
+_TICK_S = 0.05
+_END = b"\0"  # reply terminator: a reply without it means the daemon broke off
+
+
+def fault_path(pipe_dir: Path | str, name: str) -> Path:
+    """Where a test creates a file to inject fault ``name`` (one of :data:`FAULTS`)."""
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    return Path(pipe_dir) / f"fake-fault-{name}"
+
+
+def write_fake_mps_control(bin_dir: Path) -> Path:
+    """Create an executable ``bin_dir/nvidia-cuda-mps-control`` that runs this fake.
+
+    The shim pins this interpreter and the directory migd is imported from, so it
+    works from any working directory and for any user who can read them.
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shim = bin_dir / "nvidia-cuda-mps-control"
+    package_root = Path(__file__).resolve().parents[2]
+    shim.write_text(
+        "#!/bin/sh\n"
+        "# Test stand-in for NVIDIA's nvidia-cuda-mps-control (migd.testing.fake_mps_control)\n"
+        f"PYTHONPATH={shlex.quote(str(package_root))}${{PYTHONPATH:+:$PYTHONPATH}} "
+        f'exec {shlex.quote(sys.executable)} -m migd.testing.fake_mps_control "$@"\n',
+        encoding="utf-8",
+    )
+    shim.chmod(0o755)
+    return shim
+
+
+# -- daemon -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Server:
+    pid: int
+    uid: int
+    pinned_limits: dict[str, str]
+    thread_percentage: float
+    clients: set[int] = field(default_factory=set)
+
+
+class _Daemon:
+    def __init__(self, pipe_dir: Path, log_dir: Path, *, multi_user: bool) -> None:
+        self.pipe_dir = pipe_dir
+        self.log_dir = log_dir
+        self.multi_user = multi_user
+        self.visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        self.max_clients = int(os.environ.get("FAKE_MPS_MAX_CLIENTS", "48"))
+        self.default_limits: dict[str, str] = {}
+        self.default_thread_percentage = 100.0
+        self.servers: dict[int, _Server] = {}
+        self.running = True
+        self.cleaned_up = False
+        self.sock: socket.socket | None = None
+        self.lock_fd = -1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._log: IO[str] = (self.log_dir / CONTROL_LOG_NAME).open("a", encoding="utf-8")
+
+    # logging in the real daemon's format: "[2024-04-29 11:22:10.421 Control    73] ..."
+    def log(self, message: str, *, who: str = "Control", pid: int | None = None) -> None:
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+        ms = int((now % 1) * 1000)
+        line = f"[{stamp}.{ms:03d} {who} {pid or os.getpid():>5}] {message}\n"
+        target = self._log
+        if who == "Server":
+            with (self.log_dir / SERVER_LOG_NAME).open("a", encoding="utf-8") as server_log:
+                server_log.write(line)
+            return
+        target.write(line)
+        target.flush()
+
+    def fault(self, name: str) -> bool:
+        path = fault_path(self.pipe_dir, name)
+        if not path.exists():
+            return False
+        if name in _ONE_SHOT_FAULTS:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return True
+
+    # -- servers
+
+    def start_server(self, uid: int) -> _Server:
+        pid = os.fork()
+        if pid == 0:  # the "MPS server": lives until the daemon goes away
+            self._become_server()
+        server = _Server(
+            pid=pid,
+            uid=uid,
+            pinned_limits=dict(self.default_limits),
+            thread_percentage=self.default_thread_percentage,
+        )
+        self.servers[pid] = server
+        self.log(f"Starting new server {pid} for user {uid}")
+        self.log(f"NEW SERVER {pid}: Ready")
+        limits = ", ".join(f"{d}={v}" for d, v in sorted(server.pinned_limits.items()))
+        self.log("Server has started", who="Server", pid=pid)
+        self.log(
+            f"Active Threads Percentage set to {server.thread_percentage:.1f}",
+            who="Server",
+            pid=pid,
+        )
+        if limits:
+            self.log(f"Device pinned memory limits set to {limits}", who="Server", pid=pid)
+        return server
+
+    def _become_server(self) -> None:
+        try:
+            # Drop every inherited descriptor: the listening socket, the lock (it must
+            # die with the daemon) and the connection being answered (its client waits
+            # for EOF).
+            os.closerange(3, 1 << 16)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGUSR1, lambda *_: os._exit(1))
+            parent = os.getppid()
+            while os.getppid() == parent:
+                time.sleep(0.1)
+        finally:
+            os._exit(0)
+
+    def stop_server(self, server: _Server, *, force: bool = False) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGKILL if force else signal.SIGTERM)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(server.pid, 0)
+        self.servers.pop(server.pid, None)
+        self.log(f"Server {server.pid} exited with status 0")
+
+    def reap(self) -> None:
+        while self.servers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code  # a signal shows like a shell's 128+N
+            if self.servers.pop(pid, None) is not None:
+                self.log(f"Server {pid} exited with status {code}")
+
+    def crash_servers(self) -> None:
+        for server in list(self.servers.values()):
+            self.log("Server encountered a fatal exception. Shutting down")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server.pid, signal.SIGUSR1)
+
+    def client_count(self) -> int:
+        return sum(len(s.clients) for s in self.servers.values())
+
+    # -- commands
+
+    def handle(self, line: str) -> str:
+        words = line.split()
+        if not words:
+            return ""
+        cmd, args = words[0], words[1:]
+        handler = getattr(self, f"cmd_{cmd}", None)
+        if handler is None:
+            return f"Invalid command: {cmd}"
+        try:
+            return str(handler(args))
+        except (ValueError, IndexError, KeyError):
+            return f"Invalid arguments for {cmd}: {' '.join(args)}"
+
+    def _server(self, text: str) -> _Server:
+        server = self.servers.get(int(text))
+        if server is None:
+            raise KeyError(text)
+        return server
+
+    def _check_device(self, dev: str) -> str:
+        visible = [d for d in self.visible_devices.split(",") if d]
+        if dev.isdigit() and (not visible or int(dev) < len(visible)):
+            return dev
+        if dev in visible:
+            return "0" if len(visible) == 1 else str(visible.index(dev))
+        raise ValueError(dev)
+
+    @staticmethod
+    def _check_limit(value: str) -> str:
+        # "<int>G" or "<int>M" (MPS v2 interface docs)
+        if len(value) < 2 or value[-1] not in "GM" or not value[:-1].isdigit():
+            raise ValueError(value)
+        return value
+
+    @staticmethod
+    def _show_limit(value: str | None) -> str:
+        # Newer drivers print limits of 1 GiB and more as whole, rounded-down "G"
+        # (seen in a third-party fixture, see htcondor-mps-nvml.md §4.1); mimic that so
+        # callers cannot rely on reading back exactly what they set.
+        if value is None:
+            return ""
+        mib = int(value[:-1]) * (1024 if value[-1] == "G" else 1)
+        return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
+
+    def cmd_get_server_list(self, args: list[str]) -> str:
+        return "\n".join(str(pid) for pid in sorted(self.servers))
+
+    def cmd_start_server(self, args: list[str]) -> str:
+        if len(args) < 2 or args[0] != "-uid":
+            raise ValueError("usage")
+        uid = int(args[1])
+        if self.fault("refuse-clients"):
+            self.log(f"Failed to start server for user {uid}: {DEVICES_UNAVAILABLE_MESSAGE}")
+            return f"Failed to start server: {DEVICES_UNAVAILABLE_MESSAGE}"
+        if any(s.uid == uid for s in self.servers.values()):
+            return ""
+        self.start_server(uid)
+        return ""
+
+    def cmd_shutdown_server(self, args: list[str]) -> str:
+        self.stop_server(self._server(args[0]), force="-f" in args[1:])
+        return ""
+
+    def cmd_get_client_list(self, args: list[str]) -> str:
+        return "\n".join(str(pid) for pid in sorted(self._server(args[0]).clients))
+
+    def cmd_set_default_device_pinned_mem_limit(self, args: list[str]) -> str:
+        self.default_limits[self._check_device(args[0])] = self._check_limit(args[1])
+        return ""
+
+    def cmd_get_default_device_pinned_mem_limit(self, args: list[str]) -> str:
+        return self._show_limit(self.default_limits.get(self._check_device(args[0])))
+
+    def cmd_set_device_pinned_mem_limit(self, args: list[str]) -> str:
+        server = self._server(args[0])
+        server.pinned_limits[self._check_device(args[1])] = self._check_limit(args[2])
+        return ""
+
+    def cmd_get_device_pinned_mem_limit(self, args: list[str]) -> str:
+        server = self._server(args[0])
+        return self._show_limit(server.pinned_limits.get(self._check_device(args[1])))
+
+    def cmd_set_default_active_thread_percentage(self, args: list[str]) -> str:
+        pct = float(args[0])
+        if not 0 < pct <= 100:
+            raise ValueError(args[0])
+        self.default_thread_percentage = pct
+        return f"{pct:.1f}"
+
+    def cmd_get_default_active_thread_percentage(self, args: list[str]) -> str:
+        return f"{self.default_thread_percentage:.1f}"
+
+    def cmd_set_active_thread_percentage(self, args: list[str]) -> str:
+        server = self._server(args[0])
+        pct = float(args[1])
+        if not 0 < pct <= 100:
+            raise ValueError(args[1])
+        server.thread_percentage = pct
+        return f"{pct:.1f}"
+
+    def cmd_get_active_thread_percentage(self, args: list[str]) -> str:
+        return f"{self._server(args[0]).thread_percentage:.1f}"
+
+    def cmd_quit(self, args: list[str]) -> str:
+        for server in list(self.servers.values()):
+            self.stop_server(server)
+        self.running = False
+        return ""
+
+    # test-only commands
+
+    def cmd_fake_register_client(self, args: list[str]) -> str:
+        client_pid, uid = int(args[0]), int(args[1])
+        if self.fault("refuse-clients"):
+            self.log(f"NEW CLIENT {client_pid} from user {uid}: {DEVICES_UNAVAILABLE_MESSAGE}")
+            return f"ERROR: {DEVICES_UNAVAILABLE_MESSAGE}"
+        if self.client_count() >= self.max_clients:
+            self.log(f"NEW CLIENT {client_pid} from user {uid}: client limit reached")
+            return f"ERROR: {DEVICES_UNAVAILABLE_MESSAGE}"
+        server_uid = 0 if self.multi_user else uid
+        server = next((s for s in self.servers.values() if s.uid == server_uid), None)
+        if server is None:
+            busy = [s for s in self.servers.values() if s.clients]
+            if busy:
+                self.log(
+                    f"NEW CLIENT {client_pid} from user {uid}: Server is not ready, "
+                    "push client to pending list"
+                )
+                return f"ERROR: pending: server {busy[0].pid} of user {busy[0].uid} is busy"
+            for other in list(self.servers.values()):
+                self.stop_server(other)
+            self.log(
+                f"NEW CLIENT {client_pid} from user {uid}: Server is not ready, "
+                "push client to pending list"
+            )
+            server = self.start_server(server_uid)
+        else:
+            self.log(f"NEW CLIENT {client_pid} from user {uid}: Server already exists")
+        server.clients.add(client_pid)
+        self.log(f"Client {{PID: {client_pid}}} connected", who="Server", pid=server.pid)
+        return str(server.pid)
+
+    def cmd_fake_unregister_client(self, args: list[str]) -> str:
+        client_pid = int(args[0])
+        for server in self.servers.values():
+            if client_pid in server.clients:
+                server.clients.discard(client_pid)
+                self.log(f"Client {{PID: {client_pid}}} exit", who="Server", pid=server.pid)
+        return ""
+
+    def cmd_fake_status(self, args: list[str]) -> str:
+        return json.dumps(
+            {
+                "pid": os.getpid(),
+                "multi_user": self.multi_user,
+                "visible_devices": self.visible_devices,
+                "default_pinned_limits": self.default_limits,
+                "default_thread_percentage": self.default_thread_percentage,
+                "servers": [
+                    {
+                        "pid": s.pid,
+                        "uid": s.uid,
+                        "pinned_limits": s.pinned_limits,
+                        "thread_percentage": s.thread_percentage,
+                        "clients": sorted(s.clients),
+                    }
+                    for s in self.servers.values()
+                ],
+            },
+            sort_keys=True,
+        )
+
+    # -- loop
+
+    def serve(self, ready_fd: int | None) -> int:
+        os.chdir(self.pipe_dir)  # bind relative: AF_UNIX paths are limited to 107 bytes
+        with contextlib.suppress(FileNotFoundError):
+            Path(CONTROL_SOCKET_NAME).unlink()  # we hold the lock: an old socket is stale
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(CONTROL_SOCKET_NAME)
+        self.sock.listen(64)
+        tmp = Path(f".{PID_FILE_NAME}.tmp")
+        tmp.write_text(f"{os.getpid()}\n", encoding="utf-8")
+        tmp.replace(PID_FILE_NAME)
+        self.log(f"Starting control daemon using socket {self.pipe_dir / CONTROL_SOCKET_NAME}")
+        self.log(
+            "To connect CUDA applications to this daemon, set env "
+            f"CUDA_MPS_PIPE_DIRECTORY={self.pipe_dir}"
+        )
+        self.log("CUDA MPS Control binary version: fake (migd.testing)")
+        if ready_fd is not None:
+            os.write(ready_fd, b"1")
+            os.close(ready_fd)
+        signal.signal(signal.SIGTERM, lambda *_: self._terminate())
+        selector = selectors.DefaultSelector()
+        selector.register(self.sock, selectors.EVENT_READ)
+        while self.running:
+            for _ in selector.select(timeout=_TICK_S):
+                conn, _addr = self.sock.accept()
+                with conn:
+                    self._answer(conn)
+                if self.stopped():
+                    break
+            self.reap()
+            if self.fault("die"):
+                os._exit(1)  # leave pid file and socket behind, like a crash
+            if self.fault("crash-server"):
+                self.crash_servers()
+            while self.fault("hang"):
+                time.sleep(_TICK_S)
+        self._cleanup()
+        return 0
+
+    def _answer(self, conn: socket.socket) -> None:
+        while self.fault("hang"):
+            time.sleep(_TICK_S)
+        conn.settimeout(5.0)
+        data = b""
+        try:
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            reply = self.handle(data.decode("utf-8", "replace").strip())
+            if not self.running:
+                self._cleanup()
+            conn.sendall(reply.encode() + _END)
+        except OSError:
+            return
+
+    def stopped(self) -> bool:
+        return not self.running
+
+    def _terminate(self) -> None:
+        # SIGTERM: stop the servers, clean up and leave at once, even mid-"hang".
+        for server in list(self.servers.values()):
+            self.stop_server(server)
+        self._cleanup()
+        os._exit(0)
+
+    def _cleanup(self) -> None:
+        if self.cleaned_up:
+            return
+        self.cleaned_up = True
+        for name in (PID_FILE_NAME, CONTROL_SOCKET_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                (self.pipe_dir / name).unlink()
+        self.log("Control daemon exiting")
+
+
+def _run_daemon(pipe_dir: Path, log_dir: Path, *, multi_user: bool, foreground: bool) -> int:
+    pipe_dir.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(pipe_dir / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(ALREADY_RUNNING_MESSAGE)
+        return 1
+    if foreground:
+        daemon = _Daemon(pipe_dir, log_dir, multi_user=multi_user)
+        daemon.lock_fd = lock_fd
+        return daemon.serve(None)
+    read_fd, write_fd = os.pipe()
+    if os.fork() > 0:  # the front process: wait until the daemon is ready
+        os.close(write_fd)
+        os.close(lock_fd)  # the daemon's copy keeps the lock
+        ok = os.read(read_fd, 1) == b"1"
+        os.close(read_fd)
+        return 0 if ok else 1
+    os.close(read_fd)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    # The daemon proper: drop the caller's stdio so whoever started us sees EOF.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    status = 1
+    try:
+        daemon = _Daemon(pipe_dir, log_dir, multi_user=multi_user)
+        daemon.lock_fd = lock_fd
+        status = daemon.serve(write_fd)
+    finally:
+        os._exit(status)
+
+
+# -- front end --------------------------------------------------------------------------------
+
+
+def _send(command: str) -> str | None:
+    """One command to the daemon in the current directory; ``None`` if the link broke."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(CONTROL_SOCKET_NAME)
+        sock.sendall(command.encode() + b"\n")
+        data = b""
+        while not data.endswith(_END):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    if not data.endswith(_END):
+        return None
+    return data[: -len(_END)].decode("utf-8", "replace")
+
+
+def _run_client(pipe_dir: Path) -> int:
+    try:
+        os.chdir(pipe_dir)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(CONTROL_SOCKET_NAME)
+    except OSError:
+        print(NO_DAEMON_MESSAGE)
+        return 1
+    for raw in sys.stdin:
+        command = raw.strip()
+        if not command:
+            continue
+        try:
+            reply = _send(command)
+        except OSError:
+            return 1
+        if reply is None:
+            return 1
+        if reply:
+            print(reply, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    known = {"-d", "-f", "-M", "-v", "-h", "--help"}
+    unknown = [a for a in args if a not in known]
+    if unknown or "-h" in args or "--help" in args:
+        print("usage: nvidia-cuda-mps-control [-d | -f] [-M]   (fake, migd.testing)")
+        return 0 if not unknown else 1
+    if "-v" in args:
+        print("fake nvidia-cuda-mps-control (migd.testing.fake_mps_control)")
+        return 0
+    pipe_dir = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    log_dir = Path(os.environ.get("CUDA_MPS_LOG_DIRECTORY", "/var/log/nvidia-mps"))
+    if "-d" in args or "-f" in args:
+        return _run_daemon(
+            pipe_dir.resolve(),
+            log_dir.resolve(),
+            multi_user="-M" in args,
+            foreground="-f" in args,
+        )
+    return _run_client(pipe_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A fake CUDA job for the simulated backend: ``python -m migd.testing.simjob``.
+
+It finds its device the way a CUDA program does (``CUDA_VISIBLE_DEVICES``,
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), attaches to the simulated GPU inside
+migd, allocates memory step by step and, when an allocation does not fit,
+prints PyTorch's out-of-memory message and exits 1, exactly what the wrapper
+sees from a real job. With ``MIGD_MEMSTATS_FILE`` set it writes allocator
+statistics per step, as a PyTorch job instrumented for the forecast would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from migd.client import MigdClient
+from migd.core.units import parse_mib
+from migd.errors import MigdError
+
+
+def _mps_limit() -> int | None:
+    text = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+    for part in text.split(","):
+        device, _, size = part.partition("=")
+        if device.strip() == "0" and size:
+            return parse_mib(size)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="simjob", description=__doc__)
+    parser.add_argument("--start", default="512M", help="memory allocated at start")
+    parser.add_argument("--grow", default="0", help="memory added per step")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--step-s", type=float, default=0.05, help="seconds per step")
+    parser.add_argument("--exit", type=int, default=0, help="exit code when done")
+    parser.add_argument("--print-env", action="store_true")
+    parser.add_argument("--socket", default=None)
+    args = parser.parse_args(argv)
+    if args.print_env:
+        for key in sorted(os.environ):
+            if key.startswith(("CUDA_", "NVIDIA_", "MIGD_", "APPTAINERENV_CUDA")):
+                print(f"{key}={os.environ[key]}", flush=True)
+    device = (os.environ.get("CUDA_VISIBLE_DEVICES") or "").split(",")[0].strip()
+    if not device or device in ("10000", "-1"):
+        print("RuntimeError: CUDA error: no CUDA-capable device is detected", file=sys.stderr)
+        return 1
+    client = MigdClient(args.socket or os.environ.get("MIGD_API_SOCKET"), timeout_s=10)
+    pid = os.getpid()
+    try:
+        reply = client.call("sim_attach", pid=pid, device_uuid=device, mps_limit_mib=_mps_limit())
+    except MigdError as exc:
+        print(f"RuntimeError: CUDA error: initialization error ({exc.message})", file=sys.stderr)
+        return 1
+    if reply.get("cuda_error"):
+        print(f"RuntimeError: {reply['cuda_error']}", file=sys.stderr)
+        return 1
+    memstats = os.environ.get("MIGD_MEMSTATS_FILE")
+    total = 0
+    try:
+        for step in range(args.steps + 1):
+            want = parse_mib(args.start) if step == 0 else parse_mib(args.grow)
+            if want:
+                reply = client.call("sim_alloc", pid=pid, mib=want)
+                if reply.get("oom"):
+                    limit = reply.get("limit_mib") or 0
+                    used = reply.get("used_mib") or total
+                    print(
+                        "Traceback (most recent call last):\n"
+                        '  File "train.py", line 42, in <module>\n'
+                        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                        f"{want:.2f} MiB. GPU 0 has a total capacity of {limit / 1024:.2f} GiB "
+                        f"of which {max(0, limit - used):.2f} MiB is free. Of the allocated "
+                        f"memory {used:.2f} MiB is allocated by PyTorch.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 1
+                if reply.get("cuda_error"):
+                    print(f"RuntimeError: {reply['cuda_error']}", file=sys.stderr, flush=True)
+                    return 1
+                total += want
+            if memstats:
+                row = {"step": step, "allocated_mib": total, "used_mib": total}
+                with Path(memstats).open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(f"step {step}: {total} MiB on {device}", flush=True)
+            time.sleep(args.step_s)
+    finally:
+        with contextlib.suppress(MigdError):
+            client.call("sim_detach", pid=pid)
+    print(f"simjob: done, peak {total} MiB on {device}", flush=True)
+    return int(args.exit)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

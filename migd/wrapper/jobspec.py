@@ -1,0 +1,194 @@
+"""What a job asks for, from its HTCondor ads or from ``migd-run`` flags (no I/O here).
+
+Job ad attributes the wrapper reads (set in a submit file with ``+Name = value``
+or by ``request_VRAM``):
+
+================== ===================================================== ============
+attribute          meaning                                               default
+================== ===================================================== ============
+RequestVRAM        GPU memory in MiB (``request_VRAM = 10240``)          required
+RequestGPUs        GPUs; 0 or absent: not a GPU job, run it as is        0
+MigdMode           ``"mig"``, ``"mps"`` or ``"auto"``                     ``"auto"``
+MigdMinCompute     minimum MIG compute slices                            0
+MigdMaxRestarts    OOM / forecast restarts on this node                  3
+MigdEarlyRestart   restart early when the forecast says it won't fit     false
+MigdHorizon        total iterations (or seconds) the job will run        none
+MigdGrowthFactor   on OOM ask for this × the old limit (0: next profile) 0
+MigdWaitSeconds    how long to wait for a partition                      daemon's
+WantIOProxy        lets the wrapper update RequestVRAM through chirp      false
+================== ===================================================== ============
+
+From the machine (slot) ad: ``Name`` (the slot), ``VRAM`` (the slot's
+provisioned GPU memory, used when the job ad has no RequestVRAM) and, when the
+node sets ``MigdPinToAssignedGPU = true`` (one partitionable slot per GPU),
+``AssignedGPUs``: the lease is then restricted to that GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from migd.core.units import parse_mib
+from migd.errors import InvalidRequest, JobAdError
+
+MODES = ("mig", "mps", "auto")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    command: tuple[str, ...]
+    job_id: str
+    memory_mib: int
+    slot: str = ""
+    min_compute: int = 0
+    mode: str = "auto"
+    gpus: tuple[str, ...] | None = None
+    max_restarts: int = 3
+    early_restart: bool = False
+    horizon: float | None = None
+    growth_factor: float = 0.0
+    wait_s: float | None = None
+    under_condor: bool = False
+    want_chirp: bool = False
+    gpu_job: bool = True
+
+
+def _number(ad: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    value = ad.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise JobAdError(f"job ad attribute {key} = {value!r} is not a number")
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise JobAdError(f"job ad attribute {key} = {value!r} is not a number") from exc
+
+
+def _flag(ad: Mapping[str, Any], key: str) -> bool:
+    value = ad.get(key, False)
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "yes", "1")
+    return bool(value)
+
+
+_SHARE_SUFFIX = re.compile(r"_s\d+$")
+
+
+def physical_gpu(share_id: str) -> str:
+    """``GPU-61342749_s3`` -> ``GPU-61342749``: the GPU behind an advertised share ID.
+
+    ``migctl gpu-inventory --shares K`` lists each GPU as K distinct IDs because
+    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678).
+    """
+    return _SHARE_SUFFIX.sub("", share_id.strip())
+
+
+def job_id_of(job_ad: Mapping[str, Any]) -> str:
+    """``ClusterId.ProcId`` (what ``condor_q`` shows), else the GlobalJobId."""
+    cluster, proc = job_ad.get("ClusterId"), job_ad.get("ProcId")
+    if isinstance(cluster, int) and isinstance(proc, int):
+        return f"{cluster}.{proc}"
+    global_id = job_ad.get("GlobalJobId")
+    if isinstance(global_id, str) and global_id:
+        return global_id.replace("#", ":")
+    raise JobAdError("the job ad has neither ClusterId/ProcId nor GlobalJobId")
+
+
+def spec_from_ads(
+    command: list[str], job_ad: Mapping[str, Any], machine_ad: Mapping[str, Any] | None
+) -> JobSpec:
+    """The request of a job running under HTCondor.
+
+    Raises:
+        JobAdError: a GPU job whose GPU memory cannot be read from the ads (no guess).
+    """
+    if not command:
+        raise JobAdError("USER_JOB_WRAPPER called without a job command")
+    job_id = job_id_of(job_ad)
+    machine = machine_ad or {}
+    gpus_requested = _number(job_ad, "RequestGPUs", 0.0) or 0.0
+    vram = _number(job_ad, "RequestVRAM", None)
+    if gpus_requested <= 0 and vram is None:
+        return JobSpec(tuple(command), job_id, 0, under_condor=True, gpu_job=False)
+    if vram is None:
+        vram = _number(machine, "VRAM", None)
+    if vram is None or vram <= 0:
+        raise JobAdError(
+            f"job {job_id} asks for a GPU but says nothing about GPU memory",
+            hint="add `request_VRAM = <MiB>` to the submit file (e.g. request_VRAM = 10240)",
+        )
+    mode = str(job_ad.get("MigdMode", "auto")).lower()
+    if mode not in MODES:
+        raise JobAdError(f"MigdMode = {mode!r} is not one of {', '.join(MODES)}")
+    # By default migd picks the GPU (its planner packs work across the node); a node
+    # with one partitionable slot per GPU sets MigdPinToAssignedGPU so the job stays on
+    # the GPU whose VRAM HTCondor accounted.
+    assigned = machine.get("AssignedGPUs")
+    gpus = (
+        tuple(physical_gpu(g) for g in assigned.split(",") if g.strip())
+        if _flag(machine, "MigdPinToAssignedGPU") and isinstance(assigned, str) and assigned.strip()
+        else None
+    )
+    horizon = _number(job_ad, "MigdHorizon", None)
+    wait = _number(job_ad, "MigdWaitSeconds", None)
+    return JobSpec(
+        command=tuple(command),
+        job_id=job_id,
+        memory_mib=int(vram),
+        slot=str(machine.get("Name", "")),
+        min_compute=int(_number(job_ad, "MigdMinCompute", 0.0) or 0),
+        mode=mode,
+        gpus=tuple(dict.fromkeys(gpus)) if gpus else None,
+        max_restarts=int(_number(job_ad, "MigdMaxRestarts", 3.0) or 0),
+        early_restart=_flag(job_ad, "MigdEarlyRestart"),
+        horizon=horizon,
+        growth_factor=float(_number(job_ad, "MigdGrowthFactor", 0.0) or 0.0),
+        wait_s=wait,
+        under_condor=True,
+        want_chirp=_flag(job_ad, "WantIOProxy"),
+    )
+
+
+def spec_from_flags(
+    command: list[str],
+    *,
+    gpu_memory: str,
+    job_id: str,
+    mode: str = "auto",
+    min_compute: int = 0,
+    gpus: list[str] | None = None,
+    max_restarts: int = 3,
+    early_restart: bool = False,
+    horizon: float | None = None,
+    growth_factor: float = 0.0,
+    wait_s: float | None = None,
+) -> JobSpec:
+    """The request of ``migd-run --gpu-memory 10G -- cmd ...``.
+
+    Raises:
+        InvalidRequest: bad sizes or an empty command.
+    """
+    if not command:
+        raise InvalidRequest("no command to run", hint="migd-run --gpu-memory 10G -- cmd args")
+    if mode not in MODES:
+        raise InvalidRequest(f"--mode must be one of {', '.join(MODES)}")
+    memory = parse_mib(gpu_memory)
+    if memory <= 0:
+        raise InvalidRequest("--gpu-memory must be more than 0")
+    return JobSpec(
+        command=tuple(command),
+        job_id=job_id,
+        memory_mib=memory,
+        mode=mode,
+        min_compute=min_compute,
+        gpus=tuple(gpus) if gpus else None,
+        max_restarts=max_restarts,
+        early_restart=early_restart,
+        horizon=horizon,
+        growth_factor=growth_factor,
+        wait_s=wait_s,
+    )

@@ -1,0 +1,134 @@
+"""Entry points: ``migd-wrapper`` (HTCondor's USER_JOB_WRAPPER) and ``migd-run``.
+
+``migd-wrapper JOB_EXE [ARGS...]``: HTCondor runs it as the job's user with the
+job's environment; the request comes from ``$_CONDOR_JOB_AD`` and
+``$_CONDOR_MACHINE_AD``. When migd cannot serve the job, the reason goes to
+``$_CONDOR_WRAPPER_ERROR_FILE`` (HTCondor shows it and puts the job back).
+
+``migd-run --gpu-memory 10G [options] -- CMD [ARGS...]``: the same outside HTCondor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from migd.client import MigdClient
+from migd.errors import JobAdError, MigdError
+from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
+from migd.wrapper.runner import JobRunner, RunnerOptions, StopRequested, WrapperFailure
+
+WRAPPER_ERROR_ENV = "_CONDOR_WRAPPER_ERROR_FILE"
+
+
+def _fail(message: str, exit_code: int = 1) -> int:
+    """Say why on stderr and, under HTCondor, in the wrapper error file (one line)."""
+    line = " ".join(message.split())
+    print(f"[migd] {line}", file=sys.stderr, flush=True)
+    path = os.environ.get(WRAPPER_ERROR_ENV)
+    if path and exit_code != 86:
+        try:
+            Path(path).write_text(line + "\n")
+            # HTCondor 23.x's starter checks the file as user `condor`, which cannot enter
+            # the 0700 sandbox: without this the error is silently ignored
+            # (docs/htcondor-notes.md, answer (c)).
+            scratch = os.environ.get("_CONDOR_SCRATCH_DIR")
+            if scratch:
+                Path(scratch).chmod(0o711)
+        except OSError as exc:
+            print(f"[migd] cannot write {path}: {exc}", file=sys.stderr)
+    return exit_code
+
+
+def _run(spec: JobSpec, socket_path: str | None) -> int:
+    if not spec.gpu_job:
+        # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job).
+        os.execvp(spec.command[0], list(spec.command))
+    from migd.backends.condor import set_job_attr
+
+    runner = JobRunner(
+        spec,
+        MigdClient(socket_path, timeout_s=30.0),
+        options=RunnerOptions(
+            sample_interval_s=float(os.environ.get("MIGD_SAMPLE_INTERVAL_S", "2.0"))
+        ),
+        set_job_attr=set_job_attr,
+    )
+    try:
+        return runner.run()
+    except WrapperFailure as exc:
+        return _fail(exc.message, exc.exit_code)
+    except StopRequested as exc:
+        print(f"[migd] stopped by {exc} before the job started", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def wrapper_main(argv: list[str] | None = None) -> int:
+    command = list(sys.argv[1:] if argv is None else argv)
+    job_ad_path = os.environ.get("_CONDOR_JOB_AD")
+    if not job_ad_path:
+        return _fail(
+            "migd-wrapper: no $_CONDOR_JOB_AD; it runs as HTCondor's USER_JOB_WRAPPER "
+            "(outside HTCondor use `migd-run --gpu-memory SIZE -- cmd`)",
+            2,
+        )
+    from migd.backends.condor import read_ad
+
+    try:
+        job_ad = read_ad(job_ad_path, "job ad")
+        machine_path = os.environ.get("_CONDOR_MACHINE_AD")
+        machine_ad = read_ad(machine_path, "machine ad") if machine_path else None
+        spec = spec_from_ads(command, job_ad, machine_ad)
+    except JobAdError as exc:
+        return _fail(f"migd-wrapper: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
+    return _run(spec, os.environ.get("MIGD_API_SOCKET"))
+
+
+def run_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="migd-run",
+        description="Run a command on a right-sized GPU partition from migd.",
+        usage="migd-run --gpu-memory SIZE [options] -- CMD [ARGS...]",
+    )
+    parser.add_argument("--gpu-memory", required=True, help="e.g. 10G, 512M, 20480 (MiB)")
+    parser.add_argument("--mode", default="auto", choices=["auto", "mig", "mps"])
+    parser.add_argument("--min-compute", type=int, default=0, help="minimum MIG compute slices")
+    parser.add_argument("--gpu", action="append", default=None, help="restrict to this GPU")
+    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--early-restart", action="store_true", help="use the memory forecast")
+    parser.add_argument("--horizon", type=float, default=None, help="total iterations or seconds")
+    parser.add_argument("--growth-factor", type=float, default=0.0)
+    parser.add_argument("--wait", type=float, default=None, help="seconds to wait for a partition")
+    parser.add_argument("--job-id", default=None, help="name shown by migctl (default: host:pid)")
+    parser.add_argument("--socket", default=None, help="migd's socket")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        spec = spec_from_flags(
+            command,
+            gpu_memory=args.gpu_memory,
+            job_id=args.job_id or f"{socket.gethostname()}:{os.getpid()}",
+            mode=args.mode,
+            min_compute=args.min_compute,
+            gpus=args.gpu,
+            max_restarts=args.max_restarts,
+            early_restart=args.early_restart,
+            horizon=args.horizon,
+            growth_factor=args.growth_factor,
+            wait_s=args.wait,
+        )
+    except MigdError as exc:
+        print(
+            f"migd-run: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""),
+            file=sys.stderr,
+        )
+        return 2
+    return _run(spec, args.socket)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run_main())

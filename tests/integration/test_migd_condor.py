@@ -1,0 +1,276 @@
+"""migd through a real HTCondor 23.9 pool: wrapper, hook, cron ad and the OOM policy.
+
+migd runs inside the trixie chroot on simulated GPUs (2 x A100-40GB); the pool
+uses the shipped ``condor_config/`` files unchanged except for paths and faster
+intervals; jobs are submitted by a non-root user and run fake CUDA programs
+(``migd.testing.simjob``) that allocate on their partition through migd.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from condor_pool import CondorChroot, PersonalPool
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = "/opt/migd-venv"
+PY = f"{VENV}/bin/python"
+SOCKET = "/run/migd/migd.sock"
+A100_FULL_MIB = 40448
+
+
+def shipped_config(name: str) -> str:
+    return (REPO / "condor_config" / name).read_text()
+
+
+POOL_CONFIG = f"""
+MIGD_BIN = {VENV}/bin
+MIGD_MAX_VRAM = {A100_FULL_MIB}
+STARTD_CRON_MIGD_PERIOD = 2
+"""
+
+
+class Migd:
+    """The daemon inside the chroot, started and stopped by the tests."""
+
+    def __init__(self, chroot: CondorChroot) -> None:
+        self.chroot = chroot
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
+        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd"])
+        self.chroot.run(["chmod", "755", "/run/migd"])
+        argv = self.chroot.command(
+            [
+                f"{VENV}/bin/migd",
+                "--simulate",
+                "2xA100-40GB",
+                "--state-dir",
+                "/var/lib/migd",
+                "--socket",
+                SOCKET,
+                "--log-format",
+                "json",
+                "--set",
+                'api.lease_users=["*"]',
+                "--set",
+                "reaper.interval_s=1",
+                "--set",
+                "policy.idle_policy=keep",
+            ]
+        )
+        log = self.chroot.path("/var/log/migd-test.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=out)
+        self.chroot.protected_pids.add(self.proc.pid)
+        self.wait_for(lambda: self.ctl("status", "--json") is not None, "migd to answer")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+        if self.proc is not None:
+            self.chroot.protected_pids.discard(self.proc.pid)
+
+    def ctl(self, *args: str) -> Any:
+        result = self.chroot.run(
+            [f"{VENV}/bin/migctl", "--socket", SOCKET, *args], check=False, timeout=60
+        )
+        if result.returncode != 0:
+            return None
+        return json.loads(result.stdout) if "--json" in args else result.stdout
+
+    def leases(self, all_leases: bool = False) -> list[dict[str, Any]]:
+        args = ["leases", "--json"] + (["--all"] if all_leases else [])
+        return list(self.ctl(*args)["leases"])
+
+    def log(self) -> str:
+        return self.chroot.path("/var/log/migd-test.log").read_text()
+
+    @staticmethod
+    def wait_for(cond: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def installed(condor_chroot: CondorChroot) -> CondorChroot:
+    condor_chroot.install_python_package(REPO)
+    # pip keeps an installed 0.1.0 as it is: reinstall this tree's code over it
+    condor_chroot.install_python_package(REPO, extra_args=("--force-reinstall", "--no-deps"))
+    return condor_chroot
+
+
+@pytest.fixture
+def migd(installed: CondorChroot) -> Iterator[Migd]:
+    daemon = Migd(installed)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        print(daemon.log()[-20000:])
+
+
+def gpu_pool(personal_pool: Callable[..., PersonalPool], extra: str = "") -> PersonalPool:
+    return personal_pool(
+        POOL_CONFIG + extra,
+        config_files={
+            "10-migd-execute.config": shipped_config("10-migd-execute.config"),
+            "20-migd-access-point.config": shipped_config("20-migd-access-point.config"),
+        },
+    )
+
+
+def simjob(memory_mib: int, *job_args: str, **submit: str) -> dict[str, str]:
+    return {
+        "executable": PY,
+        "arguments": " ".join(["-m", "migd.testing.simjob", *job_args]),
+        "request_GPUs": "1",
+        "request_VRAM": str(memory_mib),
+        "request_cpus": "1",
+        "request_memory": "64",
+        "transfer_executable": "false",  # the venv's python, not a copy in the sandbox
+        **submit,
+    }
+
+
+def test_gpu_job_runs_on_a_right_sized_mig_instance(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    slots = Migd.wait_for(
+        lambda: [ad for ad in pool.startd_ads() if ad.get("MigdHealthy") is True],
+        "the startd cron to publish migd's ad",
+    )
+    assert slots[0]["MigdLargestPlaceableMB"] == A100_FULL_MIB
+    assert max(ad.get("TotalGPUs", 0) for ad in slots) == 14  # 2 GPUs x 7 shares
+    assert max(ad.get("TotalVRAM", 0) for ad in slots) == 2 * A100_FULL_MIB
+    cluster = pool.submit(simjob(4000, "--print-env", "--start", "3G", "--steps", "2"))
+    [ad] = pool.wait(cluster, timeout=120)
+    out = pool.job_output(cluster)
+    assert ad["ExitCode"] == 0, pool.job_error(cluster)
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert env["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    assert env["APPTAINERENV_CUDA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"]
+    assert env["MIGD_GPU_MEMORY_LIMIT_MIB"] == "4864"  # 1g.5gb, the tightest fit
+    assert "lease" in pool.job_error(cluster)
+    history = migd.ctl("history", "--job", f"{cluster}.0", "--json")["history"]
+    assert {"submitted", "granted", "released"} <= {h["event"] for h in history}
+    assert migd.leases() == []
+
+
+def test_oom_on_a_small_instance_restarts_on_a_bigger_one(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    # 3 GiB, then +1 GiB per step up to 7 GiB: dies on 1g.5gb (4864 MiB), fits 1g.10gb
+    cluster = pool.submit(simjob(4000, "--start", "3G", "--grow", "1G", "--steps", "4"))
+    [ad] = pool.wait(cluster, timeout=180)
+    err = pool.job_error(cluster)
+    assert ad["ExitCode"] == 0, err
+    assert "CUDA out of memory" in err
+    assert "restarting on a bigger partition" in err
+    assert ad["RequestVRAM"] > 4864  # raised through chirp for any later run
+    grants = [
+        h
+        for h in migd.ctl("history", "--job", f"{cluster}.0", "--json")["history"]
+        if h["event"] == "granted" or h["event"] == "submitted"
+    ]
+    profiles = {
+        lease["profile"]
+        for lease in migd.leases(all_leases=True)
+        if lease["job_id"] == f"{cluster}.0"
+    }
+    assert {"1g.5gb", "1g.10gb"} <= profiles, profiles
+    assert grants
+
+
+def test_oom_at_the_largest_partition_is_held_with_a_reason(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    # fits 7g.40gb at first, grows past it: nothing bigger exists on this node
+    cluster = pool.submit(simjob(30000, "--start", "30G", "--grow", "6G", "--steps", "3"))
+    ads = pool.wait(cluster, timeout=180, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ad = ads[0]
+    assert ad["JobStatus"] == 5, ad
+    assert "ran out of GPU memory" in ad["HoldReason"]
+    assert ad["HoldReasonSubCode"] == 86
+    assert ad["RequestVRAM"] > A100_FULL_MIB
+    assert migd.leases() == []
+
+
+def test_request_larger_than_any_partition_is_held_at_once(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    cluster = pool.submit(simjob(100_000, "--start", "1G"))
+    ads = pool.wait(cluster, timeout=60, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    assert "larger than the largest GPU partition" in ads[0]["HoldReason"]
+    assert ads[0].get("NumJobStarts", 0) == 0
+
+
+def test_many_jobs_share_the_gpus_and_nothing_leaks(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool, "NUM_CPUS = 16\n")
+    cluster = pool.submit(
+        simjob(4000, "--start", "2G", "--steps", "20", "--step-s", "0.3", queue="16")
+    )
+    peak = 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        active = [x for x in migd.leases() if x["state"] == "active"]
+        peak = max(peak, len(active))
+        if not pool.q(cluster):
+            break
+        time.sleep(0.5)
+    ads = pool.wait(cluster, timeout=120)
+    assert len(ads) == 16 and all(ad["ExitCode"] == 0 for ad in ads)
+    # two A100s hold 14 1g.5gb instances: more than one GPU's worth ran at once
+    assert 8 <= peak <= 14, peak
+    assert migd.leases() == []
+    status = migd.ctl("status", "--json")
+    assert not any(i["busy"] for g in status["gpus"] for i in g["instances"])
+    ended = [x for x in migd.leases(all_leases=True) if x["job_id"].startswith(f"{cluster}.")]
+    assert {x["state"] for x in ended} == {"released"}
+
+
+def test_condor_rm_releases_the_lease(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
+    migd.wait_for(lambda: [x for x in migd.leases() if x["job_id"] == f"{cluster}.0"], "lease")
+    pool.rm(cluster)
+    migd.wait_for(lambda: migd.leases() == [], "the lease to be released", timeout_s=30)
+    [lease] = [x for x in migd.leases(all_leases=True) if x["job_id"] == f"{cluster}.0"]
+    assert lease["state"] == "released"
+
+
+def test_daemon_down_sends_the_job_back_with_the_reason(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    # Without the START guard (first line of defence) the wrapper's error file is the second.
+    pool = gpu_pool(personal_pool, "MIGD_START = True\n")
+    migd.stop()
+    cluster = pool.submit(simjob(4000, "--start", "1G"))
+    ads = pool.wait(cluster, timeout=120, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ad = ads[0]
+    assert "migd is not available" in ad["HoldReason"], ad["HoldReason"]
+    assert ad["HoldReasonSubCode"] == 87
+    assert ad["NumJobStarts"] >= 10 and ad.get("NumJobCompletions", 0) == 0

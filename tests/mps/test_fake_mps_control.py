@@ -1,0 +1,219 @@
+"""The fake nvidia-cuda-mps-control behaves like the real one where migd relies on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from migd.testing.fake_mps_control import (
+    ALREADY_RUNNING_MESSAGE,
+    NO_DAEMON_MESSAGE,
+    PID_FILE_NAME,
+    fault_path,
+)
+
+from .conftest import kill_fake, pid_alive, wait_for
+
+
+def run(
+    binary: Path, pipe: Path, log: Path, *args: str, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(binary), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env={
+            "PATH": os.environ["PATH"],
+            "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+            "CUDA_MPS_LOG_DIRECTORY": str(log),
+            "CUDA_VISIBLE_DEVICES": "GPU-11111111-2222-3333-4444-555555555555",
+        },
+        check=False,
+    )
+
+
+@pytest.fixture
+def dirs(short_dir: Path) -> tuple[Path, Path]:
+    return short_dir / "pipe", short_dir / "log"
+
+
+def test_client_without_daemon_says_so_and_fails(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    result = run(fake_binary, pipe, log, stdin="get_server_list\n")
+    assert result.returncode == 1
+    assert result.stdout.strip() == NO_DAEMON_MESSAGE
+
+
+def test_daemon_writes_pid_file_refuses_second_instance_and_quits(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    pid = int((pipe / PID_FILE_NAME).read_text())
+    assert pid_alive(pid)
+    second = run(fake_binary, pipe, log, "-d")
+    assert (second.returncode, second.stdout.strip()) == (1, ALREADY_RUNNING_MESSAGE)
+    assert "Starting control daemon using socket" in (log / "control.log").read_text()
+
+    quit_ = run(fake_binary, pipe, log, stdin="quit\n")
+    assert quit_.returncode == 0
+    wait_for(lambda: not pid_alive(pid), what="daemon exit after quit")
+    assert not (pipe / PID_FILE_NAME).exists()
+
+
+def test_replies_follow_the_real_formats(fake_binary: Path, dirs: tuple[Path, Path]) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        out = run(
+            fake_binary,
+            pipe,
+            log,
+            stdin=(
+                "get_server_list\n"
+                "set_default_active_thread_percentage 25\n"
+                "get_default_active_thread_percentage\n"
+                "set_default_device_pinned_mem_limit 0 512M\n"
+                "get_default_device_pinned_mem_limit 0\n"
+                "start_server -uid 1234\n"
+                "get_server_list\n"
+            ),
+        )
+        assert out.returncode == 0
+        lines = out.stdout.split()
+        # empty server list prints nothing; set echoes "25.0"; limits print as <n>M
+        assert lines[:3] == ["25.0", "25.0", "512M"]
+        (server,) = lines[3:]
+        assert pid_alive(int(server))
+
+        bad = run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 lots\n")
+        assert bad.returncode == 0 and bad.stdout.strip()  # rejected: an error line on stdout
+    finally:
+        run(fake_binary, pipe, log, stdin="quit\n")
+
+
+def test_defaults_reach_only_servers_started_later(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 1024M\n")
+        first = run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n").stdout.strip()
+        run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2048M\n")
+        status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
+        (server,) = status["servers"]
+        assert server["pid"] == int(first)
+        assert server["pinned_limits"] == {"0": "1024M"}
+        assert status["default_pinned_limits"] == {"0": "2048M"}
+    finally:
+        run(fake_binary, pipe, log, stdin="quit\n")
+
+
+def test_per_user_clients_wait_while_another_user_is_served(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        assert (
+            run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n")
+            .stdout.strip()
+            .isdigit()
+        )
+        other = run(fake_binary, pipe, log, stdin="fake_register_client 200 2000\n").stdout
+        assert other.startswith("ERROR: pending")
+        run(fake_binary, pipe, log, stdin="fake_unregister_client 100\n")
+        assert (
+            run(fake_binary, pipe, log, stdin="fake_register_client 200 2000\n")
+            .stdout.strip()
+            .isdigit()
+        )
+    finally:
+        run(fake_binary, pipe, log, stdin="quit\n")
+
+
+def test_multi_user_daemon_serves_all_users_from_one_root_server(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d", "-M").returncode == 0
+    try:
+        a = run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n").stdout.strip()
+        b = run(fake_binary, pipe, log, stdin="fake_register_client 200 2000\n").stdout.strip()
+        assert a == b
+        status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
+        assert [s["uid"] for s in status["servers"]] == [0]
+    finally:
+        run(fake_binary, pipe, log, stdin="quit\n")
+
+
+def test_die_fault_leaves_a_stale_pid_file_that_does_not_block_a_new_daemon(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    pid = int((pipe / PID_FILE_NAME).read_text())
+    fault_path(pipe, "die").touch()
+    wait_for(lambda: not pid_alive(pid), what="fake daemon to die")
+    assert (pipe / PID_FILE_NAME).exists()
+    assert run(fake_binary, pipe, log, stdin="get_server_list\n").returncode == 1
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    new_pid = int((pipe / PID_FILE_NAME).read_text())
+    assert new_pid != pid
+    run(fake_binary, pipe, log, stdin="quit\n")
+    kill_fake(new_pid)
+
+
+def test_refuse_clients_fault_logs_the_cuda_error(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        fault_path(pipe, "refuse-clients").touch()
+        reply = run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n").stdout
+        assert "all CUDA-capable devices are busy or unavailable" in reply
+        assert (
+            "all CUDA-capable devices are busy or unavailable" in (log / "control.log").read_text()
+        )
+    finally:
+        run(fake_binary, pipe, log, stdin="quit\n")
+
+
+def test_client_cap_refuses_the_client_past_the_limit(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    env_cap = {"FAKE_MPS_MAX_CLIENTS": "2"}
+    result = subprocess.run(
+        [str(fake_binary), "-d"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env={
+            "PATH": os.environ["PATH"],
+            "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+            "CUDA_MPS_LOG_DIRECTORY": str(log),
+            **env_cap,
+        },
+        check=False,
+    )
+    assert result.returncode == 0
+    try:
+        replies = [
+            run(fake_binary, pipe, log, stdin=f"fake_register_client {pid} 1000\n").stdout.strip()
+            for pid in (100, 101, 102)
+        ]
+        assert replies[0].isdigit() and replies[1] == replies[0]
+        assert "busy or unavailable" in replies[2]
+    finally:
+        run(fake_binary, pipe, log, stdin="quit\n")

@@ -1,0 +1,442 @@
+"""MpsManager's real code against the fake nvidia-cuda-mps-control."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from migd.backends.mps import (
+    PID_FILE_NAME,
+    RECORD_FILE_NAME,
+    MpsBinaryNotFound,
+    MpsDaemonStartFailed,
+    MpsManager,
+    RunAs,
+)
+from migd.core.mps import MpsShare, UserPolicy
+from migd.errors import MpsError
+from migd.testing.fake_mps_control import fault_path
+
+from .conftest import Env, kill_fake, pid_alive, wait_for
+
+GPU = "GPU-0a1b2c3d-0000-4000-8000-000000000001"
+GPU2 = "GPU-0a1b2c3d-0000-4000-8000-000000000002"
+MIG_LEGACY = "MIG-GPU-0a1b2c3d-0000-4000-8000-000000000001/1/0"
+
+
+def share(share_id: str = "job-1", uid: int = 1000, memory_mib: int = 4096, **kw: int) -> MpsShare:
+    return MpsShare(share_id=share_id, uid=uid, memory_mib=memory_mib, gid=kw.pop("gid", uid), **kw)
+
+
+def fake_status(env: Env, manager: MpsManager, uuid: str = GPU) -> dict:
+    return json.loads(env.control(manager.pipe_dir(uuid), "fake_status"))
+
+
+def daemon_pid(manager: MpsManager, uuid: str = GPU) -> int:
+    return int((manager.pipe_dir(uuid) / PID_FILE_NAME).read_text())
+
+
+def register_client(
+    env: Env, manager: MpsManager, client_pid: int, uid: int, uuid: str = GPU
+) -> str:
+    return env.control(manager.pipe_dir(uuid), f"fake_register_client {client_pid} {uid}").strip()
+
+
+# -- start on demand, environment, limits -----------------------------------------------------
+
+
+def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(env: Env) -> None:
+    manager = env.manager()
+    assert manager.start().adopted == ()
+    assert not manager.pipe_dir(GPU).exists()
+    job_env = manager.ensure_share(GPU, share(memory_mib=4096, thread_percentage=30))
+
+    pipe = manager.pipe_dir(GPU)
+    assert job_env == {
+        "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+        "CUDA_MPS_LOG_DIRECTORY": str(manager.log_dir(GPU)),
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4096M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
+        "CUDA_VISIBLE_DEVICES": GPU,
+    }
+    assert pipe == env.runtime_dir / "mps" / GPU / "pipe"
+    assert pid_alive(daemon_pid(manager))
+    status = fake_status(env, manager)
+    assert status["visible_devices"] == GPU
+    assert status["multi_user"] is False
+    # default limit for future servers and the pre-started server of the share's user
+    assert status["default_pinned_limits"] == {"0": "4096M"}
+    assert [(s["uid"], s["pinned_limits"]) for s in status["servers"]] == [(1000, {"0": "4096M"})]
+    # a client using the job's pipe dir reaches that very daemon and server
+    assert register_client(env, manager, 4321, 1000) == str(status["servers"][0]["pid"])
+    record = json.loads((manager.device_dir(GPU) / RECORD_FILE_NAME).read_text())
+    assert (record["pid"], record["device_uuid"]) == (daemon_pid(manager), GPU)
+
+
+def test_ensure_share_is_idempotent(env: Env) -> None:
+    manager = env.manager()
+    first = manager.ensure_share(GPU, share())
+    pid = daemon_pid(manager)
+    starts = len(env.runner.daemon_starts())
+    assert manager.ensure_share(GPU, share()) == first
+    assert daemon_pid(manager) == pid
+    assert len(env.runner.daemon_starts()) == starts
+
+
+def test_limits_follow_the_largest_active_share_on_default_and_running_server(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share("small", memory_mib=2048))
+    manager.ensure_share(GPU, share("big", memory_mib=8192))
+    status = fake_status(env, manager)
+    assert status["default_pinned_limits"] == {"0": "8192M"}
+    assert [s["pinned_limits"] for s in status["servers"]] == [{"0": "8192M"}]
+    (entry,) = manager.status()
+    assert entry.default_limit_mib == 8192
+    manager.release_share(GPU, "big")
+    status = fake_status(env, manager)
+    assert status["default_pinned_limits"] == {"0": "2048M"}
+    assert [s["pinned_limits"] for s in status["servers"]] == [{"0": "2048M"}]
+
+
+def test_each_device_gets_its_own_daemon_and_pipe_dir(env: Env) -> None:
+    manager = env.manager()
+    a = manager.ensure_share(GPU, share("a"))
+    b = manager.ensure_share(GPU2, share("b"))
+    assert a["CUDA_MPS_PIPE_DIRECTORY"] != b["CUDA_MPS_PIPE_DIRECTORY"]
+    assert daemon_pid(manager, GPU) != daemon_pid(manager, GPU2)
+    assert fake_status(env, manager, GPU2)["visible_devices"] == GPU2
+
+
+def test_legacy_mig_uuid_with_slashes_gets_a_flat_directory(env: Env) -> None:
+    manager = env.manager()
+    job_env = manager.ensure_share(MIG_LEGACY, share())
+    assert manager.pipe_dir(MIG_LEGACY).parent.parent == env.runtime_dir / "mps"
+    assert job_env["CUDA_VISIBLE_DEVICES"] == MIG_LEGACY
+    assert fake_status(env, manager, MIG_LEGACY)["visible_devices"] == MIG_LEGACY
+
+
+# -- users ------------------------------------------------------------------------------------
+
+
+def test_per_user_daemon_runs_as_the_share_user_when_root(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share(uid=1000, gid=1001))
+    ((argv, run_as),) = env.runner.daemon_starts()
+    assert "-M" not in argv
+    commands = {run_as for _argv, stdin, run_as in env.runner.calls if stdin}
+    if os.geteuid() == 0:
+        assert run_as == RunAs(1000, 1001)
+        assert commands == {RunAs(1000, 1001)}  # commands reach the daemon as its own user
+        assert manager.pipe_dir(GPU).stat().st_uid == 1000
+        assert manager.pipe_dir(GPU).stat().st_mode & 0o777 == 0o700
+    else:
+        assert run_as is None and commands == {None}
+        (entry,) = manager.status()
+        assert entry.uid == os.geteuid()  # recorded: it ran as migd's own user
+
+
+def test_idle_per_user_device_changes_hands_by_restarting_the_daemon(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share("a", uid=1000))
+    old = daemon_pid(manager)
+    with pytest.raises(MpsError, match="serves uid 1000"):
+        manager.ensure_share(GPU, share("b", uid=2000))
+    manager.release_share(GPU, "a")
+    manager.ensure_share(GPU, share("b", uid=2000))
+    wait_for(lambda: not pid_alive(old), what="old daemon to quit")
+    assert [s["uid"] for s in fake_status(env, manager)["servers"]] == [2000]
+    (entry,) = manager.status()
+    assert entry.serves_uid == 2000
+
+
+def test_multi_user_daemon_is_started_with_M_and_shares_one_server(env: Env) -> None:
+    manager = env.manager(policy=UserPolicy.MULTI_USER)
+    manager.ensure_share(GPU, share("a", uid=1000))
+    manager.ensure_share(GPU, share("b", uid=2000))
+    ((argv, run_as),) = env.runner.daemon_starts()
+    assert argv[-1] == "-M" and run_as is None
+    status = fake_status(env, manager)
+    assert status["multi_user"] is True
+    assert register_client(env, manager, 11, 1000) == register_client(env, manager, 12, 2000)
+    if os.geteuid() == 0:
+        assert manager.pipe_dir(GPU).stat().st_mode & 0o777 == 0o755
+
+
+# -- idle stop, shutdown ----------------------------------------------------------------------
+
+
+def test_idle_daemon_is_stopped_after_the_idle_time_only(env: Env) -> None:
+    manager = env.manager(idle_stop_s=60.0)
+    manager.ensure_share(GPU, share())
+    pid = daemon_pid(manager)
+    env.clock.advance(3600)
+    assert manager.stop_idle() == []  # busy: never idle-stopped
+    manager.release_share(GPU, "job-1")
+    env.clock.advance(59)
+    assert manager.stop_idle() == []
+    env.clock.advance(1)
+    assert manager.stop_idle() == [GPU]
+    wait_for(lambda: not pid_alive(pid), what="idle daemon to exit")
+    assert not manager.pipe_dir(GPU).exists()
+    assert not (manager.device_dir(GPU) / RECORD_FILE_NAME).exists()
+    assert manager.status() == []
+
+
+def test_shutdown_stops_own_daemons_only(env: Env, short_dir: Path) -> None:
+    outside_pipe = short_dir / "elsewhere" / "pipe"
+    started = subprocess.run(
+        [str(env.binary), "-d"],
+        env={
+            "PATH": os.environ["PATH"],
+            "CUDA_MPS_PIPE_DIRECTORY": str(outside_pipe),
+            "CUDA_MPS_LOG_DIRECTORY": str(short_dir / "elsewhere" / "log"),
+        },
+        timeout=10,
+        check=False,
+    )
+    assert started.returncode == 0
+    outside = int((outside_pipe / PID_FILE_NAME).read_text())
+    try:
+        manager = env.manager()
+        manager.ensure_share(GPU, share())
+        own = daemon_pid(manager)
+        manager.shutdown()
+        wait_for(lambda: not pid_alive(own), what="own daemon to exit")
+        assert pid_alive(outside)
+        assert env.control(outside_pipe, "get_server_list") == ""
+    finally:
+        env.control(outside_pipe, "quit")
+        kill_fake(outside)
+
+
+# -- health -----------------------------------------------------------------------------------
+
+
+def test_crashed_server_is_detected_restarted_and_reported(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share())
+    (old_server,) = (s["pid"] for s in fake_status(env, manager)["servers"])
+    fault_path(manager.pipe_dir(GPU), "crash-server").touch()
+    wait_for(lambda: not pid_alive(old_server), what="server crash")
+
+    report = manager.check_health()
+    assert report.affected_devices == (GPU,)
+    assert report.failed_devices == ()
+    (event,) = report.events
+    assert (event.problem, event.action, event.ok) == ("server_crashed", "restarted_server", True)
+    (new_server,) = (s["pid"] for s in fake_status(env, manager)["servers"])
+    assert new_server != old_server and pid_alive(new_server)
+    assert manager.check_health().events == ()
+
+
+def test_server_killed_from_outside_is_noticed(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share())
+    (server,) = (s["pid"] for s in fake_status(env, manager)["servers"])
+    os.kill(server, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(server), what="server to die")
+    (event,) = manager.check_health().events
+    assert event.problem == "server_crashed" and event.ok
+
+
+def test_dead_control_daemon_is_restarted_with_its_shares_and_limits(env: Env) -> None:
+    manager = env.manager()
+    job_env = manager.ensure_share(GPU, share(memory_mib=6144))
+    old = daemon_pid(manager)
+    fault_path(manager.pipe_dir(GPU), "die").touch()
+    wait_for(lambda: not pid_alive(old), what="daemon to die")
+
+    (event,) = manager.check_health().events
+    assert (event.device_uuid, event.problem, event.action, event.ok) == (
+        GPU,
+        "daemon_gone",
+        "restarted_daemon",
+        True,
+    )
+    new = daemon_pid(manager)
+    assert new != old and pid_alive(new)
+    assert manager.environment(GPU, "job-1") == job_env
+    status = fake_status(env, manager)
+    assert status["default_pinned_limits"] == {"0": "6144M"}
+    assert len(status["servers"]) == 1
+
+
+def test_daemon_refusing_clients_is_restarted(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share())
+    old = daemon_pid(manager)
+    fault_path(manager.pipe_dir(GPU), "refuse-clients").touch()
+    assert "busy or unavailable" in register_client(env, manager, 77, 1000)
+
+    (event,) = manager.check_health().events
+    assert (event.problem, event.action, event.ok) == (
+        "devices_unavailable",
+        "restarted_daemon",
+        True,
+    )
+    assert "all CUDA-capable devices are busy or unavailable" in event.detail
+    wait_for(lambda: not pid_alive(old), what="old daemon gone")
+    assert register_client(env, manager, 78, 1000).isdigit()
+
+
+def test_client_report_of_unavailable_devices_restarts_the_daemon(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share())
+    old = daemon_pid(manager)
+    manager.report_client_error(GPU, "CUDA error: out of memory")  # not an MPS failure
+    assert manager.check_health().events == ()
+    manager.report_client_error(
+        GPU, "RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable"
+    )
+    (event,) = manager.check_health().events
+    assert (event.problem, event.action, event.ok) == (
+        "devices_unavailable",
+        "restarted_daemon",
+        True,
+    )
+    assert daemon_pid(manager) != old
+
+
+def test_hung_daemon_is_killed_and_replaced(env: Env) -> None:
+    manager = env.manager(command_timeout_s=1.0)
+    manager.ensure_share(GPU, share())
+    old = daemon_pid(manager)
+    fault_path(manager.pipe_dir(GPU), "hang").touch()
+
+    (event,) = manager.check_health().events
+    assert (event.problem, event.action, event.ok) == (
+        "daemon_unresponsive",
+        "restarted_daemon",
+        True,
+    )
+    assert not pid_alive(old)
+    assert pid_alive(daemon_pid(manager))
+    assert manager.check_health().events == ()
+
+
+def test_ensure_share_replaces_a_daemon_that_died_between_checks(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share("a"))
+    old = daemon_pid(manager)
+    fault_path(manager.pipe_dir(GPU), "die").touch()
+    wait_for(lambda: not pid_alive(old), what="daemon to die")
+    manager.ensure_share(GPU, share("b"))
+    assert daemon_pid(manager) != old
+    assert manager.status()[0].shares == 2
+
+
+# -- restart of migd: adopt or clean ----------------------------------------------------------
+
+
+def test_new_manager_adopts_live_daemons_and_cleans_stale_ones(env: Env) -> None:
+    first = env.manager()
+    first.ensure_share(GPU, share("a"))
+    first.ensure_share(GPU2, share("b"))
+    live = daemon_pid(first, GPU)
+    dead = daemon_pid(first, GPU2)
+    fault_path(first.pipe_dir(GPU2), "die").touch()
+    wait_for(lambda: not pid_alive(dead), what="daemon to die")
+    # A pid file naming a live process that is not an MPS daemon (PID reuse): this test.
+    reused = env.runtime_dir / "mps" / "GPU-reused" / "pipe"
+    reused.mkdir(parents=True)
+    (reused / PID_FILE_NAME).write_text(f"{os.getpid()}\n")
+    env.managers.remove(first)  # migd "crashed": no shutdown
+
+    second = env.manager()
+    report = second.start()
+    assert report.adopted == (GPU,)
+    assert sorted(Path(p).name for p in report.cleaned) == sorted([GPU2, "GPU-reused"])
+    assert not second.pipe_dir(GPU2).exists() and not reused.exists()
+    assert pid_alive(os.getpid())
+    (entry,) = second.status()
+    assert (entry.device_uuid, entry.pid, entry.healthy, entry.shares) == (GPU, live, True, 0)
+    second.ensure_share(GPU, share("a"))  # the daemon re-registers its lease
+    assert daemon_pid(second, GPU) == live
+    second.shutdown()
+    wait_for(lambda: not pid_alive(live), what="adopted daemon to stop")
+
+
+# -- status and errors ------------------------------------------------------------------------
+
+
+def test_status_shows_servers_clients_and_limits(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share(memory_mib=3072))
+    register_client(env, manager, 501, 1000)
+    register_client(env, manager, 502, 1000)
+    (entry,) = manager.status()
+    data = entry.to_dict()
+    assert data["device_uuid"] == GPU and data["healthy"] is True
+    assert data["pid"] == daemon_pid(manager)
+    assert len(data["servers"]) == 1 and data["clients"] == [501, 502]
+    # Newer drivers print limits >= 1 GiB as whole G, rounded down: 3072M reads as 3G.
+    assert data["default_limit_mib"] == 3072
+    assert data["pipe_dir"] == str(manager.pipe_dir(GPU)) and data["shares"] == 1
+    assert data["idle_for_s"] is None
+    json.dumps(data)
+
+
+def test_missing_binary_is_a_clear_error(env: Env) -> None:
+    manager = env.manager(binary=str(env.runtime_dir / "no-such-mps-control"))
+    with pytest.raises(MpsBinaryNotFound) as info:
+        manager.ensure_share(GPU, share())
+    assert "not found" in info.value.message and info.value.hint
+
+
+def test_too_long_socket_path_is_refused_before_starting(env: Env, tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 80)
+    manager = MpsManager(deep)
+    with pytest.raises(MpsDaemonStartFailed, match="longer than 107 bytes"):
+        manager.ensure_share(GPU, share())
+
+
+# -- the daemon's call sites (migd.daemon.service) --------------------------------------------
+
+
+def test_daemon_facing_methods_work_with_the_schedulers_lease_and_gpu(env: Env) -> None:
+    from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
+
+    gpu = ManagedGpu(
+        index=0,
+        uuid=GPU,
+        model="H100-80GB",
+        name="H100",
+        memory_total_mib=81559,
+        mode=GpuMode.MPS,
+    )
+    lease = Lease(
+        lease_id="L1",
+        request=LeaseRequest(job_id="1.0", memory_mib=5000),
+        owner_uid=1000,
+        owner_pid=os.getpid(),
+        created_s=0.0,
+        memory_limit_mib=6144,
+    )
+    manager = env.manager()
+    promised = manager.client_env(GPU, lease)  # at grant time, before any daemon runs
+    assert not manager.pipe_dir(GPU).exists()
+    assert promised["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
+    assert manager.ensure(gpu, lease) == promised
+    assert fake_status(env, manager)["default_pinned_limits"] == {"0": "6144M"}
+    (entry,) = manager.status_for(GPU)
+    assert entry["shares"] == 1 and entry["device_uuid"] == GPU
+    assert manager.status_for(GPU2) == []
+    manager.release(GPU, "L1")
+    assert manager.status_for(GPU)[0]["shares"] == 0
+
+
+def test_shutdown_keeps_daemons_of_devices_with_running_jobs(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share("busy"))
+    manager.ensure_share(GPU2, share("idle"))
+    kept, stopped = daemon_pid(manager, GPU), daemon_pid(manager, GPU2)
+    manager.shutdown(keep={GPU})
+    wait_for(lambda: not pid_alive(stopped), what="unkept daemon to stop")
+    assert pid_alive(kept)
+    successor = env.manager()
+    assert successor.start().adopted == (GPU,)
