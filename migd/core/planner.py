@@ -57,6 +57,8 @@ class PlannerPolicy:
     fission_fusion: bool = True
     reuse_idle: bool = True
     allow_create: bool = True  # False: static layouts, only existing idle instances are used
+    reuse_larger_idle: bool = False  # take a bigger idle instance when nothing else works
+    upsize_compute: bool = True  # 3g@0 -> 4g@0 when the extra compute slice is stranded anyway
     demand: Mapping[int, float] | None = None  # profile ID -> weight, for WEIGHTED
     costs: Mapping[str, CostModel] | None = None  # model -> costs; default seed 003 Table 1
 
@@ -314,11 +316,14 @@ def plan_on_gpu(
         best, after = min(
             alternatives, key=lambda pair: (-pair[0].score, _order_index(prof, pair[0].start))
         )
-        ops: tuple[Op, ...] = (CreateOp(prof, best.start),)
+        created = _upsized(space, key, prof, best.start, score) if policy.upsize_compute else prof
+        if created is not prof:
+            after = space.allocate(key, created, best.start)
+        ops: tuple[Op, ...] = (CreateOp(created, best.start),)
         return _decision(
             view,
             "create",
-            prof,
+            created,
             best.start,
             ops,
             costs.create_s(prof.compute_slices),
@@ -329,9 +334,55 @@ def plan_on_gpu(
             policy,
         )
 
+    if policy.reuse_larger_idle:
+        bigger = [
+            i
+            for i in view.instances
+            if not i.busy
+            and space.member(i.profile).memory_mib >= prof.memory_mib
+            and space.member(i.profile).compute_slices >= prof.compute_slices
+        ]
+        if bigger:
+            chosen = min(
+                bigger, key=lambda i: (i.profile.memory_mib, i.profile.compute_slices, i.start)
+            )
+            bigger_prof = space.member(chosen.profile)
+            return _decision(
+                view, "reuse", bigger_prof, chosen.start, (), 0.0, key, key, score, (), policy
+            )
     if policy.fission_fusion:
         return _plan_repartition(view, prof, key, score, costs, policy)
     return None
+
+
+def _upsized(space: StateSpace, key: StateKey, prof: Profile, start: int, score: Scorer) -> Profile:
+    """A profile with the same memory and more compute at the same start, if it is free.
+
+    3g.20gb at start 0 strands the fourth compute slice of units 0-3 (seed 000's compute
+    wastage); 4g.20gb there uses it and keeps every future open. Taken only when the
+    bigger profile is legal there, loses no reachability (or weighted score) and wastes
+    fewer compute slices.
+    """
+    base_after = space.allocate(key, prof, start)
+    base_waste = space.wasted_slices(base_after)[0]
+    base_score = score(space, base_after)
+    best = prof
+    for other in space.profiles:
+        if (
+            other.memory_slices != prof.memory_slices
+            or other.memory_mib < prof.memory_mib
+            or other.compute_slices <= best.compute_slices
+            or other.variant is not prof.variant
+            or start not in other.starts
+        ):
+            continue
+        atom = space.atom(other, start)
+        if not space.can_allocate(key, atom):
+            continue
+        after = key | (1 << atom.index)
+        if space.wasted_slices(after)[0] < base_waste and score(space, after) >= base_score:
+            best = other
+    return best
 
 
 def _plan_repartition(
@@ -379,6 +430,11 @@ def _plan_repartition(
         return None
     options.sort(key=lambda o: (o[0], o[1], o[2]))
     cost, _, _, best, destroyed_instances, after = options[0]
+    if policy.upsize_compute:
+        remaining = after & ~(1 << space.atom(prof, best.start).index)
+        bigger = _upsized(space, remaining, prof, best.start, score)
+        if bigger is not prof:
+            prof, after = bigger, space.allocate(remaining, bigger, best.start)
     destroys = [
         DestroyOp(space.member(i.profile), i.start)
         for i in sorted(destroyed_instances, key=lambda i: i.start)

@@ -31,6 +31,9 @@ from typing import Any, Literal
 from migd.core.demand import DemandModel
 from migd.core.geometry import Profile
 from migd.core.leases import LeaseEvent, LeaseState, next_state
+from migd.core.mps import MpsPool, MpsRequest, UserPolicy, can_admit, mark_waiting
+from migd.core.mps import admit as mps_admit
+from migd.core.mps import release as mps_release
 from migd.core.planner import (
     CreateOp,
     Decision,
@@ -197,10 +200,14 @@ class ManagedGpu:
     instances: list[ManagedInstance] = field(default_factory=list)
     draining: bool = False
     health: str = "ok"
-    exclusive_lease: str | None = None  # EXCLUSIVE/MPS-mode bookkeeping
-    mps_shares: dict[str, int] = field(default_factory=dict)  # lease -> pinned MiB
-    mps_uid: int | None = None  # the UID the MPS server currently serves
+    exclusive_lease: str | None = None  # EXCLUSIVE-mode bookkeeping
+    mps_pool: MpsPool | None = None  # MPS-mode accounting (migd.core.mps)
     used_mib: int | None = None
+
+    @property
+    def mps_shares(self) -> dict[str, int]:
+        """Lease id -> pinned MiB per client, for status output."""
+        return {s.share_id: s.memory_mib for s in self.mps_pool.shares} if self.mps_pool else {}
 
     @property
     def available(self) -> bool:
@@ -378,10 +385,10 @@ class NodeScheduler:
                     return
                 largest = max(largest, *(p.memory_mib for p in g.space.profiles))
             elif g.mode is GpuMode.MPS:
-                capacity = g.memory_total_mib - self.policy.mps_reserve_mib
-                if request.memory_mib <= capacity:
+                pool = self.mps_pool(g)
+                if request.memory_mib <= pool.capacity_mib:
                     return
-                largest = max(largest, capacity)
+                largest = max(largest, pool.capacity_mib)
             elif g.mode is GpuMode.EXCLUSIVE:
                 if request.memory_mib <= g.memory_total_mib:
                     return
@@ -398,13 +405,21 @@ class NodeScheduler:
     def schedule(self, now_s: float, mono_s: float) -> list[Work]:
         """Try queued requests in policy order; return the work for those placed."""
         work: list[Work] = []
+        # Within one pass nothing is released, so a request identical to one that did not
+        # fit will not fit either: a long size-ordered queue costs one plan per distinct
+        # request, not one per queued job.
+        failed: set[LeaseRequest] = set()
 
         def try_place(item: QueuedRequest[str]) -> bool:
             lease = self.leases.get(item.payload)
             if lease is None or lease.state is not LeaseState.QUEUED:
                 return True  # stale entry: drop it
+            shape = replace(lease.request, job_id="", slot="", wait_s=None)
+            if shape in failed and not self._mps_capable(lease):
+                return False
             placed = self._place(lease, now_s)
             if placed is None:
+                failed.add(shape)
                 return False
             if placed.ops:
                 work.append(placed)
@@ -412,6 +427,12 @@ class NodeScheduler:
 
         self.queue.schedule(mono_s, try_place)
         return work
+
+    def _mps_capable(self, lease: Lease) -> bool:
+        """MPS admission depends on the requester's uid, not only on the request's shape."""
+        return lease.request.mode != "mig" and any(
+            g.mode is GpuMode.MPS for g in self.gpus.values()
+        )
 
     def _place(self, lease: Lease, now_s: float) -> Work | None:
         """Place one lease now, or return None. Commits the decision on success."""
@@ -488,31 +509,46 @@ class NodeScheduler:
         lease.event(LeaseEvent.READY, now_s)
         lease.heartbeat_s = now_s
 
+    def mps_pool(self, gpu: ManagedGpu) -> MpsPool:
+        """The GPU's MPS accounting, created on first use from the policy."""
+        if gpu.mps_pool is None:
+            gpu.mps_pool = MpsPool(
+                device_uuid=gpu.uuid,
+                memory_total_mib=gpu.memory_total_mib,
+                reserve_mib=self.policy.mps_reserve_mib,
+                max_clients=self.policy.mps_max_clients,
+                policy=UserPolicy.MULTI_USER if self.policy.mps_multi_user else UserPolicy.PER_USER,
+            )
+        return gpu.mps_pool
+
+    @staticmethod
+    def _mps_request(lease: Lease) -> MpsRequest:
+        return MpsRequest(lease.lease_id, lease.owner_uid, lease.request.memory_mib)
+
     def _mps_admits(self, gpu: ManagedGpu, lease: Lease) -> bool:
-        capacity = gpu.memory_total_mib - self.policy.mps_reserve_mib
-        if sum(gpu.mps_shares.values()) + lease.request.memory_mib > capacity:
+        pool = self.mps_pool(gpu)
+        try:
+            answer = can_admit(pool, self._mps_request(lease))
+        except RequestTooLarge:
             return False
-        if len(gpu.mps_shares) >= self.policy.mps_max_clients:
-            return False
-        # One MPS server serves one UID at a time unless the daemon runs multi-user (-M).
-        return (
-            self.policy.mps_multi_user
-            or not gpu.mps_shares
-            or gpu.mps_uid in (None, lease.owner_uid)
-        )
+        if not answer.ok and answer.waiting_for_uid is not None:
+            # One MPS server serves one UID at a time: let the device drain for this user
+            # so a stream of the current user's jobs cannot starve it.
+            gpu.mps_pool = mark_waiting(pool, lease.owner_uid)
+        return answer.ok
 
     def _commit_mps(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
         lease.event(LeaseEvent.PLAN, now_s)
-        gpu.mps_shares[lease.lease_id] = lease.request.memory_mib
-        gpu.mps_uid = lease.owner_uid
+        gpu.mps_pool = mps_admit(self.mps_pool(gpu), self._mps_request(lease))
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
         lease.memory_limit_mib = lease.request.memory_mib
         lease.decision = {
             "action": "mps-share",
             "gpu": gpu.index,
             "pinned_mib": lease.request.memory_mib,
-            "shares_after": len(gpu.mps_shares),
-            "reason": f"GPU {gpu.index}: MPS share of {lease.request.memory_mib} MiB",
+            "shares_after": len(gpu.mps_pool.shares),
+            "reason": f"GPU {gpu.index}: MPS share of {lease.request.memory_mib} MiB "
+            f"({gpu.mps_pool.free_mib} MiB left unpinned)",
         }
         lease.env = self._mps_env(gpu, lease)
         lease.event(LeaseEvent.READY, now_s)
@@ -670,14 +706,18 @@ class NodeScheduler:
                             and inst.origin is not Origin.UNEXPLAINED
                         ):
                             work.extend(self._teardown(gpu, [inst]))
-            elif lease.mode == "mps":
-                gpu.mps_shares.pop(lease_id, None)
-                if not gpu.mps_shares:
-                    gpu.mps_uid = None
+            elif lease.mode == "mps" and gpu.mps_pool is not None:
+                gpu.mps_pool = mps_release(gpu.mps_pool, lease_id)
             elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
                 gpu.exclusive_lease = None
         work.extend(self.schedule(now_s, mono_s))
         return work
+
+    def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> None:
+        """Re-account an MPS lease found in the state db at start-up (it may overcommit)."""
+        pool = self.mps_pool(gpu)
+        request = MpsRequest(lease.lease_id, lease.owner_uid, lease.memory_limit_mib or 1)
+        gpu.mps_pool = replace(pool, shares=(*pool.shares, request))
 
     def heartbeat(self, lease_id: str, now_s: float) -> Lease:
         lease = self.leases[lease_id]

@@ -50,6 +50,11 @@ class BackendSection(_Section):
         "or a path to a TOML node file",
     )
     sim_time_scale: float = Field(0.0, ge=0, description="1.0 = seed 003 Table 1 NVML latencies")
+    sim_state_file: Path | None = Field(
+        None,
+        description="kind=simulated: keep the simulated GPUs' state in this file so it survives "
+        "a daemon restart, as real GPUs do",
+    )
     destroy_retries: int = Field(3, ge=0)
 
 

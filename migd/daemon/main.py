@@ -83,15 +83,43 @@ def build_ports(config: MigdConfig) -> tuple[Any, Any, Any]:
     if config.backend.kind == "simulated":
         from migd.backends.simulated import simulated_backend
 
-        backend, node = simulated_backend(
-            config.backend.simulate,
-            time_scale=config.backend.sim_time_scale,
-            destroy_retries=config.backend.destroy_retries,
-        )
+        options: dict[str, Any] = {
+            "time_scale": config.backend.sim_time_scale,
+            "destroy_retries": config.backend.destroy_retries,
+        }
+        if config.backend.sim_state_file is not None:
+            options["state_file"] = config.backend.sim_state_file
+        backend, node = simulated_backend(config.backend.simulate, **options)
         return backend, PsutilProcessTable(), node
     from migd.backends.nvml import NvmlBackend
 
     return NvmlBackend(destroy_retries=config.backend.destroy_retries), PsutilProcessTable(), None
+
+
+def build_mps(config: MigdConfig) -> Any:
+    """The MPS manager: one control daemon per MPS device under ``<runtime_dir>/mps``.
+
+    On simulated nodes without NVIDIA's ``nvidia-cuda-mps-control`` the stand-in from
+    ``migd.testing`` is used, so MPS leases work in demos and tests.
+    """
+    import shutil
+
+    from migd.backends.mps import MpsManager, MpsManagerConfig
+    from migd.core.mps import UserPolicy
+
+    binary = config.mps.control_binary
+    if config.backend.kind == "simulated" and shutil.which(binary) is None:
+        from migd.testing import write_fake_mps_control
+
+        binary = str(write_fake_mps_control(config.daemon.runtime_dir / "sim-bin"))
+    return MpsManager(
+        config.daemon.runtime_dir,
+        MpsManagerConfig(
+            binary=binary,
+            policy=UserPolicy.MULTI_USER if config.mps.multi_user else UserPolicy.PER_USER,
+            idle_stop_s=config.mps.idle_stop_s,
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from migd.daemon.service import Daemon
 
-    mps = None  # MPS manager: wired in with migd.backends.mps
+    mps = build_mps(config)
 
     async def run() -> int:
         daemon = Daemon(config, backend, procs, reload_config=reload, sim_node=node, mps=mps)

@@ -224,7 +224,15 @@ class Daemon:
             self.workers[gpu.index] = GpuWorker(
                 gpu.index, ThreadPoolExecutor(1, thread_name_prefix=f"gpu{gpu.index}")
             )
+        if self.mps is not None:
+            try:
+                report = await asyncio.get_running_loop().run_in_executor(None, self.mps.start)
+                for uuid in getattr(report, "adopted", ()):
+                    self.notes.append(f"adopted the MPS daemon of {uuid}")
+            except MigdError as exc:
+                log.error("mps.start_failed", error=exc.message, hint=exc.hint)
         await self.reconcile()
+        await self._reattach_mps()
         await self.bind()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -362,11 +370,19 @@ class Daemon:
             if inst.origin is Origin.UNEXPLAINED:
                 inst.origin, inst.note = Origin.MIGD, ""
         elif lease.mode == "mps":
-            gpu.mps_shares[lease.lease_id] = lease.memory_limit_mib or lease.request.memory_mib
-            gpu.mps_uid = lease.owner_uid
+            sched.restore_mps_share(gpu, lease)
         elif lease.mode == "exclusive":
             gpu.exclusive_lease = lease.lease_id
         log.info("lease.restored", lease_id=lease.lease_id, job_id=lease.request.job_id)
+
+    async def _reattach_mps(self) -> None:
+        """Register restored MPS leases with their (adopted or restarted) control daemons."""
+        for lease in self.sched.active_leases():
+            if lease.mode == "mps" and lease.state is LeaseState.ACTIVE:
+                try:
+                    await self._ensure_mps(lease)
+                except MigdError as exc:
+                    log.warning("mps.reattach_failed", lease_id=lease.lease_id, error=exc.message)
 
     async def _resync_gpu(self, index: int) -> list[str]:
         gpu = self.sched.gpus[index]
@@ -646,7 +662,13 @@ class Daemon:
         if lease.lease_id not in self.sched.leases or lease.state.terminal:
             return {"state": lease.state.value, "already": True}
         now, mono = self.now()
+        was_mps = lease.mode == "mps" and lease.state.holds_resources
         work = self.sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
+        if was_mps and self.mps is not None and lease.gpu is not None and lease.gpu_uuid:
+            # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
+            self.workers[lease.gpu].executor.submit(
+                self.mps.release, lease.gpu_uuid, lease.lease_id
+            )
         self.save(lease)
         self.record("reclaimed" if reclaim else "released", lease, reason=reason)
         log.info(
@@ -900,6 +922,27 @@ class Daemon:
             self._release(lease, "MPS daemon could not start")
             raise
 
+    async def _mps_housekeeping(self) -> None:
+        """Restart dead MPS daemons/servers (their clients are lost), stop idle ones."""
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(None, self.mps.check_health)
+        for event in getattr(report, "events", ()):
+            log.warning("mps.health", device=event.device_uuid, event=str(event))
+        for uuid in report.affected_devices:
+            for lease in self.sched.active_leases():
+                if lease.mode == "mps" and lease.gpu_uuid == uuid:
+                    self.record(
+                        "mps.clients_lost",
+                        lease,
+                        device=uuid,
+                        reason="the MPS server was restarted; the job's CUDA clients died",
+                    )
+        for uuid in report.failed_devices:
+            for gpu in self.sched.gpus.values():
+                if gpu.uuid == uuid:
+                    gpu.health = "MPS daemon cannot be restarted"
+        await loop.run_in_executor(None, self.mps.stop_idle)
+
     # -- background loops -------------------------------------------------------------------
 
     async def _reaper_loop(self) -> None:
@@ -908,6 +951,8 @@ class Daemon:
             now, mono = self.now()
             try:
                 await self._reap(now, mono)
+                if self.mps is not None:
+                    await self._mps_housekeeping()
                 # Instances that had processes without a lease are adopted once they empty.
                 for gpu in list(self.sched.gpus.values()):
                     if any(i.origin is Origin.UNEXPLAINED for i in gpu.instances):

@@ -29,14 +29,10 @@ def largest_placeable(daemon: Daemon, gpu: ManagedGpu) -> dict[str, Any] | None:
                 return {"profile": profile.name, "memory_mib": profile.memory_mib}
         return None
     if gpu.mode is GpuMode.MPS:
-        free = (
-            gpu.memory_total_mib
-            - daemon.sched.policy.mps_reserve_mib
-            - sum(gpu.mps_shares.values())
-        )
-        if len(gpu.mps_shares) >= daemon.sched.policy.mps_max_clients or free <= 0:
+        pool = daemon.sched.mps_pool(gpu)
+        if pool.clients >= pool.max_clients or pool.free_mib <= 0:
             return None
-        return {"profile": "mps", "memory_mib": free}
+        return {"profile": "mps", "memory_mib": pool.free_mib}
     if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
         return {"profile": "whole-gpu", "memory_mib": gpu.memory_total_mib}
     return None
@@ -101,21 +97,25 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
                 }
             )
     if gpu.mode is GpuMode.MPS:
-        shares = [
-            {
-                "lease_id": lid,
-                "job_id": sched.leases[lid].request.job_id if lid in sched.leases else None,
-                "pinned_mib": mib,
-                "uid": sched.leases[lid].owner_uid if lid in sched.leases else None,
-            }
-            for lid, mib in gpu.mps_shares.items()
-        ]
+        pool = sched.mps_pool(gpu)
         out["mps"] = {
-            "shares": shares,
-            "pinned_mib": sum(gpu.mps_shares.values()),
-            "capacity_mib": gpu.memory_total_mib - sched.policy.mps_reserve_mib,
-            "max_clients": sched.policy.mps_max_clients,
-            "uid": gpu.mps_uid,
+            "shares": [
+                {
+                    "lease_id": share.share_id,
+                    "job_id": sched.leases[share.share_id].request.job_id
+                    if share.share_id in sched.leases
+                    else None,
+                    "pinned_mib": share.memory_mib,
+                    "clients": share.clients,
+                    "uid": share.uid,
+                }
+                for share in pool.shares
+            ],
+            "pinned_mib": pool.used_mib,
+            "capacity_mib": pool.capacity_mib,
+            "max_clients": pool.max_clients,
+            "uid": pool.owner_uid,
+            "draining_for_uid": pool.draining_for_uid,
             "multi_user": sched.policy.mps_multi_user,
             "daemons": daemon.mps.status_for(gpu.uuid) if daemon.mps is not None else [],
         }

@@ -482,9 +482,9 @@ class Simulation:
                 best = prof.memory_mib
         for gpu in sched.gpus.values():
             if gpu.mode is GpuMode.MPS and gpu.available:
-                if len(gpu.mps_shares) < sched.policy.mps_max_clients:
-                    free = gpu.memory_total_mib - sched.policy.mps_reserve_mib
-                    best = max(best, free - sum(gpu.mps_shares.values()))
+                pool = sched.mps_pool(gpu)
+                if pool.clients < pool.max_clients:
+                    best = max(best, pool.free_mib)
             elif gpu.mode is GpuMode.EXCLUSIVE and gpu.available and gpu.exclusive_lease is None:
                 best = max(best, gpu.memory_total_mib)
         node.capacity = best

@@ -100,11 +100,15 @@ def write_fake_mps_control(bin_dir: Path) -> Path:
     bin_dir.mkdir(parents=True, exist_ok=True)
     shim = bin_dir / "nvidia-cuda-mps-control"
     package_root = Path(__file__).resolve().parents[2]
+    # A per-user MPS daemon runs as the job's user, who may not be able to execute the
+    # interpreter migd runs under (a venv below a private home): tests can name another
+    # one that only needs the standard library to run this module.
+    interpreter = os.environ.get("MIGD_FAKE_MPS_PYTHON") or sys.executable
     shim.write_text(
         "#!/bin/sh\n"
         "# Test stand-in for NVIDIA's nvidia-cuda-mps-control (migd.testing.fake_mps_control)\n"
         f"PYTHONPATH={shlex.quote(str(package_root))}${{PYTHONPATH:+:$PYTHONPATH}} "
-        f'exec {shlex.quote(sys.executable)} -m migd.testing.fake_mps_control "$@"\n',
+        f'exec {shlex.quote(interpreter)} -m migd.testing.fake_mps_control "$@"\n',
         encoding="utf-8",
     )
     shim.chmod(0o755)

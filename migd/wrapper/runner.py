@@ -174,13 +174,19 @@ class JobRunner:
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)
             reason = None
+            fallback: int | None = None
             if attempt.forecast is not None:
                 fc = attempt.forecast
                 reason = (
-                    f"the memory forecast says the job needs ~{int(fc.upper_mib)} MiB "
-                    f"(at step {fc.at_step:.0f}) but the partition has {limit} MiB"
+                    f"the memory forecast says the job needs ~{int(fc.predicted_peak_mib)} MiB "
+                    f"(up to {int(fc.upper_mib)}) by step {fc.at_step:.0f} but the partition "
+                    f"has {limit} MiB"
                 )
-                want = max(limit + 1, fc.needed_mib)
+                # Size on the point forecast (seed 002: "the slice that meets the memory
+                # requirement"): early in a run the upper band is several times the real
+                # peak. If the forecast still asks too much, the next profile up is tried.
+                want = max(limit + 1, self.options.forecast.needed_mib(fc.predicted_peak_mib))
+                fallback = limit + 1
             elif attempt.oom is not None and attempt.oom.is_oom:
                 reason = (
                     f"the job ran out of GPU memory on {self._where(lease)} ({attempt.oom.reason})"
@@ -199,6 +205,35 @@ class JobRunner:
             )
             self._chirp_request(want)
             memory = want
+            if fallback is not None and fallback < want:
+                memory = self._fits_here(want, fallback)
+
+    def _fits_here(self, want: int, fallback: int) -> int:
+        """``want`` if this node has a partition that big, else ``fallback``."""
+        try:
+            status = self.client.status()
+        except MigdError:
+            return want
+        largest = max(
+            (
+                max(p["memory_mib"] for p in gpu.get("instances", []) or [{"memory_mib": 0}])
+                for gpu in status.get("gpus", [])
+            ),
+            default=0,
+        )
+        largest = max(
+            [largest]
+            + [int(g.get("full_profile_mib") or 0) for g in status.get("gpus", [])]
+            + [
+                int(g.get("memory_total_mib") or 0)
+                for g in status.get("gpus", [])
+                if g.get("mode") != "mig"
+            ]
+        )
+        if want <= largest:
+            return want
+        self.say(f"no partition of {want} MiB on this node; trying the next size up instead")
+        return fallback
 
     def _where(self, lease: dict[str, Any]) -> str:
         if lease.get("profile"):
@@ -208,9 +243,12 @@ class JobRunner:
         return f"an MPS share of {lease.get('memory_limit_mib')} MiB on GPU {lease.get('gpu')}"
 
     def _bigger(self, limit: int, attempt: Attempt) -> int:
-        want = limit + 1  # migd right-sizes this to the next profile up
-        if self.spec.growth_factor > 0:
-            want = max(want, math.ceil(limit * self.spec.growth_factor))
+        want = limit + 1  # migd right-sizes this to the next MIG profile up
+        growth = self.spec.growth_factor
+        if growth <= 0 and attempt.lease.get("mode") != "mig":
+            growth = 2.0  # an MPS share or a whole GPU has no profile ladder: double it
+        if growth > 0:
+            want = max(want, math.ceil(limit * growth))
         oom = attempt.oom
         if oom is not None and oom.tried_mib and attempt.peak_used_mib:
             want = max(want, math.ceil(attempt.peak_used_mib + oom.tried_mib))

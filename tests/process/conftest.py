@@ -81,6 +81,8 @@ class DaemonProcess:
             self.simulate,
             "--state-dir",
             str(self.root / "state"),
+            "--runtime-dir",
+            str(self.root / "run"),
             "--socket",
             str(self.socket_path),
             "--log-format",

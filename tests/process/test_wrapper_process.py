@@ -63,7 +63,8 @@ def test_oom_restarts_on_the_next_profile_and_completes(daemon: DaemonProcess) -
     assert result.returncode == 0, result.stderr
     assert "CUDA out of memory" in result.stderr
     assert "restarting on a bigger partition" in result.stderr
-    assert "1g.5gb" in result.stderr and "1g.10gb" in result.stderr
+    # first 1g.5gb, then a 10 GB profile (2g.10gb when 1g.10gb would strand a compute slice)
+    assert "1g.5gb (4864 MiB" in result.stderr and "(9984 MiB" in result.stderr
     assert "simjob: done, peak 7168 MiB" in result.stdout
     assert active(daemon) == []
     events = [h["event"] for h in daemon.client().call("history", job_id="oom.0")["history"]]

@@ -125,7 +125,15 @@ def test_plans_never_touch_busy_instances_and_deliver_their_state(
         if isinstance(op, DestroyOp):
             assert (op.profile.profile_id, op.start) not in busy
     assert apply_ops(view, decision.ops) == decision.result_key
-    assert decision.profile == profile
+    # the profile asked for, or the same memory with compute that would be stranded anyway
+    assert decision.profile.memory_slices == profile.memory_slices
+    assert decision.profile.memory_mib >= profile.memory_mib
+    assert decision.profile.compute_slices >= profile.compute_slices
+    if decision.profile != profile:
+        plain = view.space.allocate(apply_ops(view, decision.ops[:-1]), profile, decision.start)
+        assert view.space.wasted_slices(decision.result_key)[0] < view.space.wasted_slices(plain)[0]
+        assert view.space.reachability(decision.result_key) >= view.space.reachability(plain)
+    profile = decision.profile
     placed = {(a.profile.profile_id, a.start) for a in view.space.placements(decision.result_key)}
     assert (profile.profile_id, decision.start) in placed
     if decision.action == "reuse":
@@ -255,9 +263,12 @@ def _stream(policy: PlannerPolicy, seed: int, n_gpus: int = 4, steps: int = 300)
     return accepted, destroys
 
 
-def test_rules_accept_at_least_as_many_requests_as_first_fit() -> None:
-    """The comparison the README reports (same seeds): rules vs first-fit over 20 streams."""
+def test_rules_and_first_fit_accept_alike_on_random_streams() -> None:
+    """Measured, and reported in the README: over 20 random streams both choices accept
+    the same share of requests within 1 % (first-fit over GPUs packs too: onto low
+    indices). The rules' gain is where index order spreads work, as in the scenario above.
+    """
     first_fit = PlannerPolicy(placement=PlacementRule.DRIVER, gpu_choice=GpuChoice.FIRST_FIT)
-    rules = [_stream(PlannerPolicy(), seed) for seed in range(20)]
-    ff = [_stream(first_fit, seed) for seed in range(20)]
-    assert sum(a for a, _ in rules) >= sum(a for a, _ in ff)
+    rules = sum(a for a, _ in (_stream(PlannerPolicy(), seed) for seed in range(20)))
+    ff = sum(a for a, _ in (_stream(first_fit, seed) for seed in range(20)))
+    assert abs(rules - ff) <= 0.01 * 20 * 300, (rules, ff)

@@ -275,3 +275,8 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     )
     problems = [line for line in result.stderr.splitlines() if "migd.service" in line]
     assert result.returncode == 0 and problems == [], result.stderr
+
+
+def test_configuration_doc_shows_the_current_example() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert example_toml() in doc, "regenerate docs/configuration.md's example block"

@@ -236,3 +236,27 @@ def test_wasted_slices_follow_seed000() -> None:
     assert space.wasted_slices(space.allocate(EMPTY, "1g.10gb", 0)) == (0, 0)
     three_at_0 = space.allocate(EMPTY, "3g.40gb", 0)
     assert space.wasted_slices(three_at_0)[0] == 1
+
+
+@pytest.mark.parametrize("model", ["A30-24GB", "A100-40GB"])
+def test_reachability_and_max_cc_choose_alike_on_builtin_tables(model: str) -> None:
+    """A finding the README reports: seed 002's and seed 001's placements coincide here."""
+    from migd.core.planner import _order_index
+
+    space = state_space(catalog.geometry(model), "media")
+    choices = 0
+    for key in space:
+        for profile in space.profiles:
+            starts = space.legal_starts(key, profile)
+            if len(starts) < 2:
+                continue
+            choices += 1
+            by_reach = {s: space.reachability(space.allocate(key, profile, s)) for s in starts}
+            by_cc = {
+                s: space.configuration_capability(space.allocate(key, profile, s)) for s in starts
+            }
+            order = {s: _order_index(profile, s) for s in starts}
+            assert min(starts, key=lambda s: (-by_reach[s], order[s])) == min(
+                starts, key=lambda s: (-by_cc[s], order[s])
+            )
+    assert choices > 40

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up a virtual environment and run everything CI runs: lint, formatting, strict types and
+# the whole test suite (unit, property-based, process-level, and the real HTCondor 23.9 pool
+# in a Debian trixie chroot, which needs root and debootstrap; it is built once and cached in
+# ~/.cache/migd). Extra arguments go to pytest, e.g. `scripts/test.sh -k wrapper -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e '.[test,sim]'
+
+# The integration tests build a chroot with debootstrap (Debian's package, root only).
+if ! command -v debootstrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+fi
+
+echo "== ruff"; .venv/bin/ruff check .
+echo "== ruff format"; .venv/bin/ruff format --check .
+echo "== mypy (strict)"; .venv/bin/mypy
+echo "== pytest"; .venv/bin/python -m pytest "$@"
