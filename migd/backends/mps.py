@@ -1130,6 +1130,10 @@ class MpsManager:
             path.chmod(mode)
             if owner is not None and os.geteuid() == 0:
                 os.chown(path, owner.uid, owner.gid)
+                # A device that changes hands keeps the last user's control.log/server.log
+                # and lock files; the new user's daemon must be able to append to them.
+                for entry in path.iterdir():
+                    os.lchown(entry, owner.uid, owner.gid)
         except OSError as exc:
             raise MpsError(
                 f"cannot prepare MPS directory {path}: {exc}",
