@@ -31,7 +31,14 @@ from typing import Any, Literal
 from migd.core.demand import DemandModel
 from migd.core.geometry import Profile
 from migd.core.leases import LeaseEvent, LeaseState, next_state
-from migd.core.mps import MpsPool, MpsRequest, UserPolicy, can_admit, mark_waiting
+from migd.core.mps import (
+    MpsPool,
+    MpsRequest,
+    UserPolicy,
+    can_admit,
+    clear_waiting,
+    mark_waiting,
+)
 from migd.core.mps import admit as mps_admit
 from migd.core.mps import release as mps_release
 from migd.core.planner import (
@@ -213,9 +220,22 @@ class ManagedGpu:
     def available(self) -> bool:
         return not self.draining and self.health == "ok"
 
-    def instance_at(self, start: int) -> ManagedInstance | None:
+    def instance_at(
+        self, start: int, status: InstanceStatus | None = None
+    ) -> ManagedInstance | None:
+        """The instance at ``start`` (with ``status``, if given).
+
+        During a repartition an instance being destroyed and its replacement being
+        created can share a start, so callers that act on one of them name its status.
+        """
         for inst in self.instances:
-            if inst.start == start:
+            if inst.start == start and (status is None or inst.status is status):
+                return inst
+        return None
+
+    def instance_of(self, lease_id: str) -> ManagedInstance | None:
+        for inst in self.instances:
+            if inst.lease_id == lease_id:
                 return inst
         return None
 
@@ -293,6 +313,10 @@ class NodeScheduler:
         )
         self._work_ids = itertools.count(1)
         self._pending_work: dict[int, Work] = {}
+        self._stale_work: set[int] = set()
+        # The queue entry of each placed lease, to put it back with its arrival time if
+        # its work fails (a retry must not lose its place).
+        self._placed_items: dict[str, QueuedRequest[str]] = {}
         self._mps_env = mps_env or default_mps_env
 
     def _new_queue(self) -> RequestQueue[str]:
@@ -405,6 +429,12 @@ class NodeScheduler:
     def schedule(self, now_s: float, mono_s: float) -> list[Work]:
         """Try queued requests in policy order; return the work for those placed."""
         work: list[Work] = []
+        # Per-user MPS drain marks say who is waiting *now*: this pass sets them again for
+        # the requests still queued, so a request that left (refused, expired, placed
+        # elsewhere) cannot reserve a device for a user who no longer waits.
+        for gpu in self.gpus.values():
+            if gpu.mps_pool is not None and gpu.mps_pool.draining_for_uid is not None:
+                gpu.mps_pool = clear_waiting(gpu.mps_pool)
         # Within one pass nothing is released, so a request identical to one that did not
         # fit will not fit either: a long size-ordered queue costs one plan per distinct
         # request, not one per queued job.
@@ -421,6 +451,7 @@ class NodeScheduler:
             if placed is None:
                 failed.add(shape)
                 return False
+            self._placed_items[lease.lease_id] = item
             if placed.ops:
                 work.append(placed)
             return True
@@ -473,7 +504,7 @@ class NodeScheduler:
         gpu = self.gpus[decision.gpu]
         for op in decision.ops:
             if isinstance(op, DestroyOp):
-                inst = gpu.instance_at(op.start)
+                inst = gpu.instance_at(op.start, InstanceStatus.READY)
                 assert inst is not None and not inst.busy, "planner chose a busy instance"
                 inst.status = InstanceStatus.DESTROYING
         lease.event(LeaseEvent.PLAN, now_s)
@@ -483,7 +514,7 @@ class NodeScheduler:
         lease.decision = decision.to_dict()
         self.demand.observe(decision.profile.profile_id, now_s)
         if decision.action == "reuse":
-            inst = gpu.instance_at(decision.start)
+            inst = gpu.instance_at(decision.start, InstanceStatus.READY)
             assert inst is not None
             inst.lease_id, inst.idle_since_s = lease.lease_id, None
             self._activate_mig(lease, inst, now_s)
@@ -568,11 +599,20 @@ class NodeScheduler:
 
     # -- work results -----------------------------------------------------------------------
 
+    def work_is_current(self, work: Work) -> bool:
+        """False for work a failure made obsolete; the caller must not execute it."""
+        return work.work_id not in self._stale_work
+
     def work_done(
         self, work: Work, created: Mapping[int, tuple[int | None, str | None, int]], now_s: float
     ) -> None:
         """Record finished work. ``created`` maps start -> (gi_id, mig_uuid, memory_mib)."""
+        if work.work_id in self._stale_work:
+            self._stale_work.discard(work.work_id)
+            return
         self._pending_work.pop(work.work_id, None)
+        if work.lease_id:
+            self._placed_items.pop(work.lease_id, None)
         gpu = self.gpus[work.gpu]
         for op in work.ops:
             if isinstance(op, DestroyOp):
@@ -583,7 +623,7 @@ class NodeScheduler:
                 ]
         for op in work.ops:
             if isinstance(op, CreateOp):
-                inst = gpu.instance_at(op.start)
+                inst = gpu.instance_at(op.start, InstanceStatus.CREATING)
                 assert inst is not None
                 gi_id, uuid, memory = created[op.start]
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
@@ -595,18 +635,63 @@ class NodeScheduler:
                     inst.lease_id, inst.idle_since_s = None, now_s
 
     def work_failed(self, work: Work, error: Exception, now_s: float) -> None:
-        """Undo the intended state of failed work; the caller then calls :meth:`resync`."""
+        """Undo the intended state of failed work; the caller then calls :meth:`resync`.
+
+        Instances it was destroying come back; later work that planned on their slices
+        is made stale (:meth:`work_is_current`) and its leases go back to the queue.
+        """
+        if work.work_id in self._stale_work:
+            self._stale_work.discard(work.work_id)
+            return
         self._pending_work.pop(work.work_id, None)
         gpu = self.gpus[work.gpu]
-        for inst in list(gpu.instances):
-            if inst.status is InstanceStatus.DESTROYING:
-                inst.status = InstanceStatus.READY
-            if inst.status is InstanceStatus.CREATING and inst.lease_id == work.lease_id:
-                gpu.instances.remove(inst)
-        lease = self.leases.get(work.lease_id or "")
-        if lease is not None and lease.state is LeaseState.PREPARING:
-            lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
-            lease.event(LeaseEvent.RETRY, now_s, reason=f"placement failed: {error}")
+        restored: list[ManagedInstance] = []
+        # Undo only this work's intentions: other work on the GPU may be in flight.
+        for op in work.ops:
+            if isinstance(op, DestroyOp):
+                inst = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
+                if inst is not None and inst.profile == op.profile:
+                    inst.status = InstanceStatus.READY
+                    restored.append(inst)
+            else:
+                inst = gpu.instance_at(op.start, InstanceStatus.CREATING)
+                if inst is not None and inst.profile == op.profile:
+                    gpu.instances.remove(inst)
+        self._retry(self.leases.get(work.lease_id or ""), f"placement failed: {error}", now_s)
+        for inst in restored:
+            units = inst.profile.units_mask(inst.start)
+            for other in [
+                o
+                for o in gpu.instances
+                if o.status is InstanceStatus.CREATING and o.profile.units_mask(o.start) & units
+            ]:
+                gpu.instances.remove(other)
+                for pending in list(self._pending_work.values()):
+                    if pending.gpu == gpu.index and any(
+                        isinstance(op, CreateOp) and op.start == other.start for op in pending.ops
+                    ):
+                        del self._pending_work[pending.work_id]
+                        self._stale_work.add(pending.work_id)
+                        for op in pending.ops:  # its own destroys did not happen either
+                            victim = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
+                            if isinstance(op, DestroyOp) and victim is not None:
+                                victim.status = InstanceStatus.READY
+                self._retry(
+                    self.leases.get(other.lease_id or ""),
+                    f"{inst} could not be destroyed ({error})",
+                    now_s,
+                )
+
+    def _retry(self, lease: Lease | None, reason: str, now_s: float) -> None:
+        """Send a lease whose placement fell through back to the queue, keeping its place."""
+        if lease is None or lease.state is not LeaseState.PREPARING:
+            return
+        lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
+        lease.memory_limit_mib = None
+        lease.event(LeaseEvent.RETRY, now_s, reason=reason)
+        item = self._placed_items.pop(lease.lease_id, None)
+        if item is not None:
+            self.queue.restore(item)
 
     def resync(
         self,
@@ -633,7 +718,11 @@ class NodeScheduler:
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
                 if inst.status is not InstanceStatus.CREATING:
                     inst.status = InstanceStatus.READY
-                if inst.origin is Origin.UNEXPLAINED and uuid not in busy_uuids:
+                if (
+                    inst.origin is Origin.UNEXPLAINED
+                    and uuid is not None
+                    and uuid not in busy_uuids
+                ):
                     inst.origin, inst.note = Origin.ADOPTED, ""
                     inst.idle_since_s = now_s
                     notes.append(f"{inst} is idle now; adopted")
@@ -694,8 +783,8 @@ class NodeScheduler:
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
             if lease.mode == "mig":
-                inst = gpu.instance_at(lease.start) if lease.start is not None else None
-                if inst is not None and inst.lease_id == lease_id:
+                inst = gpu.instance_of(lease_id)
+                if inst is not None:
                     # A CREATING instance stays untouchable by its status; work_done then
                     # finds no owner and marks it idle.
                     inst.lease_id = None
@@ -748,10 +837,33 @@ class NodeScheduler:
                 for i in gpu.instances
                 if not i.busy
                 and i.idle_since_s is not None
-                and now_s - i.idle_since_s >= self.policy.idle_timeout_s
+                # a timer set for idle_since + timeout must find it due, rounding or not
+                and now_s - i.idle_since_s >= self.policy.idle_timeout_s - 1e-6
             ]
             work.extend(self._teardown(gpu, stale))
         return work
+
+    def discard_incomplete(self, gpu_index: int, own_starts: Iterable[int]) -> list[Work]:
+        """Destroy GPU instances without a compute instance that migd itself was making.
+
+        A crash between creating a GPU instance and its compute instance (or during a
+        destroy) leaves one behind. No process can run on it, so destroying it is always
+        safe; it is only done for starts migd recorded before it began the work, so an
+        admin's half-made instance is reported, not touched.
+        """
+        gpu = self.gpus[gpu_index]
+        starts = set(own_starts)
+        leftovers = [
+            i
+            for i in gpu.instances
+            if i.uuid is None
+            and i.start in starts
+            and i.lease_id is None
+            and i.status is InstanceStatus.READY
+        ]
+        for inst in leftovers:
+            inst.origin, inst.note = Origin.MIGD, "incomplete: an interrupted create or destroy"
+        return self._teardown(gpu, leftovers)
 
     def reset(self, gpu_index: int) -> list[Work]:
         """Destroy every idle instance of a GPU (``migctl reset``); busy ones stay."""

@@ -412,9 +412,16 @@ class Daemon:
         now, _ = self.now()
         own = self.db.own_instances(gpu.uuid)
         notes += self.sched.resync(index, observed, busy, now)
+        present = {m.start for m in gpu.instances}
         for managed in gpu.instances:
             if managed.start in own and managed.origin is Origin.ADOPTED:
                 managed.origin = Origin.MIGD
+        for start in set(own) - present:
+            self.db.forget_instance(gpu.uuid, start)  # work that never reached the GPU
+        teardown = self.sched.discard_incomplete(index, own)
+        for work in teardown:
+            notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
+        self.dispatch(teardown)
         return notes
 
     # -- the socket -------------------------------------------------------------------------
@@ -803,13 +810,27 @@ class Daemon:
                 worker.busy_since_mono = None
 
     async def _run_work(self, work: Work) -> None:
+        if not self.sched.work_is_current(work):
+            log.info(
+                "work.skipped",
+                gpu=work.gpu,
+                ops=[str(op) for op in work.ops],
+                reason="an earlier operation on this GPU failed",
+            )
+            self.sched.work_failed(work, GpuError("obsolete"), self.clock.now())
+            return
         gpu = self.sched.gpus[work.gpu]
         targets: dict[int, tuple[int | None, str | None]] = {}
         for op in work.ops:
             if isinstance(op, DestroyOp):
-                inst = gpu.instance_at(op.start)
+                inst = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
                 targets[op.start] = (inst.gi_id, inst.uuid) if inst else (None, None)
         lease = self.sched.leases.get(work.lease_id or "")
+        for op in work.ops:
+            if isinstance(op, CreateOp):
+                # Written before the NVML call: after a crash mid-create, a GPU instance
+                # without a compute instance at this start is known to be migd's own.
+                self.db.remember_instance(gpu.uuid, op.start, op.profile.profile_id, None)
         started = time.monotonic()
         try:
             created = await self.on_gpu(work.gpu, self._execute, work, targets)
@@ -987,15 +1008,15 @@ class Daemon:
                     )
                 except (MigdError, TimeoutError):
                     still_used = True  # cannot tell: keep it untouchable
-            self._release(lease, reason, reclaim=True)
-            if still_used and lease.gpu is not None and lease.start is not None:
-                inst = self.sched.gpus[lease.gpu].instance_at(lease.start)
-                if inst is not None and inst.lease_id is None:
-                    inst.origin, inst.note = (
-                        Origin.UNEXPLAINED,
-                        (f"holder of {lease.lease_id} died but processes remain"),
-                    )
+            if still_used and lease.gpu is not None:
+                # Mark it before the release: the release schedules queued requests, and
+                # none of them may be given an instance a dead holder's process still uses.
+                inst = self.sched.gpus[lease.gpu].instance_of(lease.lease_id)
+                if inst is not None:
+                    inst.origin = Origin.UNEXPLAINED
+                    inst.note = f"holder of {lease.lease_id} died but processes remain"
                     log.warning("reaper.instance_in_use", gpu=lease.gpu, instance=str(inst))
+            self._release(lease, reason, reclaim=True)
 
     async def _timer_loop(self) -> None:
         """Queue deadlines, idle teardown, re-checks of unexplained instances, pruning."""

@@ -62,6 +62,9 @@ def check_invariants(node: NodeScheduler, destroyed_busy: list[str]) -> None:
             assert lease.env["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
     for item in node.queue:
         assert node.leases[item.payload].state is LeaseState.QUEUED
+    # and no queued lease is lost outside the queue (a failed placement goes back in)
+    queued = {k for k, v in node.leases.items() if v.state is LeaseState.QUEUED}
+    assert queued == {item.payload for item in node.queue}
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

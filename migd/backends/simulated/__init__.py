@@ -4,7 +4,8 @@
   memory, faults);
 * :class:`FakePynvml` (``fake_pynvml.py``): the ``pynvml`` API over a node, so the real
   :class:`~migd.backends.nvml.NvmlBackend` runs unchanged on top of it;
-* :func:`simulated_backend`: both wired together.
+* :func:`simulated_backend`: both wired together;
+* ``state_file`` (``persist.py``): the node's GPUs outlive the process, as real ones do.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from migd.backends.simulated.node import (
     SimNode,
     SimOutOfMemory,
 )
+from migd.backends.simulated.persist import SIM_STATE_SCHEMA
 from migd.backends.simulated.specs import SimGpuSpec, SimInstanceSpec, SimProcessSpec
 
 _BACKEND_OPTIONS = ("destroy_retries", "retry_backoff_s", "sleep")
@@ -35,10 +37,14 @@ def simulated_backend(
         description: ``"8xA100-40GB"``, a mixed list, TOML text or file, a probe JSON
             file (see :mod:`migd.backends.simulated.specs`), or a ready :class:`SimNode`.
         **options: ``destroy_retries``, ``retry_backoff_s`` and ``sleep`` go to the
-            backend; the rest (``seed``, ``time_scale``, ``root``, ...) to the node.
+            backend; the rest (``seed``, ``time_scale``, ``root``, ``state_file``, ...)
+            to the node. ``state_file`` (``backend.sim_state_file``) keeps the GPUs'
+            state in that file across restarts (see :class:`SimNode`).
 
     Raises:
-        ConfigError: the description is malformed.
+        ConfigError: the description is malformed, or the state file is corrupt or
+            was written for other GPUs (``where="backend.sim_state_file"``).
+        StateStoreError: the state file cannot be written.
     """
     backend_options = {k: options.pop(k) for k in _BACKEND_OPTIONS if k in options}
     if isinstance(description, SimNode):
@@ -56,6 +62,7 @@ def simulated_backend(
 
 
 __all__ = [
+    "SIM_STATE_SCHEMA",
     "FakePynvml",
     "InstanceView",
     "SimCudaError",

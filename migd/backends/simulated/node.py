@@ -13,10 +13,18 @@ with its own plain unit-set arithmetic, and deliberately without
 Errors NVML would return are raised as :class:`~migd.backends.simulated.nvml_api.NVMLError`
 with the code real NVML documents (``nvml.h`` of NVIDIA/go-nvml ``2f9e261``, cited
 at each raise). Errors a CUDA program would see are :class:`SimCudaError`.
+
+With a ``state_file`` the node outlives its process, as real GPUs outlive a
+``kill -9`` of the daemon: every change is written to the file atomically
+(:mod:`migd.backends.simulated.persist`) and a new node with the same file starts
+where the old one stopped. On such a load, simulated processes whose host PID is
+gone (or now belongs to another process) are dropped, as the driver drops a dead
+process's context; see :meth:`SimNode.snapshot`.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -27,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from migd.backends.procs import PsutilProcessTable
 from migd.backends.simulated import nvml_api as api
+from migd.backends.simulated import persist
 from migd.backends.simulated.specs import (
     SimGpuSpec,
     SimInstanceSpec,
@@ -38,7 +48,10 @@ from migd.backends.simulated.specs import (
 )
 from migd.core.costs import CostModel
 from migd.core.geometry import Geometry, Profile
-from migd.errors import ConfigError, MigdError, UnknownProfile
+from migd.errors import ConfigError, MigdError, StateStoreError, UnknownProfile
+from migd.ports import ProcessTable
+
+_log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 DEFAULT_DRIVER_VERSION = "580.95.05"
@@ -118,6 +131,9 @@ class SimProcess:
     used_mib: int = 0
     mps: bool = False
     mps_pinned_limit_mib: int | None = None
+    # Start time of the host process with this PID when it attached (None: no such host
+    # process, a purely simulated one). Tells a reused PID apart on a reload.
+    host_start_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -171,6 +187,18 @@ class SimNode:
         driver_version, cuda_version: what ``nvmlSystemGetDriverVersion`` /
             ``nvmlSystemGetCudaDriverVersion`` report (``"12.4"`` or ``12040``).
         sleep: how latencies are waited for (tests may pass a fake).
+        state_file: keep the node's state in this file (``backend.sim_state_file``):
+            written atomically after every change, and loaded instead of the
+            description's initial contents when it exists. The description must name
+            the same GPUs (count, models, UUIDs); its initial instances, processes and
+            MIG modes only apply to a node without a saved state.
+        host_processes: the host's process table, to drop simulated processes whose
+            PID died while the node was down (default: psutil).
+
+    Raises:
+        ConfigError: no GPUs, or (``where="backend.sim_state_file"``) a state file that
+            is corrupt or was written for other GPUs.
+        StateStoreError: the state file cannot be written.
     """
 
     def __init__(
@@ -183,6 +211,8 @@ class SimNode:
         driver_version: str = DEFAULT_DRIVER_VERSION,
         cuda_version: int | str = DEFAULT_CUDA_VERSION,
         sleep: Callable[[float], None] = time.sleep,
+        state_file: str | Path | None = None,
+        host_processes: ProcessTable | None = None,
     ) -> None:
         if not gpus:
             raise ConfigError("a simulated node needs at least one GPU", where="description")
@@ -197,21 +227,40 @@ class SimNode:
         self._costs = [CostModel.for_model(s.model or "H100") for s in self._specs]
         self.call_counts: Counter[str] = Counter()
         self._serials = 0
+        self.state_file = Path(state_file) if state_file is not None else None
+        self._host = host_processes if host_processes is not None else PsutilProcessTable()
+        self.loaded_from_file = False  # True: the state came from state_file, not the description
+        self.pruned_on_load: list[SimProcess] = []  # processes dropped by the load (dead PIDs)
+        self._persist_paused = 1  # nothing is written before the node is complete
         self.reset()
+        if self.state_file is not None:
+            with self._lock:
+                saved = persist.read_state(self.state_file)
+                if saved is not None:
+                    self._restore(saved, self.state_file)
+                    self.loaded_from_file = True
+                persist.remove_stale_temps(self.state_file)
+        self._persist_paused = 0
+        self._persist()
 
     # -- construction -----------------------------------------------------------------------
 
     @classmethod
-    def from_description(cls, description: str | Path, **options: Any) -> SimNode:
+    def from_description(
+        cls, description: str | Path, *, state_file: str | Path | None = None, **options: Any
+    ) -> SimNode:
         """Build a node from ``"8xA100-40GB"``, a mixed list, TOML text/file or a probe JSON.
 
-        ``options`` (``seed``, ``time_scale``, ``root``, ...) override the source's.
+        ``state_file`` makes the node persistent (see the class); ``options`` (``seed``,
+        ``time_scale``, ``root``, ...) override the source's.
 
         Raises:
-            ConfigError: the description is malformed or names an unknown model.
+            ConfigError: the description is malformed or names an unknown model, or the
+                state file is corrupt or belongs to other GPUs.
+            StateStoreError: the state file cannot be written.
         """
         parsed = parse_source(description)
-        return cls(parsed.gpus, **{**parsed.options, **options})
+        return cls(parsed.gpus, **{**parsed.options, **options, "state_file": state_file})
 
     @classmethod
     def from_probe(
@@ -228,8 +277,18 @@ class SimNode:
     def reset(self) -> None:
         """Back to the initial state: same GPUs, instances, processes, UUIDs and modes.
 
-        Also clears injected faults, lost GPUs and the call counters.
+        Also clears injected faults, lost GPUs and the call counters. With a state file,
+        the file then holds this initial state.
         """
+        with self._lock:
+            self._persist_paused += 1
+            try:
+                self._reset_unsaved()
+            finally:
+                self._persist_paused -= 1
+            self._persist()
+
+    def _reset_unsaved(self) -> None:
         with self._lock:
             self._rng = random.Random(self.seed)
             self._root = self._initial_root
@@ -380,6 +439,7 @@ class SimNode:
         """GPU ``index`` falls off the bus: every NVML call about it fails with GPU_IS_LOST."""
         with self._lock:
             self.gpus[index].lost = True
+            self._persist()
 
     def set_root(self, root: bool) -> None:
         """Privileged or not: without root, MIG writes and privileged reads get NO_PERMISSION."""
@@ -400,6 +460,7 @@ class SimNode:
                 raise ValueError(f"GPU {index} has MIG instances; destroy them first")
             gpu.mig_current = current
             gpu.mig_pending = current if pending is None else pending
+            self._persist()
 
     def check_call(self, call: str, gpu: int | None = None, *, privileged: bool = False) -> None:
         """Count the call, then raise an injected fault, GPU_IS_LOST or NO_PERMISSION.
@@ -453,7 +514,9 @@ class SimNode:
             if refusal is not None:
                 raise api.NVMLError(refusal)
             self._pause(self._costs[index].create_s(profile.compute_slices))
-            return self._add_gi(gpu, profile, start)
+            gi = self._add_gi(gpu, profile, start)
+            self._persist()
+            return gi
 
     def _refusal(self, gpu: SimGpu, profile: Profile, start: int, size: int) -> int | None:
         """Why the driver refuses ``profile`` at ``start`` now (an NVML code), or None."""
@@ -521,6 +584,7 @@ class SimNode:
             self._pause(self._costs[gpu.index].destroy_s(gi.profile.compute_slices))
             del gpu.instances[gi.gi_id]
             del self._gi_by_serial[gi.serial]
+            self._persist()
 
     def lookup_gi(self, gi_serial: int) -> tuple[SimGpu, SimGpuInstance]:
         """A live GPU instance by handle serial (INVALID_ARGUMENT for a stale handle)."""
@@ -562,15 +626,22 @@ class SimNode:
             slices, _count = self.ci_profile(gi, profile_index)
             if sum(ci.slices for ci in gi.cis.values()) + slices > gi.profile.compute_slices:
                 raise api.NVMLError(api.NVML_ERROR_INSUFFICIENT_RESOURCES)
-            return self._add_ci(gpu, gi, profile_index)
+            ci = self._add_ci(gpu, gi, profile_index)
+            self._persist()
+            return ci
 
     def _add_ci(
-        self, gpu: SimGpu, gi: SimGpuInstance, profile_index: int, uuid: str | None = None
+        self,
+        gpu: SimGpu,
+        gi: SimGpuInstance,
+        profile_index: int,
+        uuid: str | None = None,
+        ci_id: int | None = None,
     ) -> SimComputeInstance:
         self._serials += 1
         ci = SimComputeInstance(
             serial=self._serials,
-            ci_id=_lowest_free(gi.cis, 0),
+            ci_id=_lowest_free(gi.cis, 0) if ci_id is None else ci_id,
             profile_index=profile_index,
             slices=CI_PROFILE_SLICES[profile_index],
             uuid=uuid or f"MIG-{uuid_module.UUID(int=self._rng.getrandbits(128), version=4)}",
@@ -595,6 +666,7 @@ class SimNode:
             del gi.cis[ci.ci_id]
             del self._ci_by_serial[ci.serial]
             del self._by_uuid[ci.uuid]
+            self._persist()
 
     def _pause(self, seconds: float) -> None:
         if self.time_scale > 0 and seconds > 0:
@@ -665,7 +737,10 @@ class SimNode:
                 raise SimCudaError("CUDA error: unspecified launch failure (GPU is lost)")
             proc.mps = bool(mps) if mps is not None else mps_pinned_limit_mib is not None
             proc.mps_pinned_limit_mib = mps_pinned_limit_mib
+            if self.state_file is not None:
+                proc.host_start_s = self._host.start_time(pid)
             self._processes[pid] = proc
+            self._persist()
 
     def alloc(self, pid: int, mib: int) -> None:
         """``cudaMalloc`` of ``mib`` MiB by ``pid``.
@@ -702,6 +777,7 @@ class SimNode:
                     limit="device memory",
                 )
             proc.used_mib += mib
+            self._persist()
 
     def free(self, pid: int, mib: int) -> None:
         """``cudaFree`` of ``mib`` MiB.
@@ -714,11 +790,13 @@ class SimNode:
             if not 0 <= mib <= proc.used_mib:
                 raise ValueError(f"pid {pid} holds {proc.used_mib} MiB, cannot free {mib}")
             proc.used_mib -= mib
+            self._persist()
 
     def detach(self, pid: int) -> None:
         """The process exits: its context and memory go away (no error if not attached)."""
         with self._lock:
-            self._processes.pop(pid, None)
+            if self._processes.pop(pid, None) is not None:
+                self._persist()
 
     def _attached(self, pid: int) -> SimProcess:
         proc = self._processes.get(pid)
@@ -726,10 +804,266 @@ class SimNode:
             raise ValueError(f"pid {pid} has no CUDA context on this node")
         return proc
 
+    # -- persistence (state_file) -------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The node's state as JSON-ready data: what ``state_file`` holds.
+
+        Per GPU: identity (model, name, UUID, checked against the description on load),
+        MIG mode (current and pending), lost or not, and every GPU instance with its GI
+        id, profile, placement start and compute instances (CI id, CI profile, MIG
+        UUID). Per process: PID, device, the instance it runs on (GI/CI id), memory in
+        use, MPS settings and the host start time of its PID. Plus the id counters:
+        the handle serial and the MIG UUID generator's state, so a reloaded node never
+        hands out a MIG UUID it handed out before.
+
+        Not kept (they are not GPU state): injected faults, call counters, ``set_root``.
+        """
+        with self._lock:
+            version, internal, gauss = self._rng.getstate()
+            return {
+                "schema": persist.SIM_STATE_SCHEMA,
+                "seed": self.seed,
+                "next_serial": self._serials,
+                "mig_uuid_rng": [version, list(internal), gauss],
+                "gpus": [
+                    {
+                        "index": gpu.index,
+                        "model": gpu.spec.model,
+                        "name": gpu.spec.name,
+                        "uuid": gpu.uuid,
+                        "mig_current": gpu.mig_current,
+                        "mig_pending": gpu.mig_pending,
+                        "lost": gpu.lost,
+                        "instances": [
+                            {
+                                "gi_id": gi.gi_id,
+                                "profile_id": gi.profile.profile_id,
+                                "start": gi.start,
+                                "cis": [
+                                    {
+                                        "ci_id": ci.ci_id,
+                                        "profile_index": ci.profile_index,
+                                        "uuid": ci.uuid,
+                                    }
+                                    for _, ci in sorted(gi.cis.items())
+                                ],
+                            }
+                            for _, gi in sorted(gpu.instances.items())
+                        ],
+                    }
+                    for gpu in self.gpus
+                ],
+                "processes": [
+                    {
+                        "pid": proc.pid,
+                        "gpu": proc.gpu,
+                        "gi_id": self._gi_by_serial[proc.gi_serial][1].gi_id
+                        if proc.gi_serial is not None
+                        else None,
+                        "ci_id": self._ci_by_serial[proc.ci_serial][2].ci_id
+                        if proc.ci_serial is not None
+                        else None,
+                        "device_uuid": proc.device_uuid,
+                        "used_mib": proc.used_mib,
+                        "mps": proc.mps,
+                        "mps_pinned_limit_mib": proc.mps_pinned_limit_mib,
+                        "host_start_s": proc.host_start_s,
+                    }
+                    for _, proc in sorted(self._processes.items())
+                ],
+            }
+
+    def _persist(self) -> None:
+        """Write the state to ``state_file`` (under the node lock, so writes are ordered)."""
+        if self.state_file is None or self._persist_paused:
+            return
+        with self._lock:
+            payload = persist.encode_state(self.snapshot())
+            try:
+                persist.write_atomic(self.state_file, payload)
+            except OSError as exc:
+                raise StateStoreError(
+                    f"cannot save the simulated GPUs' state to {self.state_file}: "
+                    f"{exc.strerror or exc}",
+                    hint=(
+                        "make the directory writable and give it free space; until then the "
+                        "file holds an older state than the simulated GPUs"
+                    ),
+                    path=str(self.state_file),
+                ) from exc
+
+    def _restore(self, saved: dict[str, Any], path: Path) -> None:
+        """Replace the description's initial state by ``saved`` (see :meth:`snapshot`).
+
+        Everything is checked as the driver would: placements legal, ids unique,
+        compute slices and memory within the instance's. Processes whose PID no longer
+        runs on the host (or runs a different process) are dropped into
+        :attr:`pruned_on_load`: a dead process's CUDA context is gone.
+
+        Raises:
+            ConfigError: ``saved`` was written for other GPUs, or is inconsistent.
+        """
+        try:
+            self._check_identity(saved["gpus"], path)
+            self._restore_checked(saved)
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, MigdError, api.NVMLError) as exc:
+            raise persist.corrupt(path, f"{type(exc).__name__}: {exc}") from exc
+
+    def _check_identity(self, saved_gpus: list[dict[str, Any]], path: Path) -> None:
+        if not isinstance(saved_gpus, list):
+            raise TypeError("'gpus' is not a list")
+        if len(saved_gpus) != len(self.gpus):
+            raise persist.mismatch(
+                path,
+                f"the file has {len(saved_gpus)} GPU(s), the description {len(self.gpus)}",
+            )
+        for gpu, saved in zip(self.gpus, saved_gpus, strict=True):
+            if not isinstance(saved, dict):
+                raise TypeError(f"gpus[{gpu.index}] is not an object")
+            mine = (gpu.spec.model, gpu.spec.name, gpu.uuid)
+            theirs = (saved.get("model"), saved.get("name"), saved.get("uuid"))
+            if mine != theirs:
+                raise persist.mismatch(
+                    path,
+                    f"GPU {gpu.index} is {_gpu_label(*theirs)} in the file but "
+                    f"{_gpu_label(*mine)} in the description",
+                )
+
+    def _restore_checked(self, saved: dict[str, Any]) -> None:
+        self._processes = {}
+        self._gi_by_serial = {}
+        self._ci_by_serial = {}
+        self._by_uuid = {}
+        for gpu, entry in zip(self.gpus, saved["gpus"], strict=True):
+            gpu.instances = {}
+            gpu.lost = _bool(entry["lost"], "lost")
+            if gpu.geometry is None:
+                if entry["mig_current"] is not None or entry["mig_pending"] is not None:
+                    raise ValueError(f"GPU {gpu.index} has no MIG but a MIG mode is saved")
+                gpu.mig_current = gpu.mig_pending = None
+            else:
+                gpu.mig_current = _bool(entry["mig_current"], "mig_current")
+                gpu.mig_pending = _bool(entry["mig_pending"], "mig_pending")
+            for inst in entry["instances"]:
+                self._restore_instance(gpu, inst)
+        for entry in saved["processes"]:
+            proc = self._restored_process(entry)
+            if proc is None:
+                continue
+            if not self._host.alive(proc.pid, proc.host_start_s):
+                # A dead process's context (and memory) go with it, as on a real GPU.
+                self.pruned_on_load.append(proc)
+                _log.info(
+                    "simulated process %d (%s) no longer runs on the host; dropped on load",
+                    proc.pid,
+                    proc.device_uuid,
+                )
+                continue
+            self._processes[proc.pid] = proc
+        for gpu in self.gpus:
+            for gi in gpu.instances.values():
+                total, used = self.memory_mib(gpu.index, gi.serial)
+                if used > total:
+                    raise ValueError(f"processes use {used} MiB of GI {gi.gi_id}'s {total} MiB")
+        self._serials = max(self._serials, _int(saved["next_serial"], "next_serial"))
+        version, internal, gauss = saved["mig_uuid_rng"]
+        self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+    def _restore_instance(self, gpu: SimGpu, inst: dict[str, Any]) -> None:
+        where = f"GPU {gpu.index}"
+        if gpu.geometry is None or not gpu.mig_current:
+            raise ValueError(f"{where} has instances but MIG is not enabled")
+        profile_id = _int(inst["profile_id"], "profile_id")
+        profile = next((p for p in gpu.geometry.profiles if p.profile_id == profile_id), None)
+        if profile is None:
+            raise ValueError(f"{where} has no profile id {profile_id}")
+        start, gi_id = _int(inst["start"], "start"), _int(inst["gi_id"], "gi_id")
+        if gi_id in gpu.instances:
+            raise ValueError(f"{where}: GPU instance id {gi_id} saved twice")
+        refusal = self._refusal(gpu, profile, start, profile.memory_slices)
+        if refusal is not None:
+            raise ValueError(
+                f"{where}: {profile.name}@{start} is not placeable ({api.error_name(refusal)})"
+            )
+        gi = self._add_gi(gpu, profile, start, gi_id=gi_id)
+        for ci_entry in inst["cis"]:
+            ci_id = _int(ci_entry["ci_id"], "ci_id")
+            profile_index = _int(ci_entry["profile_index"], "profile_index")
+            uuid = ci_entry["uuid"]
+            if not isinstance(uuid, str) or not uuid.startswith("MIG-"):
+                raise ValueError(f"{where}: {uuid!r} is not a MIG UUID")
+            if uuid in self._by_uuid:
+                raise ValueError(f"{where}: MIG UUID {uuid} saved twice")
+            if ci_id in gi.cis:
+                raise ValueError(f"{where}: compute instance id {ci_id} saved twice in GI {gi_id}")
+            slices, _ = self.ci_profile(gi, profile_index)
+            if sum(ci.slices for ci in gi.cis.values()) + slices > profile.compute_slices:
+                raise ValueError(f"{where}: GI {gi_id}'s compute instances exceed its slices")
+            self._add_ci(gpu, gi, profile_index, uuid=uuid, ci_id=ci_id)
+
+    def _restored_process(self, entry: dict[str, Any]) -> SimProcess | None:
+        pid = _int(entry["pid"], "pid")
+        if pid in self._processes or any(p.pid == pid for p in self.pruned_on_load):
+            raise ValueError(f"pid {pid} saved twice")
+        gpu_index = _int(entry["gpu"], "gpu")
+        if not 0 <= gpu_index < len(self.gpus):
+            raise ValueError(f"pid {pid}: no GPU {gpu_index}")
+        gpu = self.gpus[gpu_index]
+        device_uuid = entry["device_uuid"]
+        gi_serial = ci_serial = None
+        if entry["gi_id"] is None:
+            if device_uuid != gpu.uuid:
+                raise ValueError(f"pid {pid}: {device_uuid!r} is not GPU {gpu.index}")
+        else:
+            gi = gpu.instances[_int(entry["gi_id"], "gi_id")]
+            ci = gi.cis[_int(entry["ci_id"], "ci_id")]
+            if device_uuid != ci.uuid:
+                raise ValueError(f"pid {pid}: {device_uuid!r} is not the saved MIG device")
+            gi_serial, ci_serial = gi.serial, ci.serial
+        used_mib = _int(entry["used_mib"], "used_mib")
+        raw_limit = entry["mps_pinned_limit_mib"]
+        limit = None if raw_limit is None else _int(raw_limit, "mps_pinned_limit_mib")
+        start_s = entry["host_start_s"]
+        if used_mib < 0 or (limit is not None and used_mib > limit):
+            raise ValueError(f"pid {pid}: {used_mib} MiB in use is out of range")
+        if start_s is not None and not isinstance(start_s, int | float):
+            raise TypeError(f"pid {pid}: host_start_s is not a number")
+        return SimProcess(
+            pid=pid,
+            gpu=gpu.index,
+            gi_serial=gi_serial,
+            ci_serial=ci_serial,
+            device_uuid=device_uuid,
+            used_mib=used_mib,
+            mps=_bool(entry["mps"], "mps"),
+            mps_pinned_limit_mib=limit,
+            host_start_s=None if start_s is None else float(start_s),
+        )
+
     @property
     def lock(self) -> threading.RLock:
         """The node lock (re-entrant): hold it across calls that need one consistent view."""
         return self._lock
+
+
+def _int(value: Any, name: str) -> int:
+    # bool is an int subclass; a saved true/false where a number belongs is corruption.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} is {value!r}, not an integer")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} is {value!r}, not true/false")
+    return value
+
+
+def _gpu_label(model: Any, name: Any, uuid: Any) -> str:
+    return f"{model or name} ({uuid})"
 
 
 def _lowest_free(used: dict[int, Any], first: int) -> int:
