@@ -130,10 +130,12 @@ class Lease:
     reason: str = ""
     heartbeat_s: float | None = None
     deadline_s: float | None = None  # wall clock, for display
+    version: int = 0  # bumped on every change, so callers persist only what changed
 
     def event(self, event: LeaseEvent, now_s: float, reason: str = "") -> None:
         self.state = next_state(self.state, event)
         self.updated_s = now_s
+        self.version += 1
         if reason:
             self.reason = reason
 

@@ -128,6 +128,22 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
     return out
 
 
+def _latency(daemon: Daemon) -> dict[str, dict[str, float]]:
+    """Service time per op over the last requests: p50/p99/max in ms, and the count."""
+    out = {}
+    for op, samples in daemon.latency_s.items():
+        if not samples:
+            continue
+        ordered = sorted(samples)
+        out[op] = {
+            "n": len(ordered),
+            "p50": round(ordered[len(ordered) // 2] * 1000, 3),
+            "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 3),
+            "max": round(ordered[-1] * 1000, 3),
+        }
+    return out
+
+
 def build_status(daemon: Daemon) -> dict[str, Any]:
     now, mono = daemon.now()
     sched = daemon.sched
@@ -162,6 +178,7 @@ def build_status(daemon: Daemon) -> dict[str, Any]:
             "uptime_s": round(now - daemon.started_s, 1),
             "backend": cfg.backend.kind,
             "socket": str(cfg.api.socket),
+            "latency_ms": _latency(daemon),
             "policy": {
                 "placement": cfg.policy.placement,
                 "gpu_choice": cfg.policy.gpu_choice,

@@ -84,6 +84,18 @@ def test_ready_watchdog_lease_and_release(daemon: DaemonProcess) -> None:
     assert [(i["profile"], i["start"]) for i in idle] == [("1g.5gb", lease["start"])]
     history = client.call("history", job_id="1.0")["history"]
     assert {"submitted", "granted", "released"} <= {row["event"] for row in history}
+    # The ended lease leaves memory but not the record: it is read back from the store,
+    # and releasing it again is harmless.
+    assert client.call("get_lease", lease_id=lease["lease_id"])["state"] == "released"
+    assert client.release(lease["lease_id"])["already"] is True
+    # Latency is kept per kind of grant: the first lease waited for its instance to be
+    # created; the second reuses the idle instance at once.
+    again = client.lease(job_id="2.0", gpu_memory_mib=4000, wait_s=5)
+    assert again["start"] == lease["start"] and not again["prepared"] and lease["prepared"]
+    latency = client.status()["daemon"]["latency_ms"]
+    assert latency["lease.prepared"]["n"] == 1 and latency["lease"]["n"] == 1
+    assert latency["release"]["n"] == 2
+    assert 0 < latency["lease"]["p50"] <= latency["lease"]["max"]
 
 
 def test_malformed_messages_get_errors_and_the_daemon_keeps_serving(daemon: DaemonProcess) -> None:

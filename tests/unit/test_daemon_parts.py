@@ -6,6 +6,7 @@ import json
 import shutil
 import sqlite3
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
@@ -172,6 +173,38 @@ def test_store_round_trips_leases(tmp_path: Path) -> None:
     assert sqlite3.connect(tmp_path / "migd.db").execute("PRAGMA journal_mode").fetchone() == (
         "wal",
     )
+
+
+def test_background_checkpoints_keep_the_wal_bounded(tmp_path: Path) -> None:
+    """With checkpoints moved to their thread, commits never checkpoint inline (the stall
+    this avoids), the thread folds the WAL back, and close leaves no WAL behind."""
+    path = tmp_path / "migd.db"
+    wal = Path(str(path) + "-wal")
+    store = StateStore(path)
+    store.checkpoint_in_background(interval_s=3600)  # the thread waits: nothing folds
+    assert store._db.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+    for n in range(1, 1501):  # > 1000 pages: SQLite would have checkpointed inline
+        store.save_lease(_lease(n))
+    grown = wal.stat().st_size
+    assert grown > 1000 * 4096
+    store.close()
+    assert not wal.exists() or wal.stat().st_size == 0
+    assert len(StateStore(path).live_leases()) == 1500
+
+    store = StateStore(path)
+    store.checkpoint_in_background(interval_s=0.02)
+    for n in range(1501, 3001):
+        store.save_lease(_lease(n))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        last = store.last_checkpoint
+        if last is not None and last[0] > 0 and last[0] == last[1]:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail(f"the WAL was not checkpointed: {store.last_checkpoint}")
+    store.close()
+    assert len(StateStore(path).live_leases()) == 3000
 
 
 def test_corrupt_state_db_is_moved_aside(tmp_path: Path) -> None:
