@@ -76,6 +76,14 @@ def render_status(status: dict[str, Any]) -> str:
         f"{d['backend']} backend) placement={pol['placement']}/{pol['gpu_choice']} "
         f"queue={pol['queue']} idle={pol['idle_policy']}",
     ]
+    latency = d.get("latency_ms") or {}
+    served = [
+        f"{op} {v['p50']:.1f}/{v['p99']:.1f}"
+        for op, v in sorted(latency.items())
+        if op.startswith("lease") or op == "release"
+    ]
+    if served:
+        lines.append("service time p50/p99 ms (last 2048 each): " + ", ".join(served))
     for gpu in status["gpus"]:
         health = "healthy" if gpu["healthy"] else f"UNHEALTHY: {gpu['health']}"
         if gpu["draining"]:

@@ -196,7 +196,7 @@ def test_oom_on_a_small_instance_restarts_on_a_bigger_one(
     )
     # First the tightest fit, then the next memory size up: 1g.10gb, or 2g.10gb where
     # compute upsizing finds the second compute slice of that memory pair free.
-    assert [lease["profile"] for lease in leases][0] == "1g.5gb", leases
+    assert len(leases) >= 2 and leases[0]["profile"] == "1g.5gb", leases
     assert leases[-1]["profile"] in ("1g.10gb", "2g.10gb"), leases
     assert leases[-1]["memory_limit_mib"] > 4864 + 1000
     assert grants

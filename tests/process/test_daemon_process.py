@@ -96,6 +96,14 @@ def test_ready_watchdog_lease_and_release(daemon: DaemonProcess) -> None:
     assert latency["lease.prepared"]["n"] == 1 and latency["lease"]["n"] == 1
     assert latency["release"]["n"] == 2
     assert 0 < latency["lease"]["p50"] <= latency["lease"]["max"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), "status"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    assert "service time p50/p99 ms" in shown and "lease.prepared" in shown, shown
 
 
 def test_malformed_messages_get_errors_and_the_daemon_keeps_serving(daemon: DaemonProcess) -> None:
