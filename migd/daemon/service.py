@@ -1073,9 +1073,10 @@ class Daemon:
                 log.exception("timers.crashed", error=str(exc))
 
     async def _sampler_loop(self) -> None:
-        """Memory in use per instance (for status); reads may degrade to unknown."""
+        """Memory in use per instance (for status); reads may degrade to unknown.
+
+        The first round runs at once, so status shows memory from the start."""
         while True:
-            await asyncio.sleep(5.0)
             for gpu in list(self.sched.gpus.values()):
                 if gpu.mode is GpuMode.OFF or gpu.index not in self.workers:
                     continue
@@ -1091,6 +1092,7 @@ class Daemon:
                             inst.used_mib = mem.used_mib
                 except (MigdError, TimeoutError):
                     gpu.used_mib = None
+            await asyncio.sleep(5.0)
 
     async def _watchdog_loop(self) -> None:
         """Feed systemd's watchdog only while every GPU thread answers."""

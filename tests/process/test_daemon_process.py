@@ -70,6 +70,12 @@ def test_ready_watchdog_lease_and_release(daemon: DaemonProcess) -> None:
     daemon.start()
     wait_for(lambda: "WATCHDOG=1" in daemon.read_notifications(), what="watchdog pings")
     client = daemon.client()
+    # Memory is sampled at start, not only after the first 5 s period.
+    wait_for(
+        lambda: client.status()["gpus"][0]["memory_used_mib"] is not None,
+        timeout_s=2.0,
+        what="the first memory sample",
+    )
     lease = client.lease(job_id="1.0", gpu_memory_mib=4000, wait_s=5)
     assert lease["state"] == "active"
     assert lease["profile"] == "1g.5gb"
