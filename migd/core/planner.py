@@ -7,19 +7,32 @@ explanation for logs and ``migctl explain``.
 
 On one GPU the planner prefers, in order (seed 002, scheme B):
 
-1. **reuse** an idle instance of exactly the right profile (no NVML work);
+1. **reuse** an idle instance that satisfies the request (no NVML work): the right
+   profile, or one with as much memory and compute on no more memory slices (an idle
+   ``4g.20gb`` serves a ``3g.20gb`` request: see *compute upsizing* below);
 2. **create** the profile in free slices, at the start whose successor state keeps
    the most futures open (highest reachability, or demand-weighted reachability);
 3. **repartition** (fission/fusion): destroy the cheapest set of *idle* instances
    that frees a legal start (seed 003 Table 1 costs), then create; ties go to the
    result with the highest reachability. Busy instances are never touched.
 
-Across the GPUs of a node (mixed models allowed) the ``rules`` choice follows
-seed 000's rule-based placement: the GPU with the highest joint slice
+*Compute upsizing* (``PlannerPolicy.upsize_compute``): a profile with the same
+memory slices and more compute replaces the chosen one when the extra compute
+would be stranded anyway (``3g.20gb`` at start 0 becomes ``4g.20gb``). The job
+gets the slice for free; reuse accepts the bigger instance later, so upsizing
+never makes the planner destroy and recreate the same instance.
+
+Across the GPUs of a node (mixed models allowed) the ``rules`` choice first
+prefers reusing an idle instance anywhere over NVML work (``reuse_first``), then
+follows seed 000's rule-based placement: the GPU with the highest joint slice
 utilisation of *busy* instances after placement (so empty GPUs stay empty for
-full-GPU jobs), then the least NVML work (reuse, create, repartition; cost),
-then the fewest wasted slices, then the most futures kept open. ``first-fit``
-(lowest index, driver default order) is kept for comparison.
+full-GPU jobs), then the least NVML work (create, repartition; cost), then the
+fewest wasted slices, then the most futures kept open. ``first-fit`` (lowest
+index, driver default order) is kept for comparison.
+
+A request that names a profile (``PartitionRequest.profile``) is sized per GPU: a
+GPU whose model lacks that profile is skipped with the reason in the explanation;
+only a node where no GPU knows the name refuses it as unknown.
 """
 
 from __future__ import annotations
@@ -28,12 +41,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
+from itertools import combinations
 from typing import Any, Literal
 
 from migd.core.costs import CostModel
-from migd.core.geometry import Geometry, Profile
+from migd.core.geometry import Geometry, Profile, Variant
 from migd.core.states import EMPTY, Atom, StateKey, StateSpace, describe
-from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+from migd.errors import (
+    InvalidRequest,
+    MigdError,
+    NoCapacity,
+    RequestTooLarge,
+    UnknownProfile,
+)
 
 
 class PlacementRule(StrEnum):
@@ -59,7 +79,10 @@ class PlannerPolicy:
     allow_create: bool = True  # False: static layouts, only existing idle instances are used
     reuse_larger_idle: bool = False  # take a bigger idle instance when nothing else works
     upsize_compute: bool = True  # 3g@0 -> 4g@0 when the extra compute slice is stranded anyway
-    demand: Mapping[int, float] | None = None  # profile ID -> weight, for WEIGHTED
+    reuse_first: bool = True  # rules: an idle instance on any GPU beats NVML work elsewhere
+    # model -> profile ID -> weight, for WEIGHTED (profile IDs mean different profiles on
+    # different models, so the mix is per model); a model without a mix uses reachability
+    demand: Mapping[str, Mapping[int, float]] | None = None
     costs: Mapping[str, CostModel] | None = None  # model -> costs; default seed 003 Table 1
 
 
@@ -255,8 +278,15 @@ Scorer = Callable[[StateSpace, StateKey], float]
 def scorer_for(policy: PlannerPolicy) -> Scorer:
     rule = policy.placement
     if rule is PlacementRule.WEIGHTED and policy.demand:
-        demand = dict(policy.demand)
-        return lambda space, key: space.weighted_reachability(key, demand)
+        mixes = {model: dict(mix) for model, mix in policy.demand.items() if mix}
+
+        def weighted(space: StateSpace, key: StateKey) -> float:
+            mix = mixes.get(space.geometry.model)
+            if not mix:  # nothing known about this model's demand: plain reachability
+                return float(space.reachability(key))
+            return space.weighted_reachability(key, mix)
+
+        return weighted
     if rule is PlacementRule.DRIVER:
         return lambda space, key: 0.0
     if rule is PlacementRule.MAX_CC:
@@ -280,6 +310,23 @@ def utilisation(space: StateSpace, key: StateKey) -> float:
     return (units + compute) / (geo.units + geo.compute_slices)
 
 
+def satisfies(have: Profile, want: Profile, *, have_variant: Profile | None = None) -> bool:
+    """Whether an instance of ``have`` can serve a request right-sized to ``want``.
+
+    At least the memory and compute, on no more memory slices (so it strands nothing
+    the right-sized instance would not), and the media engines a ``+me`` request
+    needs. ``have_variant`` is the instance's own profile when ``have`` is its
+    stand-in in a smaller profile set (a ``+me`` instance under ``standard``).
+    """
+    variant = (have_variant or have).variant
+    return (
+        have.memory_slices <= want.memory_slices
+        and have.memory_mib >= want.memory_mib
+        and have.compute_slices >= want.compute_slices
+        and (want.variant is Variant.BASE or variant is want.variant)
+    )
+
+
 # -- one GPU --------------------------------------------------------------------------------
 
 
@@ -296,11 +343,26 @@ def plan_on_gpu(
     )
 
     if policy.reuse_idle:
-        idle = [i for i in view.instances if not i.busy and space.member(i.profile) is prof]
-        if idle:
-            chosen = min(idle, key=lambda i: (_order_index(prof, i.start), i.start))
+        idle = [
+            (space.member(i.profile), i)
+            for i in view.instances
+            if not i.busy and i.profile.memory_slices <= prof.memory_slices
+        ]
+        fitting = [(p, i) for p, i in idle if satisfies(p, prof, have_variant=i.profile)]
+        if fitting:
+            # the tightest instance first (the exact profile), then the driver's order
+            have, chosen = min(
+                fitting,
+                key=lambda pair: (
+                    pair[0].compute_slices,
+                    pair[0].memory_mib,
+                    pair[1].profile.variant is not prof.variant,
+                    _order_index(pair[0], pair[1].start),
+                    pair[1].start,
+                ),
+            )
             return _decision(
-                view, "reuse", prof, chosen.start, (), 0.0, key, key, score, (), policy
+                view, "reuse", have, chosen.start, (), 0.0, key, key, score, (), policy
             )
 
     if not policy.allow_create:
@@ -326,7 +388,7 @@ def plan_on_gpu(
             created,
             best.start,
             ops,
-            costs.create_s(prof.compute_slices),
+            costs.create_s(created.compute_slices),
             key,
             after,
             score,
@@ -361,7 +423,8 @@ def _upsized(space: StateSpace, key: StateKey, prof: Profile, start: int, score:
     3g.20gb at start 0 strands the fourth compute slice of units 0-3 (seed 000's compute
     wastage); 4g.20gb there uses it and keeps every future open. Taken only when the
     bigger profile is legal there, loses no reachability (or weighted score) and wastes
-    fewer compute slices.
+    fewer compute slices. Reuse accepts the bigger instance for the smaller profile
+    (:func:`satisfies`), so it is not torn down when the next such request comes.
     """
     base_after = space.allocate(key, prof, start)
     base_waste = space.wasted_slices(base_after)[0]
@@ -400,7 +463,7 @@ def _plan_repartition(
         blockers = [(a, i) for a, i in placed if a.units & atom.units]
         if any(i.busy for _, i in blockers):
             continue
-        destroyed = _minimal_destroy_set(space, key, atom, blockers, placed)
+        destroyed = _minimal_destroy_set(space, key, atom, blockers, placed, costs, score)
         if destroyed is None:
             continue
         remaining = key
@@ -429,24 +492,28 @@ def _plan_repartition(
     if not options:
         return None
     options.sort(key=lambda o: (o[0], o[1], o[2]))
-    cost, _, _, best, destroyed_instances, after = options[0]
+    _, _, _, best, destroyed_instances, after = options[0]
+    created = prof
     if policy.upsize_compute:
         remaining = after & ~(1 << space.atom(prof, best.start).index)
-        bigger = _upsized(space, remaining, prof, best.start, score)
-        if bigger is not prof:
-            prof, after = bigger, space.allocate(remaining, bigger, best.start)
+        created = _upsized(space, remaining, prof, best.start, score)
+        if created is not prof:
+            after = space.allocate(remaining, created, best.start)
     destroys = [
         DestroyOp(space.member(i.profile), i.start)
         for i in sorted(destroyed_instances, key=lambda i: i.start)
     ]
-    ops: tuple[Op, ...] = (*destroys, CreateOp(prof, best.start))
+    ops: tuple[Op, ...] = (*destroys, CreateOp(created, best.start))
+    # priced as executed: what is destroyed, and what is really created
+    cost = sum(costs.destroy_s(op.profile.compute_slices) for op in destroys)
+    cost += costs.create_s(created.compute_slices)
     return _decision(
         view,
         "repartition",
-        prof,
+        created,
         best.start,
         ops,
-        best.cost_s,
+        cost,
         key,
         after,
         score,
@@ -461,23 +528,37 @@ def _minimal_destroy_set(
     atom: Atom,
     blockers: list[tuple[Atom, Instance]],
     placed: list[tuple[Atom, Instance]],
+    costs: CostModel,
+    score: Scorer,
 ) -> list[tuple[Atom, Instance]] | None:
-    """Idle instances to destroy so ``atom`` can be created, cheapest first.
+    """The cheapest idle instances to destroy so ``atom`` can be created, or ``None``.
 
     Overlapping instances must go. Usually that is enough; when a shared cap still
-    blocks (a second ``+me``), one more idle instance of the capped group goes too.
+    blocks (a second ``+me``: one OFA; an engine budget; an instance limit) the
+    cheapest set of further idle instances that lifts it goes too (ties: the result
+    with the best score). A GPU has at most a handful of instances, so the subsets
+    are tried exhaustively, and only in that rare case.
     """
     remaining = key
     for a, _ in blockers:
         remaining &= ~(1 << a.index)
     if space.can_allocate(remaining, atom):
         return blockers
-    for a, inst in placed:
-        if inst.busy or (a, inst) in blockers:
-            continue
-        if space.can_allocate(remaining & ~(1 << a.index), atom):
-            return [*blockers, (a, inst)]
-    return None
+    taken = {a.index for a, _ in blockers}
+    others = [(a, i) for a, i in placed if not i.busy and a.index not in taken]
+    best: tuple[float, float, list[tuple[Atom, Instance]]] | None = None
+    for size in range(1, len(others) + 1):
+        for extra in combinations(others, size):
+            trial = remaining
+            for a, _ in extra:
+                trial &= ~(1 << a.index)
+            if not space.can_allocate(trial, atom):
+                continue
+            cost = round(sum(costs.destroy_s(i.profile.compute_slices) for _, i in extra), 6)
+            rank = (cost, -score(space, trial | (1 << atom.index)))
+            if best is None or rank < best[:2]:
+                best = (*rank, [*blockers, *extra])
+    return best[2] if best is not None else None
 
 
 def _decision(
@@ -547,16 +628,19 @@ class NodePlan:
 _ACTION_RANK = {"reuse": 0, "create": 1, "repartition": 2}
 
 
-def _rules_rank(decision: Decision, empty_score: float) -> tuple[Any, ...]:
+def _rules_rank(decision: Decision, empty_score: float, reuse_first: bool) -> tuple[Any, ...]:
     """Seed 000's order, lower is better.
 
-    Busy utilisation first: packing running work keeps whole GPUs free for full-GPU
+    Reuse first (issue: prefer an idle instance of the right profile over creating
+    one): it changes no layout, so it costs no free slices anywhere and no NVML time.
+    Then busy utilisation: packing running work keeps whole GPUs free for full-GPU
     jobs. Counting idle instances here would steer jobs toward GPUs full of idle
     fragments and spread the busy ones (measured: more refusals). NVML work comes
-    second: a repartition costs well under a second (seed 003 Table 1), a refused
-    job waits for a whole job's runtime.
+    next: a repartition costs well under a second (seed 003 Table 1), a refused job
+    waits for a whole job's runtime.
     """
     return (
+        reuse_first and decision.action != "reuse",
         -round(decision.busy_utilisation_after, 9),
         _ACTION_RANK[decision.action],
         round(decision.cost_s, 6),
@@ -566,14 +650,99 @@ def _rules_rank(decision: Decision, empty_score: float) -> tuple[Any, ...]:
     )
 
 
-def profile_for(space: StateSpace, request: PartitionRequest) -> Profile | None:
-    """The profile ``request`` gets on a GPU of this space, or ``None`` if too large."""
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """The profile a request gets on one model, or why it gets none."""
+
+    profile: Profile | None
+    why: str = ""  # when there is no profile
+    unknown_profile: bool = False  # the request names a profile this model lacks
+
+
+def size_request(space: StateSpace, request: PartitionRequest) -> Sizing:
+    """Right-size ``request`` for a GPU of this space, with the reason when it cannot fit."""
+    model = space.geometry.model
     if request.profile:
-        prof = space.member(request.profile)
-        if prof.memory_mib < request.memory_mib or prof.compute_slices < request.min_compute:
-            return None
-        return prof
-    return right_size(space.profiles, request.memory_mib, request.min_compute)
+        try:
+            named = space.member(request.profile)
+        except UnknownProfile:
+            return Sizing(None, f"{model} has no profile {request.profile!r}", True)
+        return _check_named(named, request, model)
+    prof = right_size(space.profiles, request.memory_mib, request.min_compute)
+    if prof is not None:
+        return Sizing(prof)
+    most_compute = max(p.compute_slices for p in space.profiles)
+    largest = max(space.profiles, key=lambda p: (p.memory_mib, p.compute_slices))
+    if request.min_compute > most_compute:
+        why = (
+            f"no {model} profile has {request.min_compute} compute slices "
+            f"(the most is {most_compute})"
+        )
+    elif request.memory_mib > largest.memory_mib:
+        why = (
+            f"{request.memory_mib} MiB is more than the largest {model} profile "
+            f"({largest.name}, {largest.memory_mib} MiB)"
+        )
+    else:
+        why = (
+            f"no {model} profile has both {request.memory_mib} MiB and "
+            f"{request.min_compute} compute slices"
+        )
+    return Sizing(None, why)
+
+
+def _check_named(prof: Profile, request: PartitionRequest, model: str) -> Sizing:
+    if prof.memory_mib < request.memory_mib:
+        return Sizing(
+            None,
+            f"{prof.name} on {model} has {prof.memory_mib} MiB, less than the "
+            f"{request.memory_mib} MiB asked for",
+        )
+    if prof.compute_slices < request.min_compute:
+        return Sizing(
+            None,
+            f"{prof.name} on {model} has {prof.compute_slices} compute slice(s), fewer "
+            f"than the {request.min_compute} asked for",
+        )
+    return Sizing(prof)
+
+
+def profile_for(space: StateSpace, request: PartitionRequest) -> Profile | None:
+    """The profile ``request`` gets on a GPU of this space, or ``None`` if it never fits."""
+    return size_request(space, request).profile
+
+
+def never_fits_error(
+    request: PartitionRequest,
+    sizings: Sequence[tuple[StateSpace, Sizing]],
+    other_reasons: Sequence[str] = (),
+) -> MigdError:
+    """The error for a request that no GPU could hold even empty.
+
+    ``UnknownProfile`` when the request names a profile that no GPU's model has (and
+    nothing else could serve it), else ``RequestTooLarge`` with every distinct reason.
+    """
+    if (
+        request.profile
+        and sizings
+        and not other_reasons
+        and all(s.unknown_profile for _, s in sizings)
+    ):
+        by_model = {
+            space.geometry.model: ", ".join(p.name for p in space.profiles) for space, _ in sizings
+        }
+        return UnknownProfile(
+            f"no GPU on this node has MIG profile {request.profile!r}",
+            hint="profiles here: " + "; ".join(f"{m}: {names}" for m, names in by_model.items()),
+            profile=request.profile,
+        )
+    reasons = list(dict.fromkeys([*(s.why for _, s in sizings), *other_reasons]))
+    largest = max((p.memory_mib for space, _ in sizings for p in space.profiles), default=0)
+    return RequestTooLarge(
+        "no partition on this node can ever hold the request: " + "; ".join(reasons),
+        requested_mib=request.memory_mib,
+        largest_mib=largest,
+    )
 
 
 def plan_on_node(
@@ -582,19 +751,30 @@ def plan_on_node(
     """Choose the GPU, instance and operations for ``request`` on a node.
 
     Raises:
+        InvalidRequest: ``request.gpus`` names no GPU of this node.
+        UnknownProfile: the request names a profile no GPU here has.
         RequestTooLarge: no GPU of this node could ever hold the request, even empty.
         NoCapacity: it could fit, but not now (busy instances, drained GPUs); the
             details list each GPU's reason. Callers queue such requests.
     """
     if request.gpus is not None:
+        indices = [v.index for v in views]
         views = [v for v in views if v.index in request.gpus]
+        if not views:
+            raise InvalidRequest(
+                f"no MIG GPU with index {', '.join(map(str, request.gpus))} on this node",
+                hint=f"GPU indices here: {', '.join(map(str, indices)) or 'none'}",
+            )
     considered: list[dict[str, Any]] = []
+    sizings: list[tuple[StateSpace, Sizing]] = []
     fits_somewhere = False
     best: tuple[tuple[Any, ...], Decision] | None = None
     for view in views:
-        prof = profile_for(view.space, request)
+        sizing = size_request(view.space, request)
+        prof = sizing.profile
         if prof is None:
-            considered.append({"gpu": view.index, "model": view.geometry.model, "why": "too small"})
+            sizings.append((view.space, sizing))
+            considered.append({"gpu": view.index, "model": view.geometry.model, "why": sizing.why})
             continue
         fits_somewhere = True
         if not view.available:
@@ -611,11 +791,11 @@ def plan_on_node(
                 }
             )
             continue
-        empty_score = scorer_for(policy)(view.space, EMPTY) or 1.0
         if policy.gpu_choice is GpuChoice.FIRST_FIT:
             rank: tuple[Any, ...] = (view.index,)
         else:
-            rank = _rules_rank(decision, empty_score)
+            empty_score = scorer_for(policy)(view.space, EMPTY) or 1.0
+            rank = _rules_rank(decision, empty_score, policy.reuse_first)
         considered.append(
             {
                 "gpu": view.index,
@@ -632,13 +812,7 @@ def plan_on_node(
             best = (rank, decision)
     if best is None:
         if not fits_somewhere:
-            largest = max((max(p.memory_mib for p in v.space.profiles) for v in views), default=0)
-            raise RequestTooLarge(
-                f"{request.memory_mib} MiB (compute >= {request.min_compute}) is larger than "
-                f"any MIG profile on this node (largest: {largest} MiB)",
-                requested_mib=request.memory_mib,
-                largest_mib=largest,
-            )
+            raise never_fits_error(request, sizings)
         raise NoCapacity(
             f"no GPU can hold {request.memory_mib} MiB now",
             considered=considered,

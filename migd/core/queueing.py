@@ -9,11 +9,14 @@ Two orders, from seed 002 (MIGM §4.3):
   cannot be placed is skipped and smaller ones behind it may start. Scheme A
   batches same-sized work and so needs fewer reconfigurations.
 
-Both age: a request's place in the order improves with waiting time
-(``aging_s`` per rank step), and once the first blocked request has waited
-``starvation_s`` nothing may pass it any more (a reservation), so a large
-request under a stream of small ones is placed as soon as capacity frees up.
-Deadlines (``wait_s`` of the request) expire queued requests.
+Both age: a request's place in the ``size`` order improves with waiting time
+(``aging_s`` per rank step). A request that has waited ``starvation_s`` is
+*starved*: starved requests move to the front of the order (oldest first), and
+a starved request that cannot be placed ends the pass, so nothing younger
+passes it any more, smaller or not (a reservation): a large request under a
+stream of small ones is placed as soon as capacity frees up, with or without
+aging. ``starvation_s = 0`` makes every request starved at once: arrival order
+without backfill. Deadlines (``wait_s`` of the request) expire queued requests.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ class RequestQueue(Generic[T]):
         policy: ``fifo`` or ``size``.
         aging_s: seconds of waiting that count as one step up in the ``size`` order
             (0 disables aging).
-        starvation_s: once the first request that cannot be placed has waited this
-            long, no later request may pass it (0 = immediately, i.e. no backfill).
+        starvation_s: a request that has waited this long goes to the front and no
+            younger request may pass it (0 = immediately: arrival order, no backfill).
         backfill: let requests behind a blocked one start (default: only for ``size``).
     """
 
@@ -118,10 +121,17 @@ class RequestQueue(Generic[T]):
         return self.backfill if self.backfill is not None else self.policy is QueuePolicy.SIZE
 
     def order(self, now_s: float) -> list[QueuedRequest[T]]:
-        """The order in which requests are tried now."""
+        """The order in which requests are tried now: starved ones first, oldest first."""
         items = list(self._items.values())
+        starved = sorted(
+            (i for i in items if i.age_s(now_s) >= self.starvation_s),
+            key=lambda i: (i.arrival_s, i.seq),
+        )
+        if starved:
+            taken = {i.ident for i in starved}
+            items = [i for i in items if i.ident not in taken]
         if self.policy is QueuePolicy.FIFO:
-            return sorted(items, key=lambda i: (i.arrival_s, i.seq))
+            return starved + sorted(items, key=lambda i: (i.arrival_s, i.seq))
         sizes = sorted({i.memory_mib for i in items})
         rank = {size: n for n, size in enumerate(sizes)}
 
@@ -129,7 +139,7 @@ class RequestQueue(Generic[T]):
             aged = item.age_s(now_s) / self.aging_s if self.aging_s > 0 else 0.0
             return (rank[item.memory_mib] - aged, item.arrival_s, item.seq)
 
-        return sorted(items, key=key)
+        return starved + sorted(items, key=key)
 
     def schedule(
         self, now_s: float, try_place: Callable[[QueuedRequest[T]], bool]
@@ -138,7 +148,9 @@ class RequestQueue(Generic[T]):
 
         ``try_place`` returns True when it placed the request (and is responsible for
         what that means). The pass stops at a blocked request under ``fifo`` without
-        backfill, or when the blocked request has waited ``starvation_s``.
+        backfill, or at a blocked starved one (waited ``starvation_s``): starved
+        requests come first in :meth:`order`, so no younger request is tried before
+        capacity has gone to them.
         """
         result = ScheduleResult()
         for item in self.order(now_s):

@@ -23,12 +23,12 @@ Invariants (tested with hypothesis in tests/property/test_scheduler.py):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
 
-from migd.core.demand import DemandModel
+from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
 from migd.core.leases import LeaseEvent, LeaseState, next_state
 from migd.core.mps import (
@@ -51,12 +51,14 @@ from migd.core.planner import (
     PartitionRequest,
     PlacementRule,
     PlannerPolicy,
+    Sizing,
+    never_fits_error,
     plan_on_node,
-    profile_for,
+    size_request,
 )
 from migd.core.queueing import QueuedRequest, QueuePolicy, RequestQueue
 from migd.core.states import StateSpace, describe
-from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge, UnknownProfile
 
 
 class GpuMode(StrEnum):
@@ -280,7 +282,7 @@ class SchedulerPolicy:
     idle_policy: Literal["keep", "destroy", "timeout"] = "timeout"
     idle_timeout_s: float = 300.0
     demand_weighting: bool = False
-    demand_prior: Mapping[int, float] = field(default_factory=dict)
+    demand_prior: Mapping[DemandKey, float] = field(default_factory=dict)  # (model, ID)
     demand_half_life_s: float = 24 * 3600.0
     mps_reserve_mib: int = 1024
     mps_max_clients: int = 48
@@ -353,7 +355,12 @@ class NodeScheduler:
         if lease.lease_id in self.leases:
             raise InvalidRequest(f"lease {lease.lease_id} exists already")
         candidates = self._candidate_gpus(lease.request)
-        self._check_ever_fits(lease, candidates)
+        sizes = self._check_ever_fits(lease, candidates)
+        # Demand counts what is asked for, granted or not, as the profile it right-sizes
+        # to on each model (not what a grant creates: an upsized 4g.20gb was a 3g.20gb
+        # request).
+        for model, profile in sizes.items():
+            self.demand.observe(model, profile.profile_id, now_s)
         lease.updated_s = now_s
         self.leases[lease.lease_id] = lease
         wait_s = lease.request.wait_s
@@ -402,29 +409,49 @@ class NodeScheduler:
             )
         return gpus
 
-    def _check_ever_fits(self, lease: Lease, gpus: Sequence[ManagedGpu]) -> None:
+    def _check_ever_fits(self, lease: Lease, gpus: Sequence[ManagedGpu]) -> dict[str, Profile]:
+        """The profile the request right-sizes to on each MIG model here.
+
+        Raises:
+            RequestTooLarge: nothing here could ever hold it; the message says why for
+                each model (too much memory, more compute slices than any profile, a
+                named profile too small).
+            UnknownProfile: it names a profile no GPU here has.
+        """
         request = lease.request
-        largest = 0
+        partition = _partition_request(request)
+        sizes: dict[str, Profile] = {}
+        sizings: list[tuple[StateSpace, Sizing]] = []
+        others: list[str] = []
+        fits = False
         for g in gpus:
             if g.mode is GpuMode.MIG and g.space is not None:
-                if profile_for(g.space, _partition_request(request)) is not None:
-                    return
-                largest = max(largest, *(p.memory_mib for p in g.space.profiles))
+                sizing = size_request(g.space, partition)
+                if sizing.profile is not None:
+                    sizes.setdefault(g.space.geometry.model, sizing.profile)
+                    fits = True
+                else:
+                    sizings.append((g.space, sizing))
             elif g.mode is GpuMode.MPS:
                 pool = self.mps_pool(g)
                 if request.memory_mib <= pool.capacity_mib:
-                    return
-                largest = max(largest, pool.capacity_mib)
+                    fits = True
+                else:
+                    others.append(
+                        f"{request.memory_mib} MiB is more than GPU {g.index}'s MPS capacity "
+                        f"({pool.capacity_mib} MiB)"
+                    )
             elif g.mode is GpuMode.EXCLUSIVE:
                 if request.memory_mib <= g.memory_total_mib:
-                    return
-                largest = max(largest, g.memory_total_mib)
-        raise RequestTooLarge(
-            f"{request.memory_mib} MiB is more than any partition on this node can hold "
-            f"(largest: {largest} MiB)",
-            requested_mib=request.memory_mib,
-            largest_mib=largest,
-        )
+                    fits = True
+                else:
+                    others.append(
+                        f"{request.memory_mib} MiB is more than GPU {g.index}'s "
+                        f"{g.memory_total_mib} MiB"
+                    )
+        if not fits:
+            raise never_fits_error(partition, sizings, others)
+        return sizes
 
     # -- the scheduling pass ----------------------------------------------------------------
 
@@ -437,21 +464,22 @@ class NodeScheduler:
         for gpu in self.gpus.values():
             if gpu.mps_pool is not None and gpu.mps_pool.draining_for_uid is not None:
                 gpu.mps_pool = clear_waiting(gpu.mps_pool)
-        # Within one pass nothing is released, so a request identical to one that did not
-        # fit will not fit either: a long size-ordered queue costs one plan per distinct
-        # request, not one per queued job.
-        failed: set[LeaseRequest] = set()
+        # Within one pass nothing is released, so a request that sizes like one that did
+        # not fit will not fit either: a long size-ordered queue costs one plan per
+        # distinct partition size, not one per queued job or per distinct MiB figure.
+        failed: set[Hashable] = set()
 
         def try_place(item: QueuedRequest[str]) -> bool:
             lease = self.leases.get(item.payload)
             if lease is None or lease.state is not LeaseState.QUEUED:
                 return True  # stale entry: drop it
-            shape = replace(lease.request, job_id="", slot="", wait_s=None)
-            if shape in failed and not self._mps_capable(lease):
+            shape = None if self._mps_capable(lease) else self._placement_shape(lease.request)
+            if shape is not None and shape in failed:
                 return False
             placed = self._place(lease, now_s)
             if placed is None:
-                failed.add(shape)
+                if shape is not None:
+                    failed.add(shape)
                 return False
             self._placed_items[lease.lease_id] = item
             if placed.ops:
@@ -460,6 +488,35 @@ class NodeScheduler:
 
         self.queue.schedule(mono_s, try_place)
         return work
+
+    def _placement_shape(self, request: LeaseRequest) -> Hashable | None:
+        """What decides whether ``request`` can be placed now, apart from MPS.
+
+        The profile it right-sizes to on each MIG model (memory and ``min_compute`` only
+        matter through it), the GPUs it may use and its mode; its MiB only where a GPU in
+        exclusive mode could take it. ``None`` when it cannot be placed at all.
+        """
+        try:
+            gpus = self._candidate_gpus(request)
+        except InvalidRequest:
+            return None
+        partition = _partition_request(request)
+        sizes: dict[str, int | None] = {}
+        exclusive = False
+        for g in gpus:
+            if g.mode is GpuMode.MIG and g.space is not None:
+                model = g.space.geometry.model
+                if model not in sizes:
+                    prof = size_request(g.space, partition).profile
+                    sizes[model] = prof.profile_id if prof is not None else None
+            elif g.mode is GpuMode.EXCLUSIVE:
+                exclusive = True
+        return (
+            request.mode,
+            request.gpu_uuids,
+            tuple(sorted(sizes.items())),
+            request.memory_mib if exclusive else None,
+        )
 
     def _mps_capable(self, lease: Lease) -> bool:
         """MPS admission depends on the requester's uid, not only on the request's shape."""
@@ -485,8 +542,8 @@ class NodeScheduler:
                 decision = plan_on_node(
                     [g.view() for g in mig], _partition_request(request), planner
                 )
-            except (NoCapacity, RequestTooLarge):
-                decision = None
+            except (NoCapacity, RequestTooLarge, UnknownProfile):
+                decision = None  # the MIG GPUs cannot take it: MPS or a whole GPU may
             if decision is not None:
                 return self._commit_mig(lease, decision, now_s)
         for g in gpus:
@@ -514,7 +571,6 @@ class NodeScheduler:
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
         lease.decision = decision.to_dict()
-        self.demand.observe(decision.profile.profile_id, now_s)
         if decision.action == "reuse":
             inst = gpu.instance_at(decision.start, InstanceStatus.READY)
             assert inst is not None

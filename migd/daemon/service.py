@@ -319,16 +319,18 @@ class Daemon:
         )
 
     def _apply_demand_prior(self) -> None:
-        prior: dict[int, float] = {}
+        # Per model: a name (or ID) means a different profile on each model it exists on.
+        prior: dict[tuple[str, int], float] = {}
         spaces = [g.space for g in self.sched.gpus.values() if g.space is not None]
         for name, weight in self.config.policy.demand_prior.items():
+            known = False
             for space in spaces:
                 try:
-                    prior[space.member(name).profile_id] = weight
-                    break
+                    prior[(space.geometry.model, space.member(name).profile_id)] = weight
+                    known = True
                 except MigdError:
                     continue
-            else:
+            if not known:
                 raise ConfigError(f"no GPU has profile {name!r}", where="policy.demand_prior")
         self.sched.demand.prior = prior
         saved = self.db.get_meta("demand")

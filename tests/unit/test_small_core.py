@@ -56,10 +56,47 @@ def test_starving_request_stops_backfill() -> None:
     # t=10: nobody has starved, so every blocked request is skipped (backfill)
     assert queue.schedule(10.0, never).blocked_by is None
     assert tried == ["mid", "big", "huge"]
-    # t=100: 'mid' (40 s) may be passed, 'big' (100 s) has starved: nothing passes it
+    # t=100: 'big' (100 s) has starved: it goes first and nothing younger passes it,
+    # not even the smaller 'mid'
     tried.clear()
     assert queue.schedule(100.0, never).blocked_by == "big"
-    assert tried == ["mid", "big"]
+    assert tried == ["big"]
+    assert [i.ident for i in queue.order(100.0)] == ["big", "huge", "mid"]
+
+
+@pytest.mark.parametrize("aging_s", [0.0, 600.0])
+def test_small_requests_never_pass_a_starved_one(aging_s: float) -> None:
+    """A stream of small requests under size order: once the big one has starved,
+    nothing smaller takes capacity before it, whatever aging says."""
+    queue: RequestQueue[str] = RequestQueue(QueuePolicy.SIZE, aging_s=aging_s, starvation_s=50)
+    queue.push("big", "big", now_s=0.0, memory_mib=40000, wait_s=None)
+    for n in range(4):
+        queue.push(f"s{n}", f"s{n}", now_s=10.0 * n, memory_mib=5000, wait_s=None)
+    free = [30000]  # room for small requests only
+
+    def place(item: object) -> bool:
+        need = item.memory_mib  # type: ignore[attr-defined]
+        if need > free[0]:
+            return False
+        free[0] -= need
+        return True
+
+    before = queue.schedule(40.0, place)  # nobody starved yet: small ones backfill
+    assert before.placed == ["s0", "s1", "s2", "s3"] and before.blocked_by is None
+    queue.push("s4", "s4", now_s=45.0, memory_mib=5000, wait_s=None)
+    free[0] = 35000  # some released, not enough for the big one
+    held = queue.schedule(60.0, place)
+    assert held.placed == [] and held.blocked_by == "big"  # s4 would fit, but waits
+    free[0] = 40000
+    after = queue.schedule(61.0, place)
+    assert after.placed == ["big"] and "s4" in queue
+
+
+def test_starvation_zero_is_arrival_order_without_backfill() -> None:
+    queue: RequestQueue[str] = RequestQueue(QueuePolicy.SIZE, aging_s=0, starvation_s=0)
+    fill(queue, [40000, 5000])
+    result = queue.schedule(10.0, lambda item: item.memory_mib < 10000)
+    assert result.placed == [] and result.blocked_by == "r0"
 
 
 def test_deadlines_expire() -> None:
@@ -96,13 +133,28 @@ def test_only_live_leases_hold_resources() -> None:
 
 
 def test_demand_weights_follow_observations_and_decay() -> None:
-    model = DemandModel(prior={19: 1.0, 9: 1.0}, prior_strength=2, half_life_s=100)
-    assert model.weights(0.0) == {19: 0.5, 9: 0.5}
+    a100 = "A100-40GB"
+    model = DemandModel(prior={(a100, 19): 1.0, (a100, 9): 1.0}, prior_strength=2, half_life_s=100)
+    assert model.weights(0.0) == {a100: {19: 0.5, 9: 0.5}}
     for _ in range(8):
-        model.observe(9, 0.0)
-    assert model.weights(0.0)[9] == pytest.approx(9 / 10)
+        model.observe(a100, 9, 0.0)
+    assert model.weights(0.0)[a100][9] == pytest.approx(9 / 10)
     later = model.weights(1000.0)  # 10 half-lives: observations almost gone
-    assert later[9] == pytest.approx(0.5, abs=0.01)
+    assert later[a100][9] == pytest.approx(0.5, abs=0.01)
+
+
+def test_demand_is_kept_apart_per_model() -> None:
+    """Profile ID 14 is 2g.10gb on an A100 but 1g.6gb on an A30: never one count."""
+    model = DemandModel()
+    model.observe("A100-40GB", 14, 0.0)
+    model.observe("A30-24GB", 14, 0.0)
+    model.observe("A30-24GB", 0, 0.0)
+    assert model.weights(0.0) == {"A100-40GB": {14: 1.0}, "A30-24GB": {14: 0.5, 0: 0.5}}
+    saved = model.snapshot()
+    assert saved == {"A100-40GB:14": 1.0, "A30-24GB:14": 1.0, "A30-24GB:0": 1.0}
+    back = DemandModel()
+    back.load({**saved, "9": 5.0}, 0.0)  # a bare ID from an older version is dropped
+    assert back.weights(0.0) == model.weights(0.0)
 
 
 def test_demand_is_empty_without_prior_or_data() -> None:

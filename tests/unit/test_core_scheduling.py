@@ -1,0 +1,165 @@
+"""The scheduler's use of the planner, the demand model and the queue (no I/O)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from migd.core import catalog
+from migd.core import scheduler as scheduler_module
+from migd.core.leases import LeaseState
+from migd.core.planner import PlacementRule
+from migd.core.queueing import QueuePolicy
+from migd.core.scheduler import (
+    GpuMode,
+    Lease,
+    LeaseRequest,
+    ManagedGpu,
+    ManagedInstance,
+    NodeScheduler,
+    SchedulerPolicy,
+)
+from migd.core.states import state_space
+from migd.errors import NoCapacity, RequestTooLarge, UnknownProfile
+
+_ids = itertools.count()
+
+
+def gpu(index: int, model: str, mode: GpuMode = GpuMode.MIG) -> ManagedGpu:
+    geo = catalog.geometry(model)
+    space = state_space(geo) if mode is GpuMode.MIG else None
+    return ManagedGpu(index, f"GPU-{index:04d}", model, model, geo.memory_mib, mode, space)
+
+
+def busy(g: ManagedGpu, name: str, start: int) -> None:
+    """A running job's instance (held by a lease nobody will release in the test)."""
+    assert g.space is not None
+    profile = g.space.member(name)
+    g.instances.append(ManagedInstance(profile, start, profile.memory_mib, lease_id="other"))
+
+
+def lease(memory_mib: int, wait_s: float | None = 60.0, **kw: Any) -> Lease:
+    request = LeaseRequest(f"job{next(_ids)}", memory_mib, wait_s=wait_s, **kw)
+    return Lease(f"L{next(_ids)}", request, 1000, 1, 0.0)
+
+
+# -- demand ---------------------------------------------------------------------------------------
+
+
+def test_demand_counts_requests_not_grants() -> None:
+    """Queued and refused-for-now requests count, as the profile they right-size to."""
+    node = NodeScheduler([gpu(0, "A100-40GB")])
+    busy(node.gpus[0], "7g.40gb", 0)
+    queued = node.submit(lease(9000), 1.0, 1.0)
+    assert queued.lease.state is LeaseState.QUEUED
+    with pytest.raises(NoCapacity):
+        node.submit(lease(19000, wait_s=0.0), 1.0, 2.0)
+    space = node.gpus[0].space
+    assert space is not None
+    ids = {name: space.member(name).profile_id for name in ("1g.10gb", "3g.20gb")}
+    assert node.demand.weights(1.0) == {
+        "A100-40GB": {ids["1g.10gb"]: pytest.approx(0.5), ids["3g.20gb"]: pytest.approx(0.5)}
+    }
+
+
+def test_demand_records_the_right_size_not_the_upsized_grant() -> None:
+    node = NodeScheduler([gpu(0, "A100-40GB")])
+    busy(node.gpus[0], "3g.20gb", 4)
+    out = node.submit(lease(19000), 1.0, 1.0)
+    assert out.lease.profile == "4g.20gb"  # created bigger: the 4th compute slice is free
+    space = node.gpus[0].space
+    assert space is not None
+    assert node.demand.weights(1.0) == {"A100-40GB": {space.member("3g.20gb").profile_id: 1.0}}
+
+
+def test_demand_on_a_mixed_node_is_per_model() -> None:
+    node = NodeScheduler([gpu(0, "A100-40GB"), gpu(1, "A30-24GB")])
+    node.submit(lease(5000), 1.0, 1.0)
+    a100, a30 = node.gpus[0].space, node.gpus[1].space
+    assert a100 is not None and a30 is not None
+    assert node.demand.weights(1.0) == {
+        "A100-40GB": {a100.member("1g.10gb").profile_id: 1.0},
+        "A30-24GB": {a30.member("1g.6gb").profile_id: 1.0},
+    }
+
+
+def test_weighted_placement_uses_the_models_own_mix() -> None:
+    """Twenty 3g.20gb requests on the A100 steer a 2g.10gb to start 0 (plain
+    reachability puts it at 4); the A30's demand is another model's business."""
+    policy = SchedulerPolicy(demand_weighting=True)
+    node = NodeScheduler([gpu(0, "A100-40GB"), gpu(1, "A30-24GB")], policy)
+    a100 = node.gpus[0].space
+    assert a100 is not None
+    for _ in range(20):
+        node.demand.observe("A100-40GB", a100.member("3g.20gb").profile_id, 0.0)
+    node.set_draining(1, True)
+    out = node.submit(lease(9000, min_compute=2), 1.0, 1.0)
+    assert (out.lease.gpu, out.lease.profile, out.lease.start) == (0, "2g.10gb", 0)
+    assert out.lease.decision is not None
+    assert out.lease.decision["rule"] == PlacementRule.WEIGHTED.value
+    plain = NodeScheduler([gpu(0, "A100-40GB")]).submit(lease(9000, min_compute=2), 1.0, 1.0)
+    assert plain.lease.start == 4
+
+
+# -- sizing errors --------------------------------------------------------------------------------
+
+
+def test_too_much_compute_says_so() -> None:
+    node = NodeScheduler([gpu(0, "A100-40GB")])
+    with pytest.raises(RequestTooLarge) as err:
+        node.submit(lease(1000, min_compute=8), 1.0, 1.0)
+    assert "8 compute slices" in err.value.message and "the most is 7" in err.value.message
+    assert "1000 MiB is more" not in err.value.message
+
+
+def test_named_profile_on_a_mixed_node() -> None:
+    node = NodeScheduler([gpu(0, "H100-80GB"), gpu(1, "A100-40GB")])
+    out = node.submit(lease(4000, profile="1g.5gb"), 1.0, 1.0)
+    assert (out.lease.gpu, out.lease.profile) == (1, "1g.5gb")
+    with pytest.raises(UnknownProfile) as err:
+        node.submit(lease(4000, profile="1g.6gb"), 1.0, 1.0)
+    assert "H100-80GB:" in err.value.hint and "A100-40GB:" in err.value.hint
+
+
+# -- the failure cache of a scheduling pass -------------------------------------------------------
+
+
+def test_a_deep_queue_plans_once_per_partition_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    node = NodeScheduler([gpu(0, "A100-40GB"), gpu(1, "A100-40GB")], SchedulerPolicy())
+    for g in node.gpus.values():
+        busy(g, "7g.40gb", 0)
+    for n in range(40):  # 40 different MiB figures, all 1g.10gb or 3g.20gb
+        node.submit(lease(5000 + 97 * n if n % 2 else 10000 + 211 * n), 1.0, 1.0)
+    calls = []
+    real = scheduler_module.plan_on_node
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls.append(args[1])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(scheduler_module, "plan_on_node", counting)
+    assert node.schedule(2.0, 2.0) == []
+    assert len(calls) == 1  # fifo: the head blocks the pass
+    node.set_policy(SchedulerPolicy(queue=QueuePolicy.SIZE))
+    calls.clear()
+    assert node.schedule(3.0, 3.0) == []
+    sizes = {(c.memory_mib, c.min_compute) for c in calls}
+    assert len(calls) == 2 == len(sizes), sizes  # one per distinct partition size
+
+
+def test_the_failure_cache_does_not_hide_a_free_whole_gpu() -> None:
+    """Two requests that right-size alike on the MIG GPU (7g.40gb) but only one of which
+    fits the exclusive GPU: the first failing must not skip the second."""
+    exclusive = gpu(1, "A30-24GB", GpuMode.EXCLUSIVE)
+    node = NodeScheduler([gpu(0, "A100-40GB"), exclusive], SchedulerPolicy(queue=QueuePolicy.SIZE))
+    busy(node.gpus[0], "7g.40gb", 0)
+    exclusive.exclusive_lease = "someone"
+    first = node.submit(lease(30000), 1.0, 1.0)
+    second = node.submit(lease(23000), 1.0, 1.0)
+    assert first.lease.state is second.lease.state is LeaseState.QUEUED
+    exclusive.exclusive_lease = None
+    node.schedule(2.0, 2.0)
+    assert second.lease.state is LeaseState.ACTIVE and second.lease.mode == "exclusive"
+    assert first.lease.state is LeaseState.QUEUED
