@@ -586,6 +586,7 @@ class NvmlBackend:
                     placements,
                     display_name=info.name,
                     builtin=builtin,
+                    memory_total_mib=info.memory_total_mib,
                 )
             except ValueError as exc:
                 if builtin is None:

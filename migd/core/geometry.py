@@ -14,9 +14,10 @@ RTX PRO 6000); nothing here assumes 8.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from migd.errors import UnknownProfile
@@ -178,7 +179,10 @@ class Geometry:
 
         Driver versions name the same profile differently (``3g.39gb`` vs ``3g.40gb``,
         ``1g.24gb`` vs ``1g.23gb`` on GB200): a name with the right compute slices and
-        variant whose memory is within 5 % (or 1 GB) of a profile's size matches it.
+        variant whose memory is within 5 % of a profile's size matches it. The margin is
+        relative, so another model's small profile does not match (``1g.5gb`` is not
+        A30's ``1g.6gb``). ``+me`` and the other variants are names of their own
+        (``1g.5gb+me``), never confused with the base profile.
 
         Raises:
             UnknownProfile: nothing matches; the message lists the valid names.
@@ -263,6 +267,7 @@ class Geometry:
         *,
         display_name: str = "",
         builtin: Geometry | None = None,
+        memory_total_mib: int = 0,
     ) -> Geometry:
         """Build a geometry from a live GPU's profile infos and possible placements.
 
@@ -271,6 +276,15 @@ class Geometry:
         caps such as A30's shared JPEG/OFA, engine budgets) come from ``builtin`` when
         the model is known; otherwise starts are tried in ascending order and all
         ``+me``/``+me.all`` profiles share one OFA (true of every published table).
+
+        A profile NVML gives no name (a v1 profile info) and the built-in table does
+        not know is named as NVIDIA does: the GPU's marketed size in GB times the
+        profile's share of the memory slices, rounded to the nearest GB (A100-40GB:
+        40 x 1/8 = ``1g.5gb``; H200: 141 x 1/2 = ``3g.71gb``). The marketed size is
+        ``memory_total_mib`` (the device's total memory, ``nvmlDeviceGetMemoryInfo``)
+        rounded up to whole GiB, or, when that is not given, the full profile's memory
+        rounded up, which gives the marketed size on A30, A100 and H100 but can fall
+        a few GB short on larger GPUs.
         """
         known = {p.profile_id: p for p in builtin.profiles} if builtin else {}
         profiles: list[Profile] = []
@@ -286,10 +300,6 @@ class Geometry:
             name = normalize_profile_name(info.name) if info.name else ""
             if prior is not None and (not name or _NAME_RE.match(name) is None):
                 name = prior.name
-            if not name:
-                name = f"{info.compute_slices}g.{info.memory_mib // 1024}gb" + (
-                    variant_for_nvml_index(info.nvml_index).suffix
-                )
             order = (
                 prior.default_order
                 if prior is not None and sorted(prior.default_order) == list(starts)
@@ -317,6 +327,10 @@ class Geometry:
             raise ValueError(f"{model}: NVML reported no MIG profiles with placements")
         units = max(s + p.memory_slices for p in profiles for s in p.starts)
         full = max(profiles, key=lambda p: (p.memory_slices, p.compute_slices))
+        total_gb = -(-(memory_total_mib or full.memory_mib) // 1024)
+        profiles = [
+            p if p.name else replace(p, name=synthesized_name(p, units, total_gb)) for p in profiles
+        ]
         present = {p.profile_id for p in profiles}
         if builtin is not None:
             groups = tuple(
@@ -346,6 +360,16 @@ class Geometry:
         )
 
 
+def synthesized_name(profile: Profile, units: int, total_gb: int) -> str:
+    """NVIDIA's name for a profile: ``<compute>g.<GB>gb<variant>``.
+
+    The GB figure is the marketed size times the share of memory slices, rounded to
+    the nearest GB, halves up (B200: 180 x 1/8 = 22.5 -> ``1g.23gb``).
+    """
+    gb = math.floor(total_gb * profile.memory_slices / units + 0.5)
+    return f"{profile.compute_slices}g.{gb}gb{profile.variant.suffix}"
+
+
 def _profile_order(p: Profile) -> tuple[int, int, int, str]:
     return (p.memory_slices, p.compute_slices, list(Variant).index(p.variant), p.name)
 
@@ -356,4 +380,5 @@ def _name_gb(name: str) -> int:
 
 
 def _close(a: int, b: int) -> bool:
-    return a >= 0 and abs(a - b) <= max(1.0, 0.05 * max(a, b))
+    """Two GB figures of one profile's name under different drivers (within 5 %)."""
+    return a > 0 and b > 0 and abs(a - b) <= 0.05 * max(a, b)

@@ -110,23 +110,31 @@ class StateSpace:
         self.atoms: tuple[Atom, ...] = tuple(atoms)
         self._atom_by_place = {(a.profile.profile_id, a.start): a for a in atoms}
         self._atom_profile_pos = [self._profile_pos[a.profile.profile_id] for a in atoms]
-        # Shared caps restricted to this set: (profile positions, max)
-        self._groups: list[tuple[frozenset[int], int, str]] = []
+        # Shared caps restricted to this set: (profile positions, max, reason). The
+        # enumeration checks only those the instance limits do not imply already; error
+        # messages name every cap a transition breaks (a second +me on an A100 breaks
+        # both its own limit of one and the single OFA, and the OFA is the reason).
+        self._all_groups: list[tuple[frozenset[int], int, str]] = []
         for group in geometry.exclusive_groups:
             members = frozenset(
                 self._profile_pos[pid] for pid in group.profile_ids if pid in self._profile_pos
             )
-            if len(members) >= 1 and group.max_instances < sum(
-                self.profiles[m].max_instances for m in members
-            ):
-                self._groups.append((members, group.max_instances, group.reason))
-        self._engines: list[tuple[str, int, tuple[int, ...]]] = []
+            if members:
+                self._all_groups.append((members, group.max_instances, group.reason))
+        self._groups = [
+            g for g in self._all_groups if g[1] < sum(self.profiles[m].max_instances for m in g[0])
+        ]
+        self._all_engines: list[tuple[str, int, tuple[int, ...]]] = []
         budget = geometry.engine_budget or {}
         if budget and all(p.engines is not None for p in self.profiles):
             for engine, cap in budget.items():
                 need = tuple((p.engines or {}).get(engine, 0) for p in self.profiles)
-                if sum(n * p.max_instances for n, p in zip(need, self.profiles, strict=True)) > cap:
-                    self._engines.append((engine, cap, need))
+                self._all_engines.append((engine, cap, need))
+        self._engines = [
+            (engine, cap, need)
+            for engine, cap, need in self._all_engines
+            if sum(n * p.max_instances for n, p in zip(need, self.profiles, strict=True)) > cap
+        ]
         self._info: dict[StateKey, StateInfo] = {}
         self._build()
 
@@ -393,26 +401,31 @@ class StateSpace:
         for other in self.placements(key):
             counts[self._atom_profile_pos[other.index]] += 1
         pos = self._atom_profile_pos[atom.index]
-        if counts[pos] >= atom.profile.max_instances:
-            raise InstanceLimitReached(
-                f"{atom.profile.name} allows at most {atom.profile.max_instances} "
-                f"instance(s) on {self.geometry.model}",
-                profile=atom.profile.name,
-            )
         counts[pos] += 1
-        for members, cap, reason in self._groups:
+        limit = atom.profile.max_instances
+        own = f"; {atom.profile.name} itself allows at most {limit}" if counts[pos] > limit else ""
+        for members, cap, reason in self._all_groups:
             if pos in members and sum(counts[m] for m in members) > cap:
                 names = ", ".join(self.profiles[m].name for m in sorted(members))
                 raise ExclusiveConflict(
-                    f"only {cap} instance(s) of {names} can exist at once ({reason})",
+                    f"only {cap} instance(s) of {names} can exist at once on "
+                    f"{self.geometry.model} ({reason}){own}",
+                    hint="release the existing one or ask for a profile without it",
                     profile=atom.profile.name,
                 )
-        for engine, cap, need in self._engines:
-            if sum(c * n for c, n in zip(counts, need, strict=True)) > cap:
+        for engine, cap, need in self._all_engines:
+            if need[pos] and sum(c * n for c, n in zip(counts, need, strict=True)) > cap:
                 raise ExclusiveConflict(
-                    f"{atom.profile.name} would exceed the GPU's {cap} {engine.upper()} engine(s)",
+                    f"{atom.profile.name} would exceed the GPU's {cap} {engine.upper()} "
+                    f"engine(s) on {self.geometry.model}{own}",
+                    hint="release an instance that holds one, or ask for a profile without it",
                     profile=atom.profile.name,
                 )
+        if counts[pos] > limit:
+            raise InstanceLimitReached(
+                f"{atom.profile.name} allows at most {limit} instance(s) on {self.geometry.model}",
+                profile=atom.profile.name,
+            )
         raise PlacementOverlap(f"{atom} cannot be added to this state")  # pragma: no cover
 
 

@@ -184,3 +184,51 @@ def test_geometry_from_nvml_keeps_builtin_knowledge() -> None:
         p.name for p in builtin.profiles if p.profile_id != 15
     ]
     assert geo.profile("1g.5gb").default_order == (6, 4, 5, 0, 1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "text"),
+    [
+        ("A30-24GB", "1g.5gb"),  # A100's smallest is not A30's 1g.6gb
+        ("A100-40GB", "1g.6gb"),
+        ("A100-40GB", "1g.4gb"),
+        ("H100-80GB", "1g.5gb"),
+        ("A100-40GB", "3g.20gb+me"),  # no such variant: the suffix must match
+    ],
+)
+def test_names_of_other_sizes_do_not_resolve(model: str, text: str) -> None:
+    with pytest.raises(UnknownProfile):
+        catalog.geometry(model).profile(text)
+
+
+def nameless(geo: Geometry) -> tuple[list[NvmlProfileInfo], dict[int, list[tuple[int, int]]]]:
+    """What a driver without profile names (v1 infos) reports for ``geo``."""
+    infos = [
+        NvmlProfileInfo(p.nvml_index, p.profile_id, p.compute_slices, p.max_instances, p.memory_mib)
+        for p in geo.profiles
+    ]
+    return infos, {p.profile_id: [(s, p.memory_slices) for s in p.starts] for p in geo.profiles}
+
+
+@pytest.mark.parametrize("model", catalog.model_names())
+def test_synthesized_names_are_nvidias(model: str) -> None:
+    """Named from the marketed size (the device total rounded up to GiB) times the
+    share of memory slices, rounded to nearest, as NVIDIA names them."""
+    geo = catalog.geometry(model)
+    marketed_gb = int(model.rsplit("-", 1)[1].removesuffix("GB"))
+    # devices report a little less than the marketed size (H100 80GB: 81559 MiB)
+    built = Geometry.from_nvml("Unknown", *nameless(geo), memory_total_mib=marketed_gb * 1024 - 400)
+    assert {p.profile_id: p.name for p in built.profiles} == {
+        p.profile_id: p.name for p in geo.profiles
+    }
+
+
+@pytest.mark.parametrize("model", ["A30-24GB", "A100-40GB", "H100-80GB", "H100-94GB"])
+def test_synthesized_names_without_the_device_total(model: str) -> None:
+    """Without the device total the full profile's memory stands in (4864 MiB on an
+    A100-40GB is 1g.5gb, not the 1g.4gb that rounding it down gives)."""
+    geo = catalog.geometry(model)
+    built = Geometry.from_nvml("Unknown", *nameless(geo))
+    assert {p.profile_id: p.name for p in built.profiles} == {
+        p.profile_id: p.name for p in geo.profiles
+    }

@@ -3,18 +3,21 @@
 The oracle below knows nothing of bit masks or subset walks: it grows states
 from the empty GPU by legal single allocations (checked naively, unit by unit)
 and counts the full states each state can *reach* by forward search. The state
-machine must agree with it on every state of A30 and A100-40GB, for each
-profile-set option.
+machine must agree with it on every state of every built-in model, for the
+``standard`` and ``all`` profile sets (``all`` holds ``+me`` on the 8-unit
+models), and of A30 and A100-40GB for every option. ``migctl states --json``
+is checked against the same oracle.
 """
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 import pytest
 
 from migd.core import catalog
-from migd.core.geometry import Geometry
+from migd.core.geometry import Geometry, Profile
 from migd.core.states import EMPTY, StateSpace, describe, state_space
 from migd.errors import (
     ExclusiveConflict,
@@ -75,14 +78,15 @@ class Oracle:
         return seen
 
     def reachable_full(self, state: frozenset[Placement]) -> frozenset[frozenset[Placement]]:
-        @cache
-        def walk(s: frozenset[Placement]) -> frozenset[frozenset[Placement]]:
-            nxt = self.successors(s)
-            if not nxt:
-                return frozenset({s})
-            return frozenset().union(*(walk(n) for n in nxt))
+        """Full states reachable by forward search (memoized across calls)."""
+        return self._walk(state)
 
-        return walk(state)
+    @cache  # noqa: B019 - one oracle per case, kept for the test session
+    def _walk(self, s: frozenset[Placement]) -> frozenset[frozenset[Placement]]:
+        nxt = self.successors(s)
+        if not nxt:
+            return frozenset({s})
+        return frozenset().union(*(self._walk(n) for n in nxt))
 
 
 def placements_of(space: StateSpace, key: int) -> frozenset[Placement]:
@@ -97,9 +101,12 @@ CASES = [
     ("A100-40GB", "media"),
     ("RTX-PRO-6000-96GB", "all"),
 ]
+ORACLE_CASES = sorted(
+    {*CASES, *((m, option) for m in catalog.model_names() for option in ("standard", "all"))}
+)
 
 
-@pytest.mark.parametrize(("model", "profiles"), CASES)
+@pytest.mark.parametrize(("model", "profiles"), ORACLE_CASES)
 def test_every_state_agrees_with_the_oracle(model: str, profiles: str) -> None:
     geo = catalog.geometry(model)
     space = state_space(geo, profiles)
@@ -186,10 +193,22 @@ class TestIllegalTransitions:
         with pytest.raises(PlacementOverlap):
             self.space.allocate(key, "1g.5gb", 3)
 
-    def test_second_media_instance(self) -> None:
-        key = self.space.allocate(EMPTY, "1g.5gb+me", 0)
-        with pytest.raises((ExclusiveConflict, InstanceLimitReached), match=r"\+me"):
-            self.space.allocate(key, "1g.5gb+me", 1)
+    @pytest.mark.parametrize(
+        "model", [m for m in catalog.model_names() if catalog.geometry(m).units == 8]
+    )
+    def test_second_media_instance_names_the_single_ofa(self, model: str) -> None:
+        space = state_space(catalog.geometry(model), "media")
+        media = next(p for p in space.profiles if p.name.endswith("+me"))
+        key = space.allocate(EMPTY, media, 0)
+        with pytest.raises(ExclusiveConflict) as err:
+            space.allocate(key, media, 1)
+        assert "OFA" in err.value.message and media.name in err.value.message
+
+    def test_second_media_instance_on_rtx_pro_names_the_ofa_engine(self) -> None:
+        space = state_space(catalog.geometry("RTX-PRO-6000-96GB"), "all")
+        key = space.allocate(EMPTY, "1g.24gb+me", 0)
+        with pytest.raises(ExclusiveConflict, match="OFA"):
+            space.allocate(key, "1g.24gb+me", 3)
 
     def test_a30_shared_jpeg_ofa(self) -> None:
         space = state_space(catalog.geometry("A30-24GB"), "media")
@@ -204,6 +223,17 @@ class TestIllegalTransitions:
         for start in range(7):
             key = space.allocate(key, "1g.5gb", start)
         assert space.is_full(key)
+
+    def test_instance_limit_below_the_grid(self) -> None:
+        """No built-in table caps a profile below what its starts allow (except +me, an
+        OFA matter), so a made-up model checks the limit: 1g with 4 starts, at most 2."""
+        one = Profile(1, "1g.6gb", 0, 1, 1, 6000, 2, (0, 1, 2, 3), (0, 1, 2, 3))
+        full = Profile(0, "4g.24gb", 3, 4, 4, 24000, 1, (0,), (0,))
+        space = StateSpace(Geometry("Made-up", "made up", 4, 4, 24000, (one, full)))
+        key = space.allocate(space.allocate(EMPTY, one, 0), one, 1)
+        assert space.is_full(key)
+        with pytest.raises(InstanceLimitReached, match="at most 2"):
+            space.allocate(key, one, 2)
 
     def test_release_unknown(self) -> None:
         with pytest.raises(InstanceNotFound):
@@ -260,3 +290,44 @@ def test_reachability_and_max_cc_choose_alike_on_builtin_tables(model: str) -> N
                 starts, key=lambda s: (-by_cc[s], order[s])
             )
     assert choices > 40
+
+
+@pytest.mark.parametrize("profiles", ["standard", "media"])
+def test_migctl_states_json_matches_the_oracle(
+    profiles: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`migctl states --json` for A30, checked field by field against the oracle."""
+    from migd.cli.migctl import main
+
+    assert main(["states", "--model", "A30-24GB", "--profiles", profiles, "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    geo = catalog.geometry("A30-24GB")
+    names = {p["name"] for p in table["profiles"]}
+    oracle = Oracle(geo, {geo.profile(n).profile_id for n in names})
+    expected = oracle.all_states()
+    listed = {
+        frozenset((p["id"], p["start"]) for p in entry["placements"]): entry
+        for entry in table["states"]
+    }
+    assert set(listed) == expected
+    assert table["state_count"] == len(expected)
+    assert table["placement_units"] == 4 and table["compute_slices"] == 4
+    full_states = {s for s in expected if not oracle.successors(s)}
+    assert table["full_count"] == len(full_states)
+    for state, entry in listed.items():
+        reachable = oracle.reachable_full(state)
+        assert entry["full"] == (state in full_states)
+        assert entry["reachability"] == len(reachable)
+        hostable: dict[str, int] = {}
+        for layout in reachable:
+            for pid, _ in layout - state:
+                name = geo.by_id(pid).name
+                hostable[name] = hostable.get(name, 0) + 1
+        assert entry["hostable"] == hostable
+        assert entry["configuration_capability"] == len(oracle.successors(state))
+        compute = max(sum(geo.by_id(p).compute_slices for p, _ in m) for m in reachable)
+        units = max(sum(geo.by_id(p).memory_slices for p, _ in m) for m in reachable)
+        assert entry["wasted_slices"] == {"compute": 4 - compute, "memory": 4 - units}
+        for placement in entry["placements"]:
+            assert placement["size"] == geo.by_id(placement["id"]).memory_slices
+            assert placement["profile"] == geo.by_id(placement["id"]).name
