@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # size (compute slices) -> (create_s, destroy_s)
 SEED003_TABLE1: dict[str, dict[int, tuple[float, float]]] = {
@@ -39,12 +40,22 @@ class CostModel:
     def for_model(cls, model: str) -> CostModel:
         return cls(dict(SEED003_TABLE1[_family(model)]))
 
-    def _row(self, compute_slices: int) -> tuple[float, float]:
+    @cached_property
+    def _rows(self) -> dict[int, tuple[float, float]]:
+        """Row per compute size 1-8 (the most any model has), looked up once."""
         sizes = sorted(self.table)
-        for size in sizes:
-            if size >= compute_slices:
-                return self.table[size]
-        return self.table[sizes[-1]]
+        rows = {}
+        for want in range(1, 9):
+            fit = next((s for s in sizes if s >= want), sizes[-1])
+            rows[want] = self.table[fit]
+        return rows
+
+    def _row(self, compute_slices: int) -> tuple[float, float]:
+        row = self._rows.get(compute_slices)
+        if row is not None:
+            return row
+        sizes = sorted(self.table)
+        return self.table[next((s for s in sizes if s >= compute_slices), sizes[-1])]
 
     def create_s(self, compute_slices: int) -> float:
         return self._row(compute_slices)[0]

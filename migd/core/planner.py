@@ -117,6 +117,11 @@ class GpuView:
     def key(self) -> StateKey:
         return self.space.key_of((i.profile, i.start) for i in self.instances)
 
+    @cached_property
+    def placed(self) -> tuple[tuple[Atom, Instance], ...]:
+        """Each instance with its atom in this space."""
+        return tuple((self.space.atom(i.profile, i.start), i) for i in self.instances)
+
 
 @dataclass(frozen=True, slots=True)
 class CreateOp:
@@ -303,11 +308,20 @@ def _order_index(profile: Profile, start: int) -> int:
 
 def utilisation(space: StateSpace, key: StateKey) -> float:
     """Seed 000's joint slice utilisation (used memory + compute) / (total memory + compute)."""
-    atoms = space.placements(key)
-    units = sum(a.profile.memory_slices for a in atoms)
-    compute = sum(a.profile.compute_slices for a in atoms)
     geo = space.geometry
-    return (units + compute) / (geo.units + geo.compute_slices)
+    return space.info(key).used_slices / (geo.units + geo.compute_slices)
+
+
+_COSTS: dict[str, CostModel] = {}
+
+
+def _costs(policy: PlannerPolicy, model: str) -> CostModel:
+    configured = (policy.costs or {}).get(model)
+    if configured is not None:
+        return configured
+    if model not in _COSTS:
+        _COSTS[model] = CostModel.for_model(model)
+    return _COSTS[model]
 
 
 def satisfies(have: Profile, want: Profile, *, have_variant: Profile | None = None) -> bool:
@@ -334,13 +348,15 @@ def plan_on_gpu(
     view: GpuView, profile: Profile, policy: PlannerPolicy = PlannerPolicy()
 ) -> Decision | None:
     """The best way to get ``profile`` on this GPU, or ``None`` if it cannot be done now."""
+    return _plan_on_gpu(view, view.space.member(profile), policy, scorer_for(policy))
+
+
+def _plan_on_gpu(
+    view: GpuView, prof: Profile, policy: PlannerPolicy, score: Scorer
+) -> Decision | None:
     space = view.space
-    prof = space.member(profile)
     key = view.key
-    score = scorer_for(policy)
-    costs = (policy.costs or {}).get(view.geometry.model) or CostModel.for_model(
-        view.geometry.model
-    )
+    costs = _costs(policy, view.geometry.model)
 
     if policy.reuse_idle:
         idle = [
@@ -457,9 +473,9 @@ def _plan_repartition(
     policy: PlannerPolicy,
 ) -> Decision | None:
     space = view.space
-    placed = [(space.atom(i.profile, i.start), i) for i in view.instances]
+    placed = view.placed
     options: list[tuple[float, float, int, Alternative, tuple[Instance, ...], StateKey]] = []
-    for atom in (a for a in space.atoms if a.profile is prof):
+    for atom in space.atoms_of(prof):
         blockers = [(a, i) for a, i in placed if a.units & atom.units]
         if any(i.busy for _, i in blockers):
             continue
@@ -527,7 +543,7 @@ def _minimal_destroy_set(
     key: StateKey,
     atom: Atom,
     blockers: list[tuple[Atom, Instance]],
-    placed: list[tuple[Atom, Instance]],
+    placed: Sequence[tuple[Atom, Instance]],
     costs: CostModel,
     score: Scorer,
 ) -> list[tuple[Atom, Instance]] | None:
@@ -769,8 +785,14 @@ def plan_on_node(
     sizings: list[tuple[StateSpace, Sizing]] = []
     fits_somewhere = False
     best: tuple[tuple[Any, ...], Decision] | None = None
+    score = scorer_for(policy)
+    # GPUs of one model share a space: size the request and score the empty GPU once
+    sized: dict[int, Sizing] = {}
+    empty: dict[int, float] = {}
     for view in views:
-        sizing = size_request(view.space, request)
+        sizing = sized.get(id(view.space))
+        if sizing is None:
+            sizing = sized[id(view.space)] = size_request(view.space, request)
         prof = sizing.profile
         if prof is None:
             sizings.append((view.space, sizing))
@@ -780,7 +802,7 @@ def plan_on_node(
         if not view.available:
             considered.append({"gpu": view.index, "why": view.unavailable_reason or "unavailable"})
             continue
-        decision = plan_on_gpu(view, prof, policy)
+        decision = _plan_on_gpu(view, prof, policy, score)
         if decision is None:
             considered.append(
                 {
@@ -794,8 +816,9 @@ def plan_on_node(
         if policy.gpu_choice is GpuChoice.FIRST_FIT:
             rank: tuple[Any, ...] = (view.index,)
         else:
-            empty_score = scorer_for(policy)(view.space, EMPTY) or 1.0
-            rank = _rules_rank(decision, empty_score, policy.reuse_first)
+            if id(view.space) not in empty:
+                empty[id(view.space)] = score(view.space, EMPTY) or 1.0
+            rank = _rules_rank(decision, empty[id(view.space)], policy.reuse_first)
         considered.append(
             {
                 "gpu": view.index,

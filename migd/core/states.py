@@ -86,6 +86,7 @@ class StateInfo:
     hostable: tuple[int, ...]  # per profile (space.profiles order): instances still hostable
     best_compute: int  # most compute slices any reachable full state uses
     best_units: int  # most placement units any reachable full state covers
+    used_slices: int  # memory slices + compute slices of its instances (seed 000)
 
 
 class StateSpace:
@@ -109,6 +110,9 @@ class StateSpace:
                 atoms.append(Atom(len(atoms), p, start, p.units_mask(start)))
         self.atoms: tuple[Atom, ...] = tuple(atoms)
         self._atom_by_place = {(a.profile.profile_id, a.start): a for a in atoms}
+        self._atoms_of: dict[int, tuple[Atom, ...]] = {
+            p.profile_id: tuple(a for a in atoms if a.profile is p) for p in self.profiles
+        }
         self._atom_profile_pos = [self._profile_pos[a.profile.profile_id] for a in atoms]
         # Shared caps restricted to this set: (profile positions, max, reason). The
         # enumeration checks only those the instance limits do not imply already; error
@@ -190,6 +194,7 @@ class StateSpace:
                 sub = (sub - 1) & fkey
 
         full_keys = {f[0] for f in full}
+        weight = [p.memory_slices + p.compute_slices for p in self.profiles]
         for key, _units, counts in states:
             r = reach[key]
             hostable = tuple(t - r * c for t, c in zip(totals[key], counts, strict=True))
@@ -200,6 +205,7 @@ class StateSpace:
                 hostable=hostable,
                 best_compute=best_c[key],
                 best_units=best_u[key],
+                used_slices=sum(c * w for c, w in zip(counts, weight, strict=True)),
             )
 
     def _caps_ok(self, counts: Sequence[int]) -> bool:
@@ -302,7 +308,17 @@ class StateSpace:
 
     def placements(self, key: StateKey) -> tuple[Atom, ...]:
         """The placed instances of a state, in atom order."""
-        return tuple(a for a in self.atoms if key >> a.index & 1)
+        atoms = self.atoms
+        out = []
+        while key:
+            low = key & -key
+            out.append(atoms[low.bit_length() - 1])
+            key ^= low
+        return tuple(out)
+
+    def atoms_of(self, profile: Profile) -> tuple[Atom, ...]:
+        """Every legal placement of ``profile`` (a member of this set), ascending start."""
+        return self._atoms_of[self.member(profile).profile_id]
 
     def units_used(self, key: StateKey) -> int:
         mask = 0
@@ -359,7 +375,7 @@ class StateSpace:
     def legal_starts(self, key: StateKey, profile: Profile | int | str) -> list[int]:
         """Starts at which ``profile`` can be created in state ``key`` now (ascending)."""
         prof = self.member(profile)
-        return [a.start for a in self.atoms if a.profile is prof and self.can_allocate(key, a)]
+        return [a.start for a in self._atoms_of[prof.profile_id] if self.can_allocate(key, a)]
 
     def creatable(self, key: StateKey) -> dict[str, list[int]]:
         """Every profile of the set that can still be created, with its legal starts."""
