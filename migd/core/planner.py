@@ -732,6 +732,7 @@ def never_fits_error(
     request: PartitionRequest,
     sizings: Sequence[tuple[StateSpace, Sizing]],
     other_reasons: Sequence[str] = (),
+    other_largest_mib: int = 0,
 ) -> MigdError:
     """The error for a request that no GPU could hold even empty.
 
@@ -753,7 +754,9 @@ def never_fits_error(
             profile=request.profile,
         )
     reasons = list(dict.fromkeys([*(s.why for _, s in sizings), *other_reasons]))
-    largest = max((p.memory_mib for space, _ in sizings for p in space.profiles), default=0)
+    largest = max(
+        [other_largest_mib, *(p.memory_mib for space, _ in sizings for p in space.profiles)]
+    )
     return RequestTooLarge(
         "no partition on this node can ever hold the request: " + "; ".join(reasons),
         requested_mib=request.memory_mib,

@@ -423,6 +423,7 @@ class NodeScheduler:
         sizes: dict[str, Profile] = {}
         sizings: list[tuple[StateSpace, Sizing]] = []
         others: list[str] = []
+        largest = 0
         fits = False
         for g in gpus:
             if g.mode is GpuMode.MIG and g.space is not None:
@@ -434,6 +435,7 @@ class NodeScheduler:
                     sizings.append((g.space, sizing))
             elif g.mode is GpuMode.MPS:
                 pool = self.mps_pool(g)
+                largest = max(largest, pool.capacity_mib)
                 if request.memory_mib <= pool.capacity_mib:
                     fits = True
                 else:
@@ -442,6 +444,7 @@ class NodeScheduler:
                         f"({pool.capacity_mib} MiB)"
                     )
             elif g.mode is GpuMode.EXCLUSIVE:
+                largest = max(largest, g.memory_total_mib)
                 if request.memory_mib <= g.memory_total_mib:
                     fits = True
                 else:
@@ -450,7 +453,7 @@ class NodeScheduler:
                         f"{g.memory_total_mib} MiB"
                     )
         if not fits:
-            raise never_fits_error(partition, sizings, others)
+            raise never_fits_error(partition, sizings, others, largest)
         return sizes
 
     # -- the scheduling pass ----------------------------------------------------------------

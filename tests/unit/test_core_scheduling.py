@@ -163,3 +163,12 @@ def test_the_failure_cache_does_not_hide_a_free_whole_gpu() -> None:
     node.schedule(2.0, 2.0)
     assert second.lease.state is LeaseState.ACTIVE and second.lease.mode == "exclusive"
     assert first.lease.state is LeaseState.QUEUED
+
+
+def test_too_large_for_every_mode_names_each_reason() -> None:
+    node = NodeScheduler([gpu(0, "A100-40GB"), gpu(1, "A30-24GB", GpuMode.EXCLUSIVE)])
+    with pytest.raises(RequestTooLarge) as err:
+        node.submit(lease(50_000), 1.0, 1.0)
+    assert "largest A100-40GB profile (7g.40gb, 40448 MiB)" in err.value.message
+    assert "GPU 1's 24003 MiB" in err.value.message
+    assert err.value.details["largest_mib"] == 40448

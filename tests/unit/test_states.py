@@ -268,12 +268,14 @@ def test_wasted_slices_follow_seed000() -> None:
     assert space.wasted_slices(three_at_0)[0] == 1
 
 
-@pytest.mark.parametrize("model", ["A30-24GB", "A100-40GB"])
-def test_reachability_and_max_cc_choose_alike_on_builtin_tables(model: str) -> None:
-    """A finding the README reports: seed 002's and seed 001's placements coincide here."""
+@pytest.mark.parametrize("profiles", ["classic", "standard", "media", "all"])
+@pytest.mark.parametrize("model", ["A30-24GB", "A100-40GB", "H100-80GB", "RTX-PRO-6000-96GB"])
+def test_reachability_and_max_cc_choose_alike_on_builtin_tables(model: str, profiles: str) -> None:
+    """A finding the README reports: seed 002's and seed 001's placements coincide here
+    (in every state with a choice; 2407 choices on an A100 with +me)."""
     from migd.core.planner import _order_index
 
-    space = state_space(catalog.geometry(model), "media")
+    space = state_space(catalog.geometry(model), profiles)
     choices = 0
     for key in space:
         for profile in space.profiles:
@@ -289,7 +291,9 @@ def test_reachability_and_max_cc_choose_alike_on_builtin_tables(model: str) -> N
             assert min(starts, key=lambda s: (-by_reach[s], order[s])) == min(
                 starts, key=lambda s: (-by_cc[s], order[s])
             )
-    assert choices > 40
+    assert choices > 10
+    if (model, profiles) == ("A100-40GB", "media"):
+        assert choices == 2407
 
 
 @pytest.mark.parametrize("profiles", ["standard", "media"])
