@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,9 @@ def register_client(
 # -- start on demand, environment, limits -----------------------------------------------------
 
 
-def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(env: Env) -> None:
+def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
     manager = env.manager()
     assert manager.start().adopted == ()
     assert not manager.pipe_dir(GPU).exists()
@@ -73,7 +76,7 @@ def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(env: Env)
     assert status["default_pinned_limits"] == {"0": "4096M"}
     assert [(s["uid"], s["pinned_limits"]) for s in status["servers"]] == [(1000, {"0": "4096M"})]
     # a client using the job's pipe dir reaches that very daemon and server
-    assert register_client(env, manager, 4321, 1000) == str(status["servers"][0]["pid"])
+    assert register_client(env, manager, client_procs(), 1000) == str(status["servers"][0]["pid"])
     record = json.loads((manager.device_dir(GPU) / RECORD_FILE_NAME).read_text())
     assert (record["pid"], record["device_uuid"]) == (daemon_pid(manager), GPU)
 
@@ -154,7 +157,9 @@ def test_idle_per_user_device_changes_hands_by_restarting_the_daemon(env: Env) -
     assert entry.serves_uid == 2000
 
 
-def test_multi_user_daemon_is_started_with_M_and_shares_one_server(env: Env) -> None:
+def test_multi_user_daemon_is_started_with_M_and_shares_one_server(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
     manager = env.manager(policy=UserPolicy.MULTI_USER)
     manager.ensure_share(GPU, share("a", uid=1000))
     manager.ensure_share(GPU, share("b", uid=2000))
@@ -162,7 +167,9 @@ def test_multi_user_daemon_is_started_with_M_and_shares_one_server(env: Env) -> 
     assert argv[-1] == "-M" and run_as is None
     status = fake_status(env, manager)
     assert status["multi_user"] is True
-    assert register_client(env, manager, 11, 1000) == register_client(env, manager, 12, 2000)
+    assert register_client(env, manager, client_procs(), 1000) == register_client(
+        env, manager, client_procs(), 2000
+    )
     if os.geteuid() == 0:
         assert manager.pipe_dir(GPU).stat().st_mode & 0o777 == 0o755
 
@@ -266,12 +273,12 @@ def test_dead_control_daemon_is_restarted_with_its_shares_and_limits(env: Env) -
     assert len(status["servers"]) == 1
 
 
-def test_daemon_refusing_clients_is_restarted(env: Env) -> None:
+def test_daemon_refusing_clients_is_restarted(env: Env, client_procs: Callable[[], int]) -> None:
     manager = env.manager()
     manager.ensure_share(GPU, share())
     old = daemon_pid(manager)
     fault_path(manager.pipe_dir(GPU), "refuse-clients").touch()
-    assert "busy or unavailable" in register_client(env, manager, 77, 1000)
+    assert "busy or unavailable" in register_client(env, manager, client_procs(), 1000)
 
     (event,) = manager.check_health().events
     assert (event.problem, event.action, event.ok) == (
@@ -281,7 +288,7 @@ def test_daemon_refusing_clients_is_restarted(env: Env) -> None:
     )
     assert "all CUDA-capable devices are busy or unavailable" in event.detail
     wait_for(lambda: not pid_alive(old), what="old daemon gone")
-    assert register_client(env, manager, 78, 1000).isdigit()
+    assert register_client(env, manager, client_procs(), 1000).isdigit()
 
 
 def test_client_report_of_unavailable_devices_restarts_the_daemon(env: Env) -> None:
@@ -364,16 +371,17 @@ def test_new_manager_adopts_live_daemons_and_cleans_stale_ones(env: Env) -> None
 # -- status and errors ------------------------------------------------------------------------
 
 
-def test_status_shows_servers_clients_and_limits(env: Env) -> None:
+def test_status_shows_servers_clients_and_limits(env: Env, client_procs: Callable[[], int]) -> None:
     manager = env.manager()
     manager.ensure_share(GPU, share(memory_mib=3072))
-    register_client(env, manager, 501, 1000)
-    register_client(env, manager, 502, 1000)
+    clients = sorted([client_procs(), client_procs()])
+    for pid in clients:
+        register_client(env, manager, pid, 1000)
     (entry,) = manager.status()
     data = entry.to_dict()
     assert data["device_uuid"] == GPU and data["healthy"] is True
     assert data["pid"] == daemon_pid(manager)
-    assert len(data["servers"]) == 1 and data["clients"] == [501, 502]
+    assert len(data["servers"]) == 1 and data["clients"] == clients
     # Newer drivers print limits >= 1 GiB as whole G, rounded down: 3072M reads as 3G.
     assert data["default_limit_mib"] == 3072
     assert data["pipe_dir"] == str(manager.pipe_dir(GPU)) and data["shares"] == 1
