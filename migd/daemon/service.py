@@ -1083,7 +1083,8 @@ class Daemon:
         try:
             report = await loop.run_in_executor(None, self.mps.check_health)
             for event in getattr(report, "events", ()):
-                log.warning("mps.health", device=event.device_uuid, event=str(event))
+                # (not event=: structlog's own first argument has that name)
+                log.warning("mps.health", device=event.device_uuid, **event.to_dict())
             for uuid in report.affected_devices:
                 detail = next(e.detail for e in report.events if e.device_uuid == uuid)
                 self._mps_clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
