@@ -82,7 +82,10 @@ def test_one_user_at_a_time_per_mps_server(daemon: DaemonProcess) -> None:
 import json
 from migd.client import MigdClient
 c = MigdClient({str(daemon.socket_path)!r}, timeout_s=60)
-print(json.dumps(c.lease(job_id="nobody.0", gpu_memory_mib=1000, wait_s=30)))
+lease = c.lease(job_id="nobody.0", gpu_memory_mib=1000, wait_s=30)
+# Read while this process (the lease's holder) lives: once it exits, the reaper ends it.
+uid = c.status()["gpus"][0]["mps"]["uid"]
+print(json.dumps(dict(lease, serving_uid=uid)))
 """
     got: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: got.update(result=as_user(NOBODY, code)))
@@ -98,7 +101,7 @@ print(json.dumps(c.lease(job_id="nobody.0", gpu_memory_mib=1000, wait_s=30)))
     assert result.returncode == 0, result.stderr
     theirs = json.loads(result.stdout)
     assert theirs["state"] == "active" and theirs["owner_uid"] == NOBODY
-    assert mps_status(daemon)["uid"] == NOBODY
+    assert theirs["serving_uid"] == NOBODY
 
 
 def test_sigterm_keeps_a_busy_mps_daemon_and_restart_adopts_it(daemon: DaemonProcess) -> None:
