@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,27 @@ from migd.testing.fake_mps_control import fault_path
 from tests.process.conftest import DaemonProcess, wait_for
 from tests.process.test_daemon_process import NOBODY, as_user
 from tests.process.test_wrapper_process import SIMJOB, run
+
+
+@pytest.fixture(autouse=True)
+def _no_mps_daemon_left(daemon: DaemonProcess) -> Iterator[None]:
+    """migd keeps MPS daemons of active leases across its stop (on purpose): once it has
+    stopped, kill the stand-in daemons this test's migd started (their working directory
+    is their pipe directory, under the test's root)."""
+    yield
+    daemon.stop()
+    root = str(daemon.root)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(proc / "cwd")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cwd.startswith(root) and b"fake_mps_control" in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def mps_status(daemon: DaemonProcess) -> dict[str, Any]:
