@@ -48,6 +48,10 @@ class LeaseRequestMsg(_Request):
     gpus: Annotated[list[GPU_REF] | None, Field(max_length=64)] = None
     wait_s: Annotated[float | None, Field(ge=0)] = None  # None: the daemon's default
     holder_pid: Annotated[int | None, Field(gt=0)] = None
+    # MPS shares: CUDA client processes the job runs (each gets the pinned limit), and a
+    # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (default: from min_compute, else none).
+    mps_clients: Annotated[int, Field(ge=1, le=128)] = 1
+    mps_thread_percentage: Annotated[int | None, Field(ge=1, le=100)] = None
 
 
 class LeaseRef(_Request):
@@ -67,7 +71,9 @@ class ReportRequest(_Request):
 
     op: Literal["report"]
     lease_id: LEASE_ID
-    event: Literal["oom", "exit", "forecast", "restart", "note"]
+    # mps_client_error: data {"message": "<the job's stderr line>"}, e.g. "all
+    # CUDA-capable devices are busy or unavailable"; migd passes it to the MPS manager.
+    event: Literal["oom", "exit", "forecast", "restart", "note", "mps_client_error"]
     data: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -157,6 +157,10 @@ class ProcessTable(Protocol):
 
     def uid(self, pid: int) -> int | None: ...
 
+    def parent(self, pid: int) -> int | None:
+        """The parent's pid, ``None`` if no such process (to walk a job's process tree)."""
+        ...
+
 
 class Clock(Protocol):
     def now(self) -> float:

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Real-GPU check of what migd assumes about NVIDIA MPS (docs/mps.md, "What needs a real GPU").
 #
-#   scripts/mps_gpu_check.sh [OUT_DIR]        (default OUT_DIR: tests/data/mps_gpu_check)
+#   scripts/mps_gpu_check.sh [--dry-run] [OUT_DIR]   (default OUT_DIR: tests/data/mps_gpu_check)
+#
+# --dry-run checks the environment (binaries, the GPU, Python with migd) and prints the
+# plan without starting anything; tests/mps/test_gpu_check_script.py runs it that way.
 #
 # Starts a private MPS control daemon (own pipe and log directories, CUDA_VISIBLE_DEVICES
 # set to one GPU's UUID), runs CUDA clients against it with and without
 # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, records every command and reply, captures the OOMs,
-# and quits the daemon. Results go to OUT_DIR/<UTC time>-<host>/: summary.txt (commands,
-# replies, exit codes), clients.jsonl (one JSON object per client), control.log, server.log.
+# and quits the daemon. Then it runs migd's own MpsManager against the same binary and
+# classifies each client's exit with the wrapper's OOM classifier
+# (scripts/mps_migd_check.py). Results go to OUT_DIR/<UTC time>-<host>/: summary.txt
+# (commands, replies, exit codes), clients.jsonl (one JSON object per client),
+# control.log, server.log, migd_check.json and result.json (all of it in one file, for
+# tests/data/).
 #
 # It changes no GPU setting: no compute mode (MPS runs in the DEFAULT mode too), no MIG
 # mode, no clocks, no persistence mode. It reads nvidia-smi only with --query options.
@@ -15,24 +22,77 @@
 # talks to the private pipe directory only.
 #
 # Environment (all optional):
-#   GPU_UUID     GPU or MIG device to use (default: the first GPU from nvidia-smi)
+#   GPU_UUID     GPU or MIG device to use (default: the first GPU from nvidia-smi). A GPU
+#                with MIG enabled is refused: give one of its MIG devices (MIG-...).
 #   MPS_CONTROL  the control binary (default: nvidia-cuda-mps-control)
 #   LIMIT_MIB    per-client limit given in the client's environment (default 1024)
 #   DEFAULT_MIB  the daemon's default per-client limit (default 2048)
 #   PYTHON       interpreter for the clients (default: python3); uses PyTorch if it can be
 #                imported, else the CUDA driver API through ctypes (libcuda.so.1).
+# Each step appends to the summary on its own, on purpose (SC2129).
+# shellcheck disable=SC2129
 set -uo pipefail
 
+DRY_RUN=0
+if [[ ${1:-} == --dry-run ]]; then
+  DRY_RUN=1
+  shift
+fi
 OUT_ROOT=${1:-tests/data/mps_gpu_check}
 MPS_CONTROL=${MPS_CONTROL:-nvidia-cuda-mps-control}
 PYTHON=${PYTHON:-python3}
 LIMIT_MIB=${LIMIT_MIB:-1024}
 DEFAULT_MIB=${DEFAULT_MIB:-2048}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+problems=()
+command -v "$MPS_CONTROL" >/dev/null 2>&1 || problems+=("no MPS control binary: $MPS_CONTROL")
+command -v nvidia-smi >/dev/null 2>&1 || problems+=("no nvidia-smi")
+if ! "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import migd.backends.mps' \
+  "$HERE/.." >/dev/null 2>&1; then
+  problems+=("$PYTHON cannot import migd from $HERE/..")
+fi
 if [[ -z ${GPU_UUID:-} ]]; then
   GPU_UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -n 1)
 fi
 if [[ -z ${GPU_UUID:-} ]]; then
-  echo "no GPU found (nvidia-smi --query-gpu=uuid gave nothing); set GPU_UUID" >&2
+  problems+=("no GPU found (nvidia-smi --query-gpu=uuid gave nothing); set GPU_UUID")
+elif [[ $GPU_UUID == GPU-* ]]; then
+  # An MPS daemon on the parent of a MIG GPU serves no MIG device: use a MIG device.
+  mig=$(nvidia-smi -i "$GPU_UUID" --query-gpu=mig.mode.current --format=csv,noheader 2>/dev/null)
+  if [[ ${mig// /} == Enabled ]]; then
+    problems+=("GPU $GPU_UUID has MIG enabled: set GPU_UUID to one of its MIG devices (nvidia-smi -L)")
+  fi
+fi
+
+plan() {
+  cat <<EOF
+plan (GPU_UUID=${GPU_UUID:-?} MPS_CONTROL=$MPS_CONTROL LIMIT_MIB=$LIMIT_MIB DEFAULT_MIB=$DEFAULT_MIB):
+ 1. the front end without a daemon
+ 2. start a private daemon (pipe and log directories under /tmp); a second -d on it
+ 3. server list, thread percentage, pinned limits by UUID and by index, a malformed command
+ 4. a client over its env limit (0=${LIMIT_MIB}M)
+ 5. a client without the variable (the daemon's default, ${DEFAULT_MIB}M)
+ 6. a client whose variable is above the default; one with the MB suffix (0=$((LIMIT_MIB / 2))MB)
+ 7. a held client with a compute share: its server's clients, limit and percentage
+ 8. quit (kill by pid if it will not go), the front end again
+ 9. migd's MpsManager on the device: a share of $LIMIT_MIB MiB, clients classified by
+    migd.core.oom (scripts/mps_migd_check.py), the daemon stopped
+results: $OUT_ROOT/<UTC>-<host>/ summary.txt clients.jsonl migd_check.json result.json *.log
+EOF
+}
+
+if ((DRY_RUN)); then
+  plan
+  if ((${#problems[@]})); then
+    printf 'would not run: %s\n' "${problems[@]}"
+  else
+    echo "ready to run"
+  fi
+  exit 0
+fi
+if ((${#problems[@]})); then
+  printf 'mps_gpu_check: %s\n' "${problems[@]}" >&2
   exit 2
 fi
 
@@ -48,6 +108,7 @@ PIPE="$WORK/pipe"
 LOGD="$WORK/log"
 mkdir -p "$PIPE" "$LOGD"
 : >"$CLIENTS"
+DAEMON_PID="" # from the pid file once the daemon runs (the file goes away with quit)
 
 note() { printf '\n## %s\n' "$*" >>"$SUMMARY"; }
 
@@ -65,20 +126,57 @@ ctl() {
   return "$rc"
 }
 
-cleanup() {
-  if [[ -s "$PIPE/nvidia-cuda-mps-control.pid" ]]; then
-    note "cleanup: quit"
-    ctl quit >/dev/null
+# stop_daemon: quit, and if the daemon is still there kill it by its pid, so that no
+# orphan daemon is left on the GPU behind a removed pipe directory.
+stop_daemon() {
+  local pid=${DAEMON_PID:-}
+  if [[ -z $pid && -s "$PIPE/nvidia-cuda-mps-control.pid" ]]; then
+    pid=$(<"$PIPE/nvidia-cuda-mps-control.pid")
   fi
-  cp "$LOGD"/*.log "$RUN_DIR"/ 2>/dev/null
-  ls -la "$PIPE" >"$RUN_DIR/pipe_dir_listing.txt" 2>&1
-  rm -rf "$WORK"
+  [[ -z $pid ]] && return 0
+  if kill -0 "$pid" 2>/dev/null; then
+    note "stop: quit daemon $pid"
+    ctl quit >/dev/null
+    for _ in $(seq 100); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+  fi
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "daemon $pid still alive after quit: SIGTERM, then SIGKILL" >>"$SUMMARY"
+    kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 50); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null
+    sleep 0.5
+  fi
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "daemon $pid survived SIGKILL" >>"$SUMMARY"
+    return 1
+  fi
+  DAEMON_PID=""
+}
+
+# shellcheck disable=SC2317  # run by the EXIT trap
+cleanup() {
+  if stop_daemon; then
+    cp "$LOGD"/*.log "$RUN_DIR"/ 2>/dev/null
+    ls -la "$PIPE" >"$RUN_DIR/pipe_dir_listing.txt" 2>&1
+    rm -rf "$WORK"
+  else
+    echo "keeping $WORK: MPS daemon $DAEMON_PID still runs there" >&2
+  fi
   echo "results: $RUN_DIR"
 }
 trap cleanup EXIT
 
 cat >"$WORK/client.py" <<'PY'
-"""One MPS client: allocate TARGET MiB in CHUNK MiB steps, report how far it got as JSON."""
+"""One MPS client: allocate TARGET MiB in CHUNK MiB steps, report how far it got as JSON.
+
+Errors also go to stderr, as a job's would: the wrapper classifies the stderr tail.
+"""
 import ctypes, json, os, sys, time
 
 label, target_mib = sys.argv[1], int(sys.argv[2])
@@ -100,12 +198,11 @@ try:
             held.append(torch.empty(chunk_mib << 20, dtype=torch.uint8, device="cuda"))
             done += chunk_mib
         result["outcome"] = "allocated"
-    except torch.OutOfMemoryError as exc:  # torch >= 2.x; RuntimeError on older
-        result["outcome"], result["error"] = "oom", str(exc).splitlines()[0]
-        result["error_type"] = type(exc).__name__
-    except RuntimeError as exc:
-        result["outcome"], result["error"] = "error", str(exc).splitlines()[0]
-        result["error_type"] = type(exc).__name__
+    except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError, and only newer
+        first = (str(exc).splitlines() or [""])[0]
+        result["outcome"] = "oom" if "out of memory" in first.lower() else "error"
+        result["error"], result["error_type"] = first, type(exc).__name__
+        print(f"{type(exc).__name__}: {first}", file=sys.stderr, flush=True)
     result["allocated_mib"] = done
 except ImportError:
     result["api"] = "libcuda (ctypes)"
@@ -136,6 +233,7 @@ except ImportError:
                 cuda.cuGetErrorString(code, ctypes.byref(msg))
                 result["outcome"] = "oom" if code == 2 else "error"  # 2: CUDA_ERROR_OUT_OF_MEMORY
                 result["error"] = f"cuMemAlloc: CUDA error {code} ({(msg.value or b'').decode()})"
+                print(result["error"], file=sys.stderr, flush=True)
                 break
             done += chunk_mib
         else:
@@ -143,6 +241,7 @@ except ImportError:
         result["allocated_mib"] = done
     except RuntimeError as exc:
         result["outcome"], result["error"] = "error", str(exc.args[0])
+        print(result["error"], file=sys.stderr, flush=True)
 if hold_s:
     time.sleep(hold_s)
 print(json.dumps(result), flush=True)
@@ -177,7 +276,11 @@ note "2. start the daemon; pid file name; a second -d on the same pipe dir"
 CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" CUDA_VISIBLE_DEVICES="$GPU_UUID" \
   timeout 60 "$MPS_CONTROL" -d >>"$SUMMARY" 2>&1
 echo "[exit $?]" >>"$SUMMARY"
-for _ in $(seq 50); do [[ -s "$PIPE/nvidia-cuda-mps-control.pid" ]] && break; sleep 0.1; done
+for _ in $(seq 50); do
+  [[ -s "$PIPE/nvidia-cuda-mps-control.pid" ]] && break
+  sleep 0.1
+done
+DAEMON_PID=$(cat "$PIPE/nvidia-cuda-mps-control.pid" 2>/dev/null)
 ls -la "$PIPE" >>"$SUMMARY" 2>&1
 CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" CUDA_VISIBLE_DEVICES="$GPU_UUID" \
   timeout 60 "$MPS_CONTROL" -d >>"$SUMMARY" 2>&1
@@ -189,9 +292,11 @@ ctl "set_default_active_thread_percentage 100" get_default_active_thread_percent
 ctl "set_default_device_pinned_mem_limit $GPU_UUID 1536M" \
   "get_default_device_pinned_mem_limit $GPU_UUID" "get_default_device_pinned_mem_limit 0" \
   >/dev/null
-ctl "set_default_device_pinned_mem_limit $GPU_UUID ${DEFAULT_MIB}M" \
-  "get_default_device_pinned_mem_limit $GPU_UUID" >/dev/null
-ctl "set_default_device_pinned_mem_limit 0 lots" >/dev/null  # a rejected command: its message
+# migd sets limits by index 0 (limits by UUID were seen not to apply: k8s-device-plugin#572)
+ctl "set_default_device_pinned_mem_limit 0 ${DEFAULT_MIB}M" \
+  "get_default_device_pinned_mem_limit 0" "get_default_device_pinned_mem_limit $GPU_UUID" \
+  >/dev/null
+ctl "set_default_device_pinned_mem_limit 0 lots" >/dev/null # a rejected command: its message
 
 note "4. client over its env limit (expect OOM near $LIMIT_MIB MiB)"
 client over_env_limit $((LIMIT_MIB * 2)) CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M"
@@ -199,9 +304,12 @@ client over_env_limit $((LIMIT_MIB * 2)) CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${L
 note "5. client without the env var (expect OOM near the daemon default, $DEFAULT_MIB MiB)"
 client no_env $((DEFAULT_MIB + 512))
 
-note "6. client whose env limit is above the daemon default (does the env raise it?)"
+note "6. client whose env limit is above the daemon default (NVIDIA: it does not raise it)"
 client env_above_default $((DEFAULT_MIB + 512)) \
   CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=$((DEFAULT_MIB + 1024))M"
+
+note "6b. client with the suffix of NVIDIA's example, 0=$((LIMIT_MIB / 2))MB (expect OOM there)"
+client env_MB_suffix "$LIMIT_MIB" CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=$((LIMIT_MIB / 2))MB"
 
 note "7. client with a compute share, and the server/client lists while it runs"
 HOLD_S=5 client held 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" \
@@ -210,15 +318,35 @@ held=$!
 sleep 3
 servers=$(ctl get_server_list)
 for server in $servers; do
-  ctl "get_client_list $server" "get_device_pinned_mem_limit $server $GPU_UUID" \
+  ctl "get_client_list $server" "get_device_pinned_mem_limit $server 0" \
     "get_active_thread_percentage $server" >/dev/null
 done
 wait "$held"
 
-note "8. quit (exit status), then the front end again"
-pid=$(cat "$PIPE/nvidia-cuda-mps-control.pid" 2>/dev/null)
-ctl quit >/dev/null
-for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-kill -0 "$pid" 2>/dev/null && echo "daemon $pid still alive after quit" >>"$SUMMARY"
+note "8. quit (exit status; kill by pid if it will not go), then the front end again"
+stop_daemon
 ctl get_server_list >/dev/null
+
+note "9. migd's MpsManager against $MPS_CONTROL (scripts/mps_migd_check.py)"
+"$PYTHON" "$HERE/mps_migd_check.py" --binary "$MPS_CONTROL" --device "$GPU_UUID" \
+  --limit-mib "$LIMIT_MIB" --out "$RUN_DIR/migd_check.json" -- "$PYTHON" "$WORK/client.py" \
+  >>"$SUMMARY" 2>&1
+echo "[exit $?]" >>"$SUMMARY"
+
+"$PYTHON" - "$RUN_DIR" "$GPU_UUID" >>"$SUMMARY" 2>&1 <<'PY'
+"""Everything in one file for tests/data/: the raw clients, migd's check, the host."""
+import json, pathlib, socket, sys
+run, gpu = pathlib.Path(sys.argv[1]), sys.argv[2]
+lines = (run / "clients.jsonl").read_text().splitlines()
+migd = run / "migd_check.json"
+result = {
+    "kind": "mps-gpu-check",
+    "host": socket.gethostname(),
+    "device": gpu,
+    "clients": [json.loads(line) for line in lines if line.strip()],
+    "migd": json.loads(migd.read_text()) if migd.exists() else None,
+}
+(run / "result.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+print("result.json written")
+PY
 exit 0

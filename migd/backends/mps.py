@@ -43,6 +43,7 @@ import json
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from migd.core.mps import (
+    MPS_CLIENT_DEVICE_INDEX,
     MpsShare,
     UserPolicy,
     format_limit_mib,
@@ -88,6 +90,10 @@ LOG_PROBLEMS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"Server encountered a fatal exception"), "server_crashed"),
     (re.compile(r"all CUDA-capable devices are busy or unavailable"), "devices_unavailable"),
 )
+
+# A server that ends normally (asked to by `quit`, a user hand-over or shutdown_server)
+# logs status 0; its clients were done, so nothing is lost.
+SERVER_EXIT_OK = re.compile(r"Server (\d+) exited with status 0\b")
 
 _POLL_S = 0.02
 
@@ -249,6 +255,11 @@ class MpsManagerConfig:
         prestart_server: start the server (``start_server -uid``) with the first share,
             so a broken GPU shows up at lease time rather than in the job.
         env: environment for the daemon and commands (``PATH`` from migd by default).
+        systemd_scope: start each daemon in its own transient systemd scope
+            (``systemd-run --scope``), so it leaves migd's cgroup and survives a restart
+            of migd's unit (``KillMode=mixed`` kills what stays in it). ``None``: when
+            migd runs under systemd (``INVOCATION_ID`` set) and ``systemd_run`` exists.
+        systemd_run: the ``systemd-run`` program.
     """
 
     binary: str = "nvidia-cuda-mps-control"
@@ -259,6 +270,8 @@ class MpsManagerConfig:
     quit_timeout_s: float = 30.0
     prestart_server: bool = True
     env: Mapping[str, str] | None = None
+    systemd_scope: bool | None = None
+    systemd_run: str = "systemd-run"
 
 
 @dataclass
@@ -276,6 +289,7 @@ class DaemonRecord:
     started_at: float
     default_limit_mib: int = 0
     run_as_self: bool = False  # not root: could not switch user, ran as migd's own uid
+    scope_unit: str = ""  # the transient systemd scope it runs in ("" when none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -305,6 +319,7 @@ class MpsDaemonStatus:
     last_error: str
     started_at: float
     idle_for_s: float | None
+    scope_unit: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -322,6 +337,7 @@ class HealthEvent:
     detail: str
     action: str  # restarted_daemon, restarted_server, restart_failed, none
     ok: bool  # the device serves again
+    clients_lost: bool = True  # the device's clients died (or may have)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -334,7 +350,15 @@ class HealthReport:
     @property
     def affected_devices(self) -> tuple[str, ...]:
         """Devices whose clients were (or may have been) lost: their leases need a look."""
-        return tuple(dict.fromkeys(e.device_uuid for e in self.events))
+        return tuple(dict.fromkeys(e.device_uuid for e in self.events if e.clients_lost))
+
+    @property
+    def recovered_devices(self) -> tuple[str, ...]:
+        """Devices that serve again after this check (a failed device can recover later)."""
+        failed = set(self.failed_devices)
+        return tuple(
+            dict.fromkeys(e.device_uuid for e in self.events if e.device_uuid not in failed)
+        )
 
     @property
     def failed_devices(self) -> tuple[str, ...]:
@@ -346,6 +370,9 @@ class HealthReport:
 class AdoptionReport:
     adopted: tuple[str, ...] = ()  # device UUIDs whose live daemon was taken over
     cleaned: tuple[str, ...] = ()  # directories removed (no live daemon)
+    # Device UUIDs whose recorded daemon (started by an earlier migd) was dead or wedged:
+    # the clients of leases on them are gone.
+    lost: tuple[str, ...] = ()
 
 
 @dataclass
@@ -367,6 +394,12 @@ class _LeaseRequestLike(Protocol):
     @property
     def memory_mib(self) -> int: ...
 
+    @property
+    def mps_clients(self) -> int: ...
+
+    @property
+    def mps_thread_percentage(self) -> int | None: ...
+
 
 class LeaseLike(Protocol):
     """A lease as :mod:`migd.core.scheduler` has it (``Lease``)."""
@@ -379,6 +412,9 @@ class LeaseLike(Protocol):
 
     @property
     def memory_limit_mib(self) -> int | None: ...
+
+    @property
+    def mps_thread_percentage(self) -> int | None: ...
 
     @property
     def request(self) -> _LeaseRequestLike: ...
@@ -421,6 +457,9 @@ class MpsManager:
         self._daemons: dict[str, _Daemon] = {}
         self._registry_lock = threading.Lock()
         self._device_locks: dict[str, threading.RLock] = {}
+        # device -> (status dict, monotonic time it was read): what `migctl status` shows,
+        # refreshed off the daemon's event loop by refresh_status() (never blocks a reader).
+        self._status_cache: dict[str, tuple[dict[str, Any], float]] = {}
 
     # -- paths
 
@@ -438,8 +477,18 @@ class MpsManager:
     def pipe_dir(self, device_uuid: str) -> Path:
         return self.device_dir(device_uuid) / "pipe"
 
-    def log_dir(self, device_uuid: str) -> Path:
-        return self.device_dir(device_uuid) / "log"
+    def log_dir(self, device_uuid: str, uid: int | None = None) -> Path:
+        """The log directory of the daemon that serves ``uid`` on the device.
+
+        Each user gets their own (``log/uid-<N>``): a per-user daemon runs as its user and
+        owns its logs, and the next user's daemon must not read the last one's.
+        ``uid=None`` is the device's log root.
+        """
+        root = self.device_dir(device_uuid) / "log"
+        return root if uid is None else root / f"uid-{uid}"
+
+    def _serves_uid(self, uid: int) -> int:
+        return 0 if self._multi_user else uid
 
     # -- public API
 
@@ -457,8 +506,10 @@ class MpsManager:
         self._make_dir(self.root, 0o755)
         adopted: list[str] = []
         cleaned: list[str] = []
+        lost: list[str] = []
         for device_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
             record = self._read_record(device_dir)
+            recorded = record.device_uuid if record is not None else None
             pid = _read_pid(device_dir / "pipe" / PID_FILE_NAME)
             if record is not None and pid is None:
                 pid = record.pid
@@ -480,9 +531,11 @@ class MpsManager:
                     continue
                 # Alive but mute: ours (it is in our directory) and wedged.
                 self._kill_daemon(daemon)
+            if recorded is not None:
+                lost.append(recorded)
             self._remove_stale(device_dir)
             cleaned.append(str(device_dir))
-        return AdoptionReport(adopted=tuple(adopted), cleaned=tuple(cleaned))
+        return AdoptionReport(adopted=tuple(adopted), cleaned=tuple(cleaned), lost=tuple(lost))
 
     def ensure_share(self, device_uuid: str, share: MpsShare) -> dict[str, str]:
         """Make the device's daemon ready for ``share``; return the job's environment.
@@ -624,10 +677,96 @@ class MpsManager:
         return result
 
     def status_for(self, device_uuid: str) -> list[dict[str, Any]]:
-        """``status()`` of one device's daemon as JSON-ready dicts (empty if none runs)."""
+        """``status()`` of one device's daemon as JSON-ready dicts (empty if none runs).
+
+        Asks the daemon, so it may block for the command timeouts and for a start or
+        quit in progress on the device; :meth:`cached_status_for` never blocks.
+        """
         with self._device_lock(device_uuid):
             daemon = self._daemons.get(device_uuid)
             return [] if daemon is None else [self._status_of(daemon).to_dict()]
+
+    def refresh_status(self) -> None:
+        """Ask every daemon for its status and keep the answers for :meth:`cached_status_for`.
+
+        Slow (commands with timeouts, device locks): run it off the caller's event loop,
+        e.g. after :meth:`check_health`.
+        """
+        fresh: dict[str, tuple[dict[str, Any], float]] = {}
+        for device_uuid in self._known_devices():
+            with self._device_lock(device_uuid):
+                daemon = self._daemons.get(device_uuid)
+                if daemon is not None:
+                    fresh[device_uuid] = (
+                        self._status_of(daemon).to_dict(),
+                        self._clock.monotonic(),
+                    )
+        with self._registry_lock:
+            self._status_cache = fresh
+
+    def cached_status_for(self, device_uuid: str) -> list[dict[str, Any]]:
+        """The device's daemon as last read by :meth:`refresh_status`, without blocking.
+
+        Each entry has ``age_s``: how old the daemon's answers are. A daemon started since
+        the last refresh is shown from migd's own record (``age_s`` ``None``; servers and
+        clients not read yet).
+        """
+        with self._registry_lock:
+            daemon = self._daemons.get(device_uuid)
+            cached = self._status_cache.get(device_uuid)
+        if daemon is None:
+            return []
+        record = daemon.record
+        if cached is not None and cached[0].get("pid") == record.pid:
+            data = dict(cached[0])
+            data["age_s"] = round(max(0.0, self._clock.monotonic() - cached[1]), 3)
+        else:
+            data = MpsDaemonStatus(
+                device_uuid=record.device_uuid,
+                pid=record.pid,
+                uid=record.uid,
+                serves_uid=record.serves_uid,
+                multi_user=record.multi_user,
+                pipe_dir=record.pipe_dir,
+                log_dir=record.log_dir,
+                servers=tuple(sorted(daemon.known_servers)),
+                clients=(),
+                default_limit_mib=record.default_limit_mib or None,
+                shares=len(daemon.shares),
+                healthy=daemon.healthy,
+                last_error=daemon.last_error,
+                started_at=record.started_at,
+                idle_for_s=None,
+                scope_unit=record.scope_unit,
+            ).to_dict()
+            data["age_s"] = None
+        # Shares and health change under migd's own hand: always current.
+        data["shares"] = len(daemon.shares)
+        data["healthy"] = daemon.healthy and bool(data.get("healthy", True))
+        if daemon.last_error:
+            data["last_error"] = daemon.last_error
+        return [data]
+
+    def manages(self, device_uuid: str) -> bool:
+        """True if a daemon of this manager serves the device."""
+        with self._registry_lock:
+            return device_uuid in self._daemons
+
+    def client_count(self, device_uuid: str) -> int:
+        """How many client processes the device's servers have now (0 without a daemon).
+
+        Raises:
+            MpsError: the daemon did not answer (callers must then assume clients).
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is None or not _pid_alive(daemon.record.pid):
+                return 0
+            servers = _live_pids(self._command(daemon, "get_server_list"))
+            return sum(
+                len(_parse_pids(self._command(daemon, f"get_client_list {server}")))
+                for server in servers
+            )
 
     def _status_of(self, daemon: _Daemon) -> MpsDaemonStatus:
         record = daemon.record
@@ -640,7 +779,9 @@ class MpsManager:
             for server in servers:
                 clients.extend(_parse_pids(self._command(daemon, f"get_client_list {server}")))
             limit = parse_limit_mib(
-                self._command(daemon, f"get_default_device_pinned_mem_limit {record.device_uuid}")
+                self._command(
+                    daemon, f"get_default_device_pinned_mem_limit {MPS_CLIENT_DEVICE_INDEX}"
+                )
             )
         except MpsError as exc:
             healthy, error = False, str(exc)
@@ -661,6 +802,7 @@ class MpsManager:
             last_error=error,
             started_at=record.started_at,
             idle_for_s=None if idle is None else self._clock.monotonic() - idle,
+            scope_unit=record.scope_unit,
         )
 
     def report_client_error(self, device_uuid: str, message: str) -> None:
@@ -681,14 +823,16 @@ class MpsManager:
     # -- for migd.daemon: leases instead of shares
 
     def share_for(self, lease: LeaseLike) -> MpsShare:
-        """The MPS share of a lease: its id, owner, and granted (else requested) memory."""
+        """The MPS share of a lease: its id, owner, granted (else requested) memory, the
+        client processes it declared and its compute share (``mps_thread_percentage``:
+        the scheduler's, else the request's)."""
         request = lease.request
         return MpsShare(
             share_id=lease.lease_id,
             uid=lease.owner_uid,
             memory_mib=lease.memory_limit_mib or request.memory_mib,
-            clients=getattr(request, "mps_clients", None) or 1,
-            thread_percentage=getattr(request, "thread_percentage", None),
+            clients=request.mps_clients,
+            thread_percentage=lease.mps_thread_percentage or request.mps_thread_percentage,
         )
 
     def client_env(self, device_uuid: str, lease: LeaseLike) -> dict[str, str]:
@@ -701,7 +845,7 @@ class MpsManager:
             self.share_for(lease),
             str(self.pipe_dir(device_uuid)),
             device_uuid,
-            str(self.log_dir(device_uuid)),
+            str(self.log_dir(device_uuid, self._serves_uid(lease.owner_uid))),
         )
 
     def ensure(self, device: HasUuid, lease: LeaseLike) -> dict[str, str]:
@@ -791,7 +935,8 @@ class MpsManager:
 
     def _start_daemon(self, device_uuid: str, share: MpsShare) -> _Daemon:
         run_as, uid, gid = self._run_as_for(share)
-        pipe_dir, log_dir = self.pipe_dir(device_uuid), self.log_dir(device_uuid)
+        serves_uid = self._serves_uid(share.uid)
+        pipe_dir, log_dir = self.pipe_dir(device_uuid), self.log_dir(device_uuid, serves_uid)
         socket_path = str(pipe_dir / CONTROL_SOCKET_NAME)
         if len(socket_path.encode()) > SOCKET_PATH_MAX_BYTES:
             raise MpsDaemonStartFailed(
@@ -802,8 +947,9 @@ class MpsManager:
             )
         self._make_dir(self.root, 0o755)
         self._make_dir(self.device_dir(device_uuid), 0o755)
+        self._make_dir(log_dir.parent, 0o755)
         # Per-user: only the share's user reaches the daemon. Multi-user: every job user
-        # must reach the root daemon's socket.
+        # must reach the root daemon's socket. Logs: each user their own directory.
         mode = 0o755 if self._multi_user else 0o700
         self._make_dir(pipe_dir, mode, owner=run_as)
         self._make_dir(log_dir, mode, owner=run_as)
@@ -814,7 +960,7 @@ class MpsManager:
             log_dir=str(log_dir),
             uid=uid,
             gid=gid,
-            serves_uid=0 if self._multi_user else share.uid,
+            serves_uid=serves_uid,
             multi_user=self._multi_user,
             started_at=self._clock.now(),
             run_as_self=os.geteuid() != 0,
@@ -822,19 +968,25 @@ class MpsManager:
         daemon = _Daemon(record=record)
         self._skip_old_log(daemon)
         argv = [self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
-        for attempt in (1, 2):
+        scoped = self._scope_argv(device_uuid, run_as) if self._use_systemd_scope() else None
+        tried_plain = scoped is None
+        attempts = 0
+        while True:
+            attempts += 1
+            launch, launch_as = (scoped, None) if scoped is not None else (argv, run_as)
             result = self._runner.run(
-                argv,
+                launch,
                 env=self._daemon_env(record),
                 stdin=None,
                 timeout_s=self.config.start_timeout_s,
-                run_as=run_as,
+                run_as=launch_as,
             )
             if result.returncode == 0:
+                record.scope_unit = _unit_of(scoped) if scoped is not None else ""
                 break
             orphan = _read_pid(pipe_dir / PID_FILE_NAME)
             if (
-                attempt == 1
+                attempts == 1
                 and ALREADY_RUNNING_MESSAGE in result.output
                 and orphan is not None
                 and _pid_alive(orphan)
@@ -843,6 +995,15 @@ class MpsManager:
                 # timed out earlier): it is ours, and in the way.
                 record.pid = orphan
                 self._kill_daemon(daemon)
+                continue
+            if not tried_plain:
+                # systemd-run itself failed (no D-Bus, a policy): start it the plain way;
+                # it then shares migd's cgroup and does not outlive a unit restart.
+                daemon.last_error = (
+                    f"could not start the MPS daemon in a systemd scope "
+                    f"({result.output or f'exit {result.returncode}'}); started it plainly"
+                )
+                scoped, tried_plain = None, True
                 continue
             raise MpsDaemonStartFailed(
                 f"`{' '.join(argv)}` for {device_uuid} failed (exit {result.returncode}): "
@@ -863,6 +1024,30 @@ class MpsManager:
         with self._registry_lock:
             self._daemons[device_uuid] = daemon
         return daemon
+
+    def _use_systemd_scope(self) -> bool:
+        if self.config.systemd_scope is not None:
+            return self.config.systemd_scope
+        return bool(os.environ.get("INVOCATION_ID")) and (
+            shutil.which(self.config.systemd_run, path=self._base_env().get("PATH")) is not None
+        )
+
+    def _scope_argv(self, device_uuid: str, run_as: RunAs | None) -> list[str]:
+        """``systemd-run --scope ... -- <control> -d``: the daemon in its own scope unit.
+
+        A scope takes the process that systemd-run becomes (it execs the command) and
+        everything it forks; the daemon stays in it after the front process exits, out
+        of migd's cgroup. ``--collect`` unloads the unit once it is empty, even if it
+        failed; the random suffix keeps a unit that is still winding down from blocking
+        the name. systemd-run switches to the daemon's user itself (``--uid``/``--gid``).
+        """
+        short = re.sub(r"[^A-Za-z0-9]", "", self.dir_name(device_uuid).split("-", 1)[-1])[:8]
+        kind = "mig" if device_uuid.startswith("MIG-") else "gpu"
+        unit = f"migd-mps-{kind}-{short or 'dev'}-{secrets.token_hex(3)}"
+        argv = [self.config.systemd_run, "--scope", "--collect", "--quiet", f"--unit={unit}"]
+        if run_as is not None:
+            argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
+        return [*argv, "--", self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
 
     def _wait_ready(self, daemon: _Daemon) -> int:
         """Poll until the pid file names a live process and the daemon answers."""
@@ -896,14 +1081,16 @@ class MpsManager:
         if target <= 0 or target == daemon.record.default_limit_mib:
             return None
         value = format_limit_mib(target)
-        uuid = daemon.record.device_uuid
+        # By index, not UUID: the daemon sees one device (CUDA_VISIBLE_DEVICES), index 0,
+        # and limits set by UUID were seen not to apply (NVIDIA/k8s-device-plugin#572).
+        dev = MPS_CLIENT_DEVICE_INDEX
         # Default first, then list: a server that starts in between already has it.
         servers = self._set_then_list(
-            daemon, [f"set_default_device_pinned_mem_limit {uuid} {value}"]
+            daemon, [f"set_default_device_pinned_mem_limit {dev} {value}"]
         )
         if servers:
             servers = self._set_then_list(
-                daemon, [f"set_device_pinned_mem_limit {pid} {uuid} {value}" for pid in servers]
+                daemon, [f"set_device_pinned_mem_limit {pid} {dev} {value}" for pid in servers]
             )
         daemon.record.default_limit_mib = target
         self._write_record(daemon.record)
@@ -1013,8 +1200,12 @@ class MpsManager:
                 problem, detail = "daemon_unresponsive", daemon.last_error
             else:
                 servers = set(_live_pids(answered))
-                lost = sorted(p for p in daemon.known_servers if p not in servers)
-                log_problem = daemon.reported or self._scan_logs(daemon)
+                scanned, exited_ok = self._scan_logs(daemon)
+                # A server that logged a normal exit had no clients left: not a crash.
+                lost = sorted(
+                    p for p in daemon.known_servers if p not in servers and p not in exited_ok
+                )
+                log_problem = daemon.reported or scanned
                 daemon.reported = None
                 if log_problem is not None and log_problem[0] == "devices_unavailable":
                     problem, detail = log_problem
@@ -1066,9 +1257,11 @@ class MpsManager:
             with contextlib.suppress(OSError):
                 daemon.log_offsets[str(path)] = path.stat().st_size
 
-    def _scan_logs(self, daemon: _Daemon) -> tuple[str, str] | None:
-        """The worst new problem line in the daemon's logs since the last scan."""
+    def _scan_logs(self, daemon: _Daemon) -> tuple[tuple[str, str] | None, set[int]]:
+        """The worst new problem line in the daemon's logs since the last scan, and the
+        servers that logged a normal exit (status 0)."""
         found: tuple[str, str] | None = None
+        exited_ok: set[int] = set()
         for path in self._log_files(daemon):
             offset = daemon.log_offsets.get(str(path), 0)
             try:
@@ -1082,11 +1275,14 @@ class MpsManager:
             except OSError:
                 continue
             for line in text.splitlines():
+                normal = SERVER_EXIT_OK.search(line)
+                if normal is not None:
+                    exited_ok.add(int(normal.group(1)))
                 for pattern, kind in LOG_PROBLEMS:
                     # A refusing device outranks a crashed server: it needs a restart.
                     if pattern.search(line) and (found is None or kind == "devices_unavailable"):
                         found = (kind, line.strip())
-        return found
+        return found, exited_ok
 
     # -- internals: commands
 
@@ -1129,11 +1325,9 @@ class MpsManager:
             path.mkdir(parents=True, exist_ok=True)
             path.chmod(mode)
             if owner is not None and os.geteuid() == 0:
+                # Only the directory: log directories are per user, so nothing in them
+                # belongs to anybody else (a hand-over never hands the last user's logs on).
                 os.chown(path, owner.uid, owner.gid)
-                # A device that changes hands keeps the last user's control.log/server.log
-                # and lock files; the new user's daemon must be able to append to them.
-                for entry in path.iterdir():
-                    os.lchown(entry, owner.uid, owner.gid)
         except OSError as exc:
             raise MpsError(
                 f"cannot prepare MPS directory {path}: {exc}",
@@ -1167,7 +1361,7 @@ class MpsManager:
             device_uuid=uuid,
             pid=pid,
             pipe_dir=str(device_dir / "pipe"),
-            log_dir=str(device_dir / "log"),
+            log_dir=_daemon_env_value(pid, "CUDA_MPS_LOG_DIRECTORY") or str(device_dir / "log"),
             uid=stat.st_uid,
             gid=stat.st_gid,
             serves_uid=stat.st_uid,
@@ -1230,25 +1424,39 @@ def _cmdline(pid: int) -> str:
 
 
 def _looks_like_mps_control(pid: int) -> bool:
-    """Guards against a reused PID in a stale pid file (the fake's module name counts)."""
+    """Guards against a reused PID in a stale pid file (the fake's module name counts).
+
+    An empty or unreadable command line (a kernel thread, a zombie, a process gone in
+    between) is *not* an MPS daemon: it is never adopted, signalled or counted as ours.
+    """
     cmdline = _cmdline(pid)
-    return not cmdline or "mps-control" in cmdline or "mps_control" in cmdline
+    return "mps-control" in cmdline or "mps_control" in cmdline
 
 
 def _looks_like_mps(pid: int) -> bool:
-    cmdline = _cmdline(pid)
-    return not cmdline or "mps" in cmdline
+    """An MPS control daemon or server (``nvidia-cuda-mps-server``; the fake's servers
+    are forks of its control process). Empty command lines do not count."""
+    return "mps" in _cmdline(pid)
 
 
-def _daemon_visible_devices(pid: int) -> str | None:
+def _unit_of(argv: Sequence[str]) -> str:
+    return next((a.split("=", 1)[1] for a in argv if a.startswith("--unit=")), "")
+
+
+def _daemon_env_value(pid: int, name: str) -> str | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
+    prefix = name.encode() + b"="
     for item in environ:
-        if item.startswith(b"CUDA_VISIBLE_DEVICES="):
+        if item.startswith(prefix):
             return item.split(b"=", 1)[1].decode() or None
     return None
+
+
+def _daemon_visible_devices(pid: int) -> str | None:
+    return _daemon_env_value(pid, "CUDA_VISIBLE_DEVICES")
 
 
 def _wait_gone(pid: int, timeout_s: float) -> bool:

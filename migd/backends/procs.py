@@ -53,5 +53,14 @@ class PsutilProcessTable:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
 
+    def parent(self, pid: int) -> int | None:
+        """The parent's pid (``ps -o ppid``), ``None`` if no such process."""
+        if pid <= 0:
+            return None
+        try:
+            return int(psutil.Process(pid).ppid())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
 
 __all__ = ["PsutilProcessTable"]

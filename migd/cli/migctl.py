@@ -107,10 +107,14 @@ def render_status(status: dict[str, Any]) -> str:
             used = inst.get("memory_used_mib")
             mem = f"{_gib(used)}/{_gib(inst['memory_mib'])} GiB"
             extra = f"  ({inst['note']})" if inst.get("note") else ""
+            if inst.get("mps"):
+                who = f"MPS, {len(inst['mps']['shares'])} job(s)"
             lines.append(
                 f"    {inst['profile']}@{inst['start']:<2} {inst['status']:<10} {who:<16} "
                 f"{mem:<14} {inst.get('uuid') or '-'}  [{inst['origin']}]{extra}"
             )
+            if inst.get("mps"):
+                lines.extend("    " + line for line in _render_mps(inst["mps"]))
         if gpu.get("creatable") is not None and gpu["mode"] == "mig":
             can = "  ".join(
                 f"{name}@{','.join(map(str, starts))}" for name, starts in gpu["creatable"].items()
@@ -123,16 +127,7 @@ def render_status(status: dict[str, Any]) -> str:
         )
         mps = gpu.get("mps")
         if mps:
-            lines.append(
-                f"  MPS: {len(mps['shares'])} client(s), pinned {format_mib(mps['pinned_mib'])} of "
-                f"{format_mib(mps['capacity_mib'])}, max {mps['max_clients']} clients"
-                + (", multi-user" if mps["multi_user"] else f", uid {mps['uid']}")
-            )
-            for share in mps["shares"]:
-                pinned = format_mib(share["pinned_mib"])
-                lines.append(f"    job {share['job_id']}: {pinned} (uid {share['uid']})")
-            for daemon in mps.get("daemons", []):
-                lines.append(f"    daemon: {daemon}")
+            lines.extend(_render_mps(mps))
     queue = status.get("queue", [])
     lines.append(f"Queue: {len(queue)} waiting")
     for item in queue:
@@ -147,6 +142,34 @@ def render_status(status: dict[str, Any]) -> str:
     for note in status.get("notes", [])[-10:]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _render_mps(mps: dict[str, Any]) -> list[str]:
+    """An MPS device (a whole GPU or a MIG instance hosting MPS): shares and daemon."""
+    lines = [
+        f"  MPS: {len(mps['shares'])} job(s), {mps.get('clients', len(mps['shares']))} of "
+        f"{mps['max_clients']} clients, pinned {format_mib(mps['pinned_mib'])} of "
+        f"{format_mib(mps['capacity_mib'])}"
+        + (", multi-user" if mps["multi_user"] else f", uid {mps['uid']}")
+    ]
+    for share in mps["shares"]:
+        pinned = format_mib(share["pinned_mib"])
+        extra = f" x {share['clients']} clients" if share.get("clients", 1) > 1 else ""
+        if share.get("thread_percentage"):
+            extra += f", {share['thread_percentage']} % of the SMs"
+        lines.append(f"    job {share['job_id']}: {pinned}{extra} (uid {share['uid']})")
+        if share.get("warning"):
+            lines.append(f"      WARNING: {share['warning']}")
+    for daemon in mps.get("daemons", []):
+        age = daemon.get("age_s")
+        seen = "not read yet" if age is None else f"read {age:.0f}s ago"
+        state = "healthy" if daemon.get("healthy") else f"UNHEALTHY: {daemon.get('last_error')}"
+        lines.append(
+            f"    daemon pid {daemon['pid']} ({state}; {seen}): servers "
+            f"{','.join(map(str, daemon.get('servers', []))) or '-'}, clients "
+            f"{len(daemon.get('clients', []))}, log {daemon.get('log_dir')}"
+        )
+    return lines
 
 
 def render_leases(leases: list[dict[str, Any]]) -> str:
@@ -168,7 +191,8 @@ def render_leases(leases: list[dict[str, Any]]) -> str:
                 part,
                 format_mib(lease["memory_limit_mib"]) if lease.get("memory_limit_mib") else "-",
                 str(lease["owner_uid"]),
-                lease.get("reason", ""),
+                lease.get("reason", "")
+                + (f" WARNING: {lease['warning']}" if lease.get("warning") else ""),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -211,6 +235,8 @@ def render_explain(result: dict[str, Any]) -> str:
         for other in decision.get("other_gpus", []):
             what = other.get("action") or other.get("why")
             lines.append(f"    GPU {other.get('gpu')}: {what}")
+        if lease.get("warning"):
+            lines.append(f"    WARNING: {lease['warning']}")
         if lease.get("reason"):
             lines.append(f"    ended: {lease['reason']}")
     lines.append("history:")

@@ -449,6 +449,30 @@ def parse_limit_mib(text: str) -> int | None:
     return None
 
 
+def parse_pinned_limit_env(value: str, device_uuid: str | None = None) -> int | None:
+    """The limit for the client's device 0 in a ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` value.
+
+    The value is a comma list of ``<device>=<limit>`` where a device is an ordinal or a
+    UUID, "the same semantics as ``CUDA_VISIBLE_DEVICES``", e.g. ``0=1G,1=512MB``
+    (docs.nvidia.com/deploy/mps/appendix-environment-variables.html). Every client of a
+    migd daemon sees one device, ordinal 0, which is ``device_uuid`` (a UUID prefix
+    counts, as in ``CUDA_VISIBLE_DEVICES``). Returns ``None`` when no entry names it or
+    its size cannot be read.
+    """
+    for part in value.split(","):
+        device, sep, size = part.partition("=")
+        device = device.strip()
+        if not sep or not device:
+            continue
+        if device == str(MPS_CLIENT_DEVICE_INDEX) or (
+            device_uuid is not None
+            and device.startswith(("GPU-", "MIG-"))
+            and device_uuid.startswith(device)
+        ):
+            return parse_limit_mib(size)
+    return None
+
+
 def pinned_limit_env_value(memory_mib: int) -> str:
     """``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` for one visible device: ``"0=<MiB>M"``.
 

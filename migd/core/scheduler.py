@@ -23,6 +23,7 @@ Invariants (tested with hypothesis in tests/property/test_scheduler.py):
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -32,12 +33,14 @@ from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
 from migd.core.leases import LeaseEvent, LeaseState, next_state
 from migd.core.mps import (
+    DeviceKind,
     MpsPool,
     MpsRequest,
     UserPolicy,
     can_admit,
     clear_waiting,
     mark_waiting,
+    max_clients_for,
 )
 from migd.core.mps import admit as mps_admit
 from migd.core.mps import release as mps_release
@@ -82,6 +85,10 @@ class Origin(StrEnum):
 
 RequestMode = Literal["mig", "mps", "auto"]
 
+#: Compute slices of a GPU without a MIG geometry, for reading ``min_compute`` as an MPS
+#: thread percentage: sevenths, the slice of A100/H100-class GPUs.
+DEFAULT_COMPUTE_SLICES = 7
+
 
 @dataclass(frozen=True)
 class LeaseRequest:
@@ -95,6 +102,11 @@ class LeaseRequest:
     mode: RequestMode = "auto"
     gpu_uuids: tuple[str, ...] | None = None  # restrict to these GPUs (prefix match)
     wait_s: float | None = 0.0  # 0: do not queue; None: wait forever
+    # MPS: CUDA client processes the job runs (each gets the pinned limit; accounted as
+    # memory x clients), and an explicit CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1-100; else
+    # derived from min_compute, see NodeScheduler.mps_thread_percentage).
+    mps_clients: int = 1
+    mps_thread_percentage: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mib <= 0 and not self.profile:
@@ -106,6 +118,15 @@ class LeaseRequest:
             raise InvalidRequest("min_compute must not be negative")
         if self.wait_s is not None and self.wait_s < 0:
             raise InvalidRequest("wait_s must not be negative")
+        if self.mps_clients < 1:
+            raise InvalidRequest(
+                f"mps_clients must be at least 1, got {self.mps_clients}",
+                hint="declare how many CUDA processes the job runs (default 1)",
+            )
+        if self.mps_thread_percentage is not None and not 1 <= self.mps_thread_percentage <= 100:
+            raise InvalidRequest(
+                f"mps_thread_percentage must be 1-100, got {self.mps_thread_percentage}"
+            )
 
 
 @dataclass
@@ -133,6 +154,25 @@ class Lease:
     heartbeat_s: float | None = None
     deadline_s: float | None = None  # wall clock, for display
     version: int = 0  # bumped on every change, so callers persist only what changed
+    # MPS: the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE granted (explicit or from min_compute).
+    mps_thread_percentage: int | None = None
+    # Something that hit the lease while it was active and that its job should know
+    # (e.g. its MPS server was restarted, so its CUDA clients died); shown by migctl.
+    warning: str = ""
+    warning_s: float | None = None
+
+    @property
+    def mps_device_uuid(self) -> str | None:
+        """The MPS device an ``mps`` lease runs on: its MIG instance (MPS inside MIG) or
+        its whole GPU."""
+        if self.mode != "mps":
+            return None
+        return self.mig_uuid or self.gpu_uuid
+
+    def warn(self, message: str, now_s: float) -> None:
+        """Flag the lease (kept while it lives and in its record)."""
+        self.warning, self.warning_s = message, now_s
+        self.version += 1
 
     def event(self, event: LeaseEvent, now_s: float, reason: str = "") -> None:
         self.state = next_state(self.state, event)
@@ -159,6 +199,10 @@ class Lease:
             "start": self.start,
             "mig_uuid": self.mig_uuid,
             "memory_limit_mib": self.memory_limit_mib,
+            "mps_clients": self.request.mps_clients,
+            "mps_thread_percentage": self.mps_thread_percentage,
+            "warning": self.warning,
+            "warning_s": self.warning_s,
             "env": dict(self.env),
             "created_s": self.created_s,
             "updated_s": self.updated_s,
@@ -183,6 +227,9 @@ class ManagedInstance:
     idle_since_s: float | None = None
     used_mib: int | None = None
     note: str = ""
+    # MPS inside MIG: the instance hosts an MPS daemon whose shares are these (no
+    # lease_id then: many leases share it).
+    mps_pool: MpsPool | None = None
 
     @property
     def busy(self) -> bool:
@@ -191,6 +238,7 @@ class ManagedInstance:
             self.lease_id is not None
             or self.status is not InstanceStatus.READY
             or self.origin is Origin.UNEXPLAINED
+            or (self.mps_pool is not None and bool(self.mps_pool.shares))
         )
 
     def __str__(self) -> str:
@@ -214,6 +262,13 @@ class ManagedGpu:
     exclusive_lease: str | None = None  # EXCLUSIVE-mode bookkeeping
     mps_pool: MpsPool | None = None  # MPS-mode accounting (migd.core.mps)
     used_mib: int | None = None
+    # MIG GPUs: small and mode=mps requests get an MPS share inside an instance of
+    # mps_profile (default: the smallest profile) that migd creates for MPS.
+    mps_in_mig: bool = False
+    mps_profile: str | None = None
+    # Compute slices of the whole GPU (MIG geometry, also known for MPS-mode GPUs of MIG
+    # models); None when the model has none. min_compute is read against it.
+    compute_slices: int | None = None
 
     @property
     def mps_shares(self) -> dict[str, int]:
@@ -251,8 +306,10 @@ class ManagedGpu:
             space=self.space,
             # Instances being destroyed are already gone from the intended layout: work on a
             # GPU runs in order, so a later plan may reuse their slices.
+            # An MPS host (even with no share now) is kept for MPS: plain MIG requests
+            # neither reuse nor repartition it; idle teardown still removes it.
             instances=tuple(
-                Instance(i.profile, i.start, i.busy, f"gi:{i.gi_id}")
+                Instance(i.profile, i.start, i.busy or i.mps_pool is not None, f"gi:{i.gi_id}")
                 for i in self.instances
                 if i.status is not InstanceStatus.DESTROYING
             ),
@@ -401,7 +458,9 @@ class NodeScheduler:
         if request.mode == "mig":
             gpus = [g for g in gpus if g.mode is GpuMode.MIG]
         elif request.mode == "mps":
-            gpus = [g for g in gpus if g.mode is GpuMode.MPS]
+            gpus = [
+                g for g in gpus if g.mode is GpuMode.MPS or (g.mode is GpuMode.MIG and g.mps_in_mig)
+            ]
         if not gpus:
             raise InvalidRequest(
                 f"no GPU on this node serves mode={request.mode}",
@@ -427,6 +486,19 @@ class NodeScheduler:
         fits = False
         for g in gpus:
             if g.mode is GpuMode.MIG and g.space is not None:
+                if request.mode == "mps":  # only an MPS share inside an instance will do
+                    host = self._mps_host_profile(g)
+                    capacity = max(0, host.memory_mib - self.policy.mps_reserve_mib)
+                    largest = max(largest, capacity)
+                    if request.memory_mib * request.mps_clients <= capacity:
+                        fits = True
+                    else:
+                        others.append(
+                            f"{request.memory_mib} MiB x {request.mps_clients} client(s) is "
+                            f"more than an MPS share in GPU {g.index}'s {host.name} can hold "
+                            f"({capacity} MiB)"
+                        )
+                    continue
                 sizing = size_request(g.space, partition)
                 if sizing.profile is not None:
                     sizes.setdefault(g.space.geometry.model, sizing.profile)
@@ -436,11 +508,17 @@ class NodeScheduler:
             elif g.mode is GpuMode.MPS:
                 pool = self.mps_pool(g)
                 largest = max(largest, pool.capacity_mib)
-                if request.memory_mib <= pool.capacity_mib:
+                need_mib = request.memory_mib * request.mps_clients
+                if need_mib <= pool.capacity_mib and request.mps_clients <= pool.max_clients:
                     fits = True
+                elif request.mps_clients > pool.max_clients:
+                    others.append(
+                        f"{request.mps_clients} MPS clients are more than GPU {g.index} "
+                        f"serves ({pool.max_clients})"
+                    )
                 else:
                     others.append(
-                        f"{request.memory_mib} MiB is more than GPU {g.index}'s MPS capacity "
+                        f"{need_mib} MiB is more than GPU {g.index}'s MPS capacity "
                         f"({pool.capacity_mib} MiB)"
                     )
             elif g.mode is GpuMode.EXCLUSIVE:
@@ -467,6 +545,9 @@ class NodeScheduler:
         for gpu in self.gpus.values():
             if gpu.mps_pool is not None and gpu.mps_pool.draining_for_uid is not None:
                 gpu.mps_pool = clear_waiting(gpu.mps_pool)
+            for inst in gpu.instances:
+                if inst.mps_pool is not None and inst.mps_pool.draining_for_uid is not None:
+                    inst.mps_pool = clear_waiting(inst.mps_pool)
         # Within one pass nothing is released, so a request that sizes like one that did
         # not fit will not fit either: a long size-ordered queue costs one plan per
         # distinct partition size, not one per queued job or per distinct MiB figure.
@@ -524,7 +605,7 @@ class NodeScheduler:
     def _mps_capable(self, lease: Lease) -> bool:
         """MPS admission depends on the requester's uid, not only on the request's shape."""
         return lease.request.mode != "mig" and any(
-            g.mode is GpuMode.MPS for g in self.gpus.values()
+            g.mode is GpuMode.MPS or g.mps_in_mig for g in self.gpus.values()
         )
 
     def _place(self, lease: Lease, now_s: float) -> Work | None:
@@ -535,6 +616,13 @@ class NodeScheduler:
         except InvalidRequest:
             return None
         mig = [g for g in gpus if g.mode is GpuMode.MIG and g.space is not None]
+        hosts = [g for g in mig if self._mps_in_mig_for(g, request)]
+        if hosts:
+            placed = self._place_mps_in_mig(lease, hosts, now_s)
+            if placed is not None:
+                return placed
+        if request.mode == "mps":
+            mig = []  # an MPS request never takes a MIG instance of its own
         if mig:
             planner = self.policy.planner
             if self.policy.demand_weighting:
@@ -614,13 +702,37 @@ class NodeScheduler:
         return gpu.mps_pool
 
     @staticmethod
-    def _mps_request(lease: Lease) -> MpsRequest:
-        return MpsRequest(lease.lease_id, lease.owner_uid, lease.request.memory_mib)
+    def mps_thread_percentage(request: LeaseRequest, compute_slices: int | None) -> int | None:
+        """The ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of an MPS share.
+
+        An explicit ``mps_thread_percentage`` wins. Else ``min_compute`` (compute slices,
+        as for MIG) becomes its share of the device's slices, rounded up: 2 of a 7-slice
+        GPU is 29 %, 1 of a 3-slice instance 34 %. A device without a slice count (a GPU
+        model without MIG) counts sevenths, the slice of A100/H100-class GPUs. MPS takes
+        the value as a cap on the SMs the client's work may occupy, not a reservation
+        (docs.nvidia.com/deploy/mps, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). ``None``: no cap.
+        """
+        if request.mps_thread_percentage is not None:
+            return request.mps_thread_percentage
+        if request.min_compute <= 0:
+            return None
+        slices = compute_slices or DEFAULT_COMPUTE_SLICES
+        return min(100, math.ceil(100 * request.min_compute / slices))
+
+    def _mps_request(self, lease: Lease, compute_slices: int | None) -> MpsRequest:
+        request = lease.request
+        return MpsRequest(
+            lease.lease_id,
+            lease.owner_uid,
+            request.memory_mib,
+            clients=request.mps_clients,
+            thread_percentage=self.mps_thread_percentage(request, compute_slices),
+        )
 
     def _mps_admits(self, gpu: ManagedGpu, lease: Lease) -> bool:
         pool = self.mps_pool(gpu)
         try:
-            answer = can_admit(pool, self._mps_request(lease))
+            answer = can_admit(pool, self._mps_request(lease, gpu.compute_slices))
         except RequestTooLarge:
             return False
         if not answer.ok and answer.waiting_for_uid is not None:
@@ -631,9 +743,11 @@ class NodeScheduler:
 
     def _commit_mps(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
         lease.event(LeaseEvent.PLAN, now_s)
-        gpu.mps_pool = mps_admit(self.mps_pool(gpu), self._mps_request(lease))
+        share = self._mps_request(lease, gpu.compute_slices)
+        gpu.mps_pool = mps_admit(self.mps_pool(gpu), share)
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
         lease.memory_limit_mib = lease.request.memory_mib
+        lease.mps_thread_percentage = share.thread_percentage
         lease.decision = {
             "action": "mps-share",
             "gpu": gpu.index,
@@ -646,6 +760,210 @@ class NodeScheduler:
         lease.event(LeaseEvent.READY, now_s)
         lease.heartbeat_s = now_s
         return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
+
+    # -- MPS inside MIG ----------------------------------------------------------------------
+
+    def _mps_host_profile(self, gpu: ManagedGpu) -> Profile:
+        """The profile of the instances migd makes to host MPS on ``gpu``."""
+        assert gpu.space is not None
+        if gpu.mps_profile:
+            return gpu.space.member(gpu.mps_profile)
+        return min(gpu.space.profiles, key=lambda p: (p.memory_mib, p.compute_slices))
+
+    def _mps_in_mig_for(self, gpu: ManagedGpu, request: LeaseRequest) -> bool:
+        """Whether ``request`` goes to an MPS share inside a MIG instance of ``gpu``:
+        the GPU is configured for it, and the request asks for MPS or is smaller than
+        the smallest instance (and names no profile)."""
+        if not gpu.mps_in_mig or gpu.space is None or request.mode == "mig" or request.profile:
+            return False
+        if request.mode == "mps":
+            return True
+        smallest = min(p.memory_mib for p in gpu.space.profiles)
+        return request.memory_mib < smallest
+
+    def _new_host_pool(self, gpu: ManagedGpu, profile: Profile, uuid: str | None) -> MpsPool:
+        assert gpu.space is not None
+        return MpsPool(
+            device_uuid=uuid or f"{gpu.uuid}/{profile.name}",
+            memory_total_mib=profile.memory_mib,
+            reserve_mib=self.policy.mps_reserve_mib,
+            max_clients=max_clients_for(
+                self.policy.mps_max_clients,
+                compute_slices=profile.compute_slices,
+                total_compute_slices=gpu.space.geometry.compute_slices,
+            ),
+            policy=UserPolicy.MULTI_USER if self.policy.mps_multi_user else UserPolicy.PER_USER,
+            kind=DeviceKind.MIG,
+        )
+
+    def _host_request(self, lease: Lease, inst: ManagedInstance) -> MpsRequest | None:
+        """The share on host ``inst``; None when its compute instance is too small."""
+        if lease.request.min_compute > inst.profile.compute_slices:
+            return None
+        return self._mps_request(lease, inst.profile.compute_slices)
+
+    def _place_mps_in_mig(
+        self, lease: Lease, gpus: Sequence[ManagedGpu], now_s: float
+    ) -> Work | None:
+        """A share on an MPS host instance: an existing one, else a new (or reused) one."""
+        refused: list[tuple[ManagedGpu, ManagedInstance, int]] = []
+        for gpu in gpus:
+            if not gpu.available:
+                continue
+            for inst in gpu.instances:
+                pool = inst.mps_pool
+                if (
+                    pool is None
+                    or inst.status is InstanceStatus.DESTROYING
+                    or inst.origin is Origin.UNEXPLAINED
+                ):
+                    continue
+                share = self._host_request(lease, inst)
+                if share is None:
+                    continue
+                try:
+                    answer = can_admit(pool, share)
+                except RequestTooLarge:
+                    continue
+                if answer.ok:
+                    return self._commit_mps_in_mig(lease, gpu, inst, share, None, now_s)
+                if answer.waiting_for_uid is not None:
+                    refused.append((gpu, inst, lease.owner_uid))
+        work = self._new_mps_host(lease, [g for g in gpus if g.available], now_s)
+        if work is None:
+            # No room for another host: the user waits for one, and drains it.
+            for _gpu, inst, uid in refused[:1]:
+                assert inst.mps_pool is not None
+                inst.mps_pool = mark_waiting(inst.mps_pool, uid)
+        return work
+
+    def _new_mps_host(self, lease: Lease, gpus: Sequence[ManagedGpu], now_s: float) -> Work | None:
+        by_profile: dict[str, list[ManagedGpu]] = {}
+        for gpu in gpus:
+            by_profile.setdefault(self._mps_host_profile(gpu).name, []).append(gpu)
+        for name, group in by_profile.items():
+            profile = self._mps_host_profile(group[0])
+            probe = ManagedInstance(profile=profile, start=-1, memory_mib=profile.memory_mib)
+            share = self._host_request(lease, probe)
+            if share is None:
+                continue
+            try:
+                can_admit(self._new_host_pool(group[0], profile, None), share)
+            except RequestTooLarge:
+                continue
+            try:
+                decision = plan_on_node(
+                    [g.view() for g in group],
+                    PartitionRequest(memory_mib=profile.memory_mib, profile=name),
+                    self.policy.planner,
+                )
+            except (NoCapacity, RequestTooLarge):
+                continue
+            gpu = self.gpus[decision.gpu]
+            return self._commit_mps_in_mig(lease, gpu, None, share, decision, now_s)
+        return None
+
+    def _commit_mps_in_mig(
+        self,
+        lease: Lease,
+        gpu: ManagedGpu,
+        inst: ManagedInstance | None,
+        share: MpsRequest,
+        decision: Decision | None,
+        now_s: float,
+    ) -> Work:
+        """Admit ``share`` on host ``inst``, or on the host ``decision`` makes (creating,
+        reusing or repartitioning like a MIG grant). The lease is active at once on a
+        ready host, else when its creation is done (:meth:`work_done`)."""
+        work = Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
+        action = "mps-share"
+        if inst is None:
+            assert decision is not None
+            for op in decision.ops:
+                if isinstance(op, DestroyOp):
+                    victim = gpu.instance_at(op.start, InstanceStatus.READY)
+                    assert victim is not None and not victim.busy, "planner chose a busy instance"
+                    victim.status = InstanceStatus.DESTROYING
+            if decision.action == "reuse":
+                inst = gpu.instance_at(decision.start, InstanceStatus.READY)
+                assert inst is not None
+                action = "mps-host-reuse"
+            else:
+                inst = ManagedInstance(
+                    profile=decision.profile,
+                    start=decision.start,
+                    memory_mib=decision.profile.memory_mib,
+                    status=InstanceStatus.CREATING,
+                )
+                gpu.instances.append(inst)
+                work = Work(gpu.index, decision.ops, lease.lease_id, "grant", work.work_id)
+                self._pending_work[work.work_id] = work
+                action = f"mps-host-{decision.action}"
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            # A new MPS host is demand for its profile, like a request sized to it.
+            assert gpu.space is not None
+            self.demand.observe(gpu.space.geometry.model, decision.profile.profile_id, now_s)
+        assert inst.mps_pool is not None
+        inst.mps_pool = mps_admit(inst.mps_pool, share)
+        inst.idle_since_s = None
+        lease.event(LeaseEvent.PLAN, now_s)
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.profile, lease.start = inst.profile.name, inst.start
+        lease.memory_limit_mib = share.memory_mib
+        lease.mps_thread_percentage = share.thread_percentage
+        pool = inst.mps_pool
+        lease.decision = {
+            **(decision.to_dict() if decision is not None else {}),
+            "action": action,
+            "gpu": gpu.index,
+            "pinned_mib": share.memory_mib,
+            "mps_clients": share.clients,
+            "shares_after": len(pool.shares),
+            "max_clients": pool.max_clients,
+            "reason": f"GPU {gpu.index}: MPS share of {share.memory_mib} MiB inside "
+            f"{inst} ({pool.free_mib} MiB of {pool.capacity_mib} MiB left unpinned, "
+            f"{pool.clients}/{pool.max_clients} clients)",
+        }
+        if inst.status is InstanceStatus.READY:
+            self._activate_mps_share(lease, gpu, inst, now_s)
+        return work
+
+    def _activate_mps_share(
+        self, lease: Lease, gpu: ManagedGpu, inst: ManagedInstance, now_s: float
+    ) -> None:
+        lease.mig_uuid = inst.uuid
+        lease.env = self._mps_env(gpu, lease)
+        lease.event(LeaseEvent.READY, now_s)
+        lease.heartbeat_s = now_s
+
+    def _leases_on(self, inst: ManagedInstance) -> list[Lease]:
+        """The leases an instance serves: its own, or the shares of an MPS host."""
+        ids = [inst.lease_id] if inst.lease_id else []
+        if inst.mps_pool is not None:
+            ids += [s.share_id for s in inst.mps_pool.shares]
+        return [self.leases[i] for i in ids if i in self.leases]
+
+    def _host_of(self, gpu: ManagedGpu, lease_id: str) -> ManagedInstance | None:
+        for inst in gpu.instances:
+            if inst.mps_pool is not None and inst.mps_pool.share(lease_id) is not None:
+                return inst
+        return None
+
+    def _release_mps(self, gpu: ManagedGpu, lease: Lease, now_s: float) -> list[Work]:
+        """Drop an MPS lease's share: from its GPU's pool or its MIG host's."""
+        if gpu.mps_pool is not None and gpu.mps_pool.share(lease.lease_id) is not None:
+            gpu.mps_pool = mps_release(gpu.mps_pool, lease.lease_id)
+            return []
+        inst = self._host_of(gpu, lease.lease_id)
+        if inst is None or inst.mps_pool is None:
+            return []
+        inst.mps_pool = mps_release(inst.mps_pool, lease.lease_id)
+        if inst.mps_pool.shares or inst.status is not InstanceStatus.READY:
+            return []
+        inst.idle_since_s = now_s
+        if self.policy.idle_policy == "destroy" and inst.origin is not Origin.UNEXPLAINED:
+            return self._teardown(gpu, [inst])
+        return []
 
     def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
         lease.event(LeaseEvent.PLAN, now_s)
@@ -689,6 +1007,14 @@ class NodeScheduler:
                 gi_id, uuid, memory = created[op.start]
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
                 inst.status = InstanceStatus.READY
+                if inst.mps_pool is not None:  # an MPS host: its shares' leases go active
+                    inst.mps_pool = replace(inst.mps_pool, device_uuid=uuid or "")
+                    for waiting in self._leases_on(inst):
+                        if waiting.state is LeaseState.PREPARING:
+                            self._activate_mps_share(waiting, gpu, inst, now_s)
+                    if not inst.mps_pool.shares:
+                        inst.idle_since_s = now_s
+                    continue
                 lease = self.leases.get(inst.lease_id or "")
                 if lease is not None and lease.state is LeaseState.PREPARING:
                     self._activate_mig(lease, inst, now_s)
@@ -718,6 +1044,8 @@ class NodeScheduler:
                 inst = gpu.instance_at(op.start, InstanceStatus.CREATING)
                 if inst is not None and inst.profile == op.profile:
                     gpu.instances.remove(inst)
+                    for waiting in self._leases_on(inst):  # an MPS host's other shares
+                        self._retry(waiting, f"placement failed: {error}", now_s)
         self._retry(self.leases.get(work.lease_id or ""), f"placement failed: {error}", now_s)
         for inst in restored:
             units = inst.profile.units_mask(inst.start)
@@ -737,11 +1065,8 @@ class NodeScheduler:
                             victim = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
                             if isinstance(op, DestroyOp) and victim is not None:
                                 victim.status = InstanceStatus.READY
-                self._retry(
-                    self.leases.get(other.lease_id or ""),
-                    f"{inst} could not be destroyed ({error})",
-                    now_s,
-                )
+                for waiting in self._leases_on(other):
+                    self._retry(waiting, f"{inst} could not be destroyed ({error})", now_s)
 
     def _retry(self, lease: Lease | None, reason: str, now_s: float) -> None:
         """Send a lease whose placement fell through back to the queue, keeping its place."""
@@ -811,9 +1136,9 @@ class NodeScheduler:
                 fresh.append(gone)  # creation still in flight
                 continue
             notes.append(f"{gone} disappeared")
-            lease = self.leases.get(gone.lease_id or "")
-            if lease is not None and lease.state.holds_resources:
-                lease.event(LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared")
+            for lease in self._leases_on(gone):
+                if lease.state.holds_resources:
+                    lease.event(LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared")
         gpu.instances = sorted(fresh, key=lambda i: i.start)
         # The committed layout must stay a valid state; a layout that is not is reported.
         try:
@@ -856,18 +1181,40 @@ class NodeScheduler:
                             and inst.origin is not Origin.UNEXPLAINED
                         ):
                             work.extend(self._teardown(gpu, [inst]))
-            elif lease.mode == "mps" and gpu.mps_pool is not None:
-                gpu.mps_pool = mps_release(gpu.mps_pool, lease_id)
+            elif lease.mode == "mps":
+                work.extend(self._release_mps(gpu, lease, now_s))
             elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
                 gpu.exclusive_lease = None
         work.extend(self.schedule(now_s, mono_s))
         return work
 
-    def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> None:
-        """Re-account an MPS lease found in the state db at start-up (it may overcommit)."""
-        pool = self.mps_pool(gpu)
-        request = MpsRequest(lease.lease_id, lease.owner_uid, lease.memory_limit_mib or 1)
-        gpu.mps_pool = replace(pool, shares=(*pool.shares, request))
+    def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> bool:
+        """Re-account an MPS lease found in the state db at start-up (it may overcommit).
+
+        A share inside a MIG instance goes back to its host instance (which becomes an
+        MPS host again, explained by the lease). False: that instance is gone.
+        """
+        request = MpsRequest(
+            lease.lease_id,
+            lease.owner_uid,
+            lease.memory_limit_mib or 1,
+            clients=lease.request.mps_clients,
+            thread_percentage=lease.mps_thread_percentage,
+        )
+        if lease.mig_uuid is None:
+            pool = self.mps_pool(gpu)
+            gpu.mps_pool = replace(pool, shares=(*pool.shares, request))
+            return True
+        inst = gpu.instance_at(lease.start) if lease.start is not None else None
+        if inst is None or inst.uuid != lease.mig_uuid or inst.lease_id is not None:
+            return False
+        if inst.mps_pool is None:
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+        inst.mps_pool = replace(inst.mps_pool, shares=(*inst.mps_pool.shares, request))
+        inst.idle_since_s = None
+        if inst.origin is Origin.UNEXPLAINED:  # its processes are the MPS server's and jobs'
+            inst.origin, inst.note = Origin.MIGD, ""
+        return True
 
     def heartbeat(self, lease_id: str, now_s: float) -> Lease:
         lease = self.leases[lease_id]
@@ -986,8 +1333,12 @@ def _partition_request(request: LeaseRequest) -> PartitionRequest:
 
 def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
     """The client environment of an MPS share (the daemon substitutes its real pipe dir)."""
-    return {
-        "CUDA_VISIBLE_DEVICES": gpu.uuid,
-        "NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+    device = lease.mig_uuid or gpu.uuid
+    env = {
+        "CUDA_VISIBLE_DEVICES": device,
+        "NVIDIA_VISIBLE_DEVICES": device,
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
     }
+    if lease.mps_thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(lease.mps_thread_percentage)
+    return env

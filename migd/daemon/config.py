@@ -116,6 +116,14 @@ class GpuOverride(_Section):
     match: str = Field(description="GPU index, UUID or UUID prefix")
     mode: Literal["auto", "mig", "mps", "exclusive", "off"] = "auto"
     profiles: str | None = None
+    mps_in_mig: bool = Field(
+        False,
+        description="MIG GPUs: requests smaller than the smallest instance, and mode=mps "
+        "requests, get an MPS share inside an instance migd makes for MPS",
+    )
+    mps_profile: str | None = Field(
+        None, description="profile of those MPS instances (default: the smallest)"
+    )
 
 
 class MigdConfig(_Section):
@@ -286,5 +294,7 @@ def example_toml() -> str:
         "# [[gpu]]",
         '# match = "0"            # index, UUID or UUID prefix',
         '# mode = "mps"           # auto | mig | mps | exclusive | off',
+        "# mps_in_mig = false     # MIG GPUs: small and mode=mps jobs share MPS instances",
+        '# mps_profile = "1g.10gb"  # profile of those instances (default: the smallest)',
     ]
     return "\n".join(lines) + "\n"

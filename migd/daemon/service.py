@@ -79,10 +79,12 @@ from migd.errors import (
     NotAuthorized,
     ProtocolError,
 )
-from migd.ports import Clock, GpuBackend, GpuInfo, ProcessTable, SystemClock
+from migd.ports import Clock, GpuBackend, GpuInfo, GpuProcess, ProcessTable, SystemClock
 
 T = TypeVar("T")
 log = structlog.get_logger("migd")
+#: GPU health while an MPS daemon on it cannot be brought back (cleared once it serves).
+MPS_UNHEALTHY = "MPS daemon cannot be restarted"
 
 
 @dataclass
@@ -163,6 +165,9 @@ class Daemon:
         self._clients = 0
         self._watchdog_tripped = ""
         self._saved: dict[str, int] = {}  # lease id -> version last written
+        self._mps_task: asyncio.Task[None] | None = None  # a running MPS housekeeping round
+        self._mps_adopted_at_start: tuple[str, ...] = ()  # MPS devices found alive
+        self._mps_lost_at_start: tuple[str, ...] = ()  # ... and found dead, at start-up
         # Service time per op (decoded request to reply written), last 2048 each, for
         # `migctl status` and the benchmark; see _latency_class.
         self.latency_s: dict[str, collections.deque[float]] = collections.defaultdict(
@@ -237,6 +242,10 @@ class Daemon:
                 report = await asyncio.get_running_loop().run_in_executor(None, self.mps.start)
                 for uuid in getattr(report, "adopted", ()):
                     self.notes.append(f"adopted the MPS daemon of {uuid}")
+                for uuid in getattr(report, "lost", ()):
+                    self.notes.append(f"the MPS daemon of {uuid} had died while migd was down")
+                self._mps_adopted_at_start = tuple(report.adopted)
+                self._mps_lost_at_start = tuple(report.lost)
             except MigdError as exc:
                 log.error("mps.start_failed", error=exc.message, hint=exc.hint)
         await self.reconcile()
@@ -272,12 +281,20 @@ class Daemon:
     def _manage(self, info: GpuInfo) -> ManagedGpu:
         override = self.config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
+        mps_in_mig = bool(override and override.mps_in_mig)
         health = "ok"
         space = None
         mode: GpuMode
         if wanted == "off":
             mode = GpuMode.OFF
-        elif wanted == "mps":
+        elif wanted == "mps" and info.mig_current and not mps_in_mig:
+            # MPS on the parent of a MIG GPU serves no MIG device: refuse it loudly.
+            mode = GpuMode.MPS
+            health = (
+                "mode=mps but MIG is enabled on this GPU: set mps_in_mig = true for MPS "
+                "inside MIG instances, or disable MIG (`nvidia-smi -i N -mig 0`, then reset)"
+            )
+        elif wanted == "mps" and not info.mig_current:
             mode = GpuMode.MPS
         elif wanted == "exclusive":
             mode = GpuMode.EXCLUSIVE
@@ -307,7 +324,7 @@ class Daemon:
             with contextlib.suppress(MigdError):
                 space = state_space(self.backend.geometry(info.index), self.config.policy.profiles)
         name = info.model or info.name
-        return ManagedGpu(
+        gpu = ManagedGpu(
             index=info.index,
             uuid=info.uuid,
             model=name,
@@ -317,6 +334,8 @@ class Daemon:
             space=space,
             health=health,
         )
+        self._manage_mps(gpu, info, mps_in_mig, override.mps_profile if override else None)
+        return gpu
 
     def _apply_demand_prior(self) -> None:
         # Per model: a name (or ID) means a different profile on each model it exists on.
@@ -383,16 +402,41 @@ class Daemon:
             inst.lease_id, inst.idle_since_s = lease.lease_id, None
             if inst.origin is Origin.UNEXPLAINED:
                 inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode == "mps":
-            sched.restore_mps_share(gpu, lease)
+        elif lease.mode == "mps" and not sched.restore_mps_share(gpu, lease):
+            sched.release(
+                lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
+            )
+            self.save(lease)
+            self.record("reclaimed", lease, reason=lease.reason)
+            return
         elif lease.mode == "exclusive":
             gpu.exclusive_lease = lease.lease_id
         log.info("lease.restored", lease_id=lease.lease_id, job_id=lease.request.job_id)
 
     async def _reattach_mps(self) -> None:
-        """Register restored MPS leases with their (adopted or restarted) control daemons."""
+        """Register restored MPS leases with their (adopted or restarted) control daemons.
+
+        A lease whose daemon died while migd was down lost its CUDA clients with it: it is
+        flagged (and the loss recorded) before a new daemon is started for it.
+        """
+        if self.mps is None:
+            return
+        lost = set(self._mps_lost_at_start)
+        for uuid in sorted(lost):
+            self._mps_clients_lost(uuid, "its MPS control daemon died while migd was down")
+        adopted = set(self._mps_adopted_at_start)
         for lease in self.sched.active_leases():
-            if lease.mode == "mps" and lease.state is LeaseState.ACTIVE:
+            device = lease.mps_device_uuid
+            if device is not None and device not in adopted and device not in lost:
+                # No daemon was found at all (not even a dead one's record): flag it too.
+                lease.warn(
+                    "MPS clients may be lost: no MPS control daemon was running for it when "
+                    "migd started",
+                    self.clock.now(),
+                )
+                self.save(lease)
+                self.record("mps.clients_lost", lease, device=device, reason=lease.warning)
+            if device is not None and lease.state is LeaseState.ACTIVE:
                 try:
                     await self._ensure_mps(lease)
                 except MigdError as exc:
@@ -517,6 +561,8 @@ class Daemon:
             return await self.handle_lease(req, peer, reader)
         if isinstance(req, LeaseRef):
             return await self.handle_lease_ref(req, peer)
+        if isinstance(req, ReportRequest) and req.event == "mps_client_error":
+            return await self._report_mps_client_error(req, peer)
         if isinstance(req, ReleaseJobRequest):
             return self.handle_release_job(req, peer)
         if isinstance(req, ReportRequest):
@@ -593,6 +639,8 @@ class Daemon:
             mode=req.mode,
             gpu_uuids=tuple(req.gpus) if req.gpus else None,
             wait_s=wait_s,
+            mps_clients=req.mps_clients,
+            mps_thread_percentage=req.mps_thread_percentage,
         )
         now, mono = self.now()
         lease = Lease(
@@ -691,13 +739,11 @@ class Daemon:
         if lease.lease_id not in self.sched.leases or lease.state.terminal:
             return {"state": lease.state.value, "already": True}
         now, mono = self.now()
-        was_mps = lease.mode == "mps" and lease.state.holds_resources
+        mps_device = lease.mps_device_uuid if lease.state.holds_resources else None
         work = self.sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
-        if was_mps and self.mps is not None and lease.gpu is not None and lease.gpu_uuid:
+        if mps_device and self.mps is not None and lease.gpu is not None:
             # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
-            self.workers[lease.gpu].executor.submit(
-                self.mps.release, lease.gpu_uuid, lease.lease_id
-            )
+            self.workers[lease.gpu].executor.submit(self.mps.release, mps_device, lease.lease_id)
         self.save(lease)
         self.record("reclaimed" if reclaim else "released", lease, reason=reason)
         log.info(
@@ -725,10 +771,13 @@ class Daemon:
         if lease.gpu is None or lease.state is not LeaseState.ACTIVE:
             return {"state": lease.state.value}
         gpu = lease.gpu
-        device = lease.mig_uuid if lease.mode == "mig" else None
+        # MIG: the instance; MPS: its device (a MIG instance or the whole GPU).
+        device = lease.mig_uuid if lease.mode in ("mig", "mps") else None
         try:
             memory = await self.on_gpu(gpu, self.backend.memory, gpu, device, timeout_s=10.0)
             procs = await self.on_gpu(gpu, self.backend.processes, gpu, device, timeout_s=10.0)
+            if lease.mode == "mps":  # the device is shared: only this job's processes
+                procs = await self.on_gpu(gpu, self._mps_usage, lease, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
         return {
@@ -737,6 +786,7 @@ class Daemon:
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
+            "scope": "job" if lease.mode == "mps" else "device",
         }
 
     async def handle_gpu_op(self, req: GpuRequest, peer: Peer) -> dict[str, Any]:
@@ -943,6 +993,7 @@ class Daemon:
                 gi_id, uuid = targets[op.start]
                 if gi_id is None:
                     raise GpuError(f"cannot destroy {op.profile.name}@{op.start}: unknown GI id")
+                self._stop_mps_before_destroy(work.gpu, uuid)  # its server is a process too
                 if uuid and self.backend.processes(work.gpu, uuid):
                     # Never destroy an instance a process uses, whatever our books say.
                     raise GpuBusy(f"{op.profile.name}@{op.start} has processes; not destroying it")
@@ -954,46 +1005,170 @@ class Daemon:
 
     # -- MPS --------------------------------------------------------------------------------
 
+    def _manage_mps(
+        self, gpu: ManagedGpu, info: GpuInfo, mps_in_mig: bool, mps_profile: str | None
+    ) -> None:
+        """MPS settings of a GPU: MPS inside MIG instances, and its compute slices."""
+        if gpu.space is not None:
+            gpu.compute_slices = gpu.space.geometry.compute_slices
+        elif gpu.mode is GpuMode.MPS:
+            with contextlib.suppress(MigdError):  # a MIG-capable model used whole
+                gpu.compute_slices = self.backend.geometry(info.index).compute_slices
+        if not mps_in_mig or gpu.mode is not GpuMode.MIG:
+            return
+        gpu.mps_in_mig = True
+        if mps_profile and gpu.space is not None:
+            try:
+                gpu.mps_profile = gpu.space.member(mps_profile).name
+            except MigdError as exc:
+                gpu.health = f"mps_profile {mps_profile!r}: {exc.message}"
+
     def _mps_env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
+        device = lease.mig_uuid or gpu.uuid
         env = {
-            "CUDA_VISIBLE_DEVICES": gpu.uuid,
-            "NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+            "CUDA_VISIBLE_DEVICES": device,
+            "NVIDIA_VISIBLE_DEVICES": device,
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
         }
         if self.mps is not None:
-            env.update(self.mps.client_env(gpu.uuid, lease))
+            env.update(self.mps.client_env(device, lease))
         return env
 
     async def _ensure_mps(self, lease: Lease) -> None:
-        if lease.mode != "mps" or self.mps is None or lease.gpu is None:
+        device = lease.mps_device_uuid
+        if device is None or self.mps is None or lease.gpu is None:
             return
-        gpu = self.sched.gpus[lease.gpu]
         try:
-            await self.on_gpu(lease.gpu, self.mps.ensure, gpu, lease)
+            share = self.mps.share_for(lease)
+            await self.on_gpu(lease.gpu, self.mps.ensure_share, device, share)
         except MigdError:
             self._release(lease, "MPS daemon could not start")
             raise
 
+    def _mps_leases(self, device_uuid: str) -> list[Lease]:
+        return [
+            lease
+            for lease in self.sched.active_leases()
+            if lease.state is LeaseState.ACTIVE and lease.mps_device_uuid == device_uuid
+        ]
+
+    def _mps_clients_lost(self, device_uuid: str, why: str) -> None:
+        """Flag the leases of an MPS device whose clients died; record it in the history."""
+        now = self.clock.now()
+        for lease in self._mps_leases(device_uuid):
+            lease.warn(f"MPS clients lost: {why}", now)
+            self.save(lease)
+            self.record("mps.clients_lost", lease, device=device_uuid, reason=why)
+            log.warning(
+                "mps.clients_lost",
+                lease_id=lease.lease_id,
+                job_id=lease.request.job_id,
+                device=device_uuid,
+                reason=why,
+            )
+
+    def _gpu_of_mps_device(self, device_uuid: str) -> ManagedGpu | None:
+        for gpu in self.sched.gpus.values():
+            if gpu.uuid == device_uuid or any(i.uuid == device_uuid for i in gpu.instances):
+                return gpu
+        return None
+
+    def _kick_mps_housekeeping(self) -> None:
+        """Start a housekeeping round unless one runs (a hung daemon must not stall reaping)."""
+        if self._mps_task is None or self._mps_task.done():
+            self._mps_task = asyncio.create_task(self._mps_housekeeping(), name="mps")
+
     async def _mps_housekeeping(self) -> None:
-        """Restart dead MPS daemons/servers (their clients are lost), stop idle ones."""
+        """Restart dead MPS daemons/servers (their clients are lost), stop idle ones, and
+        refresh the MPS status `migctl status` shows; all off the event loop."""
         loop = asyncio.get_running_loop()
-        report = await loop.run_in_executor(None, self.mps.check_health)
-        for event in getattr(report, "events", ()):
-            log.warning("mps.health", device=event.device_uuid, event=str(event))
-        for uuid in report.affected_devices:
-            for lease in self.sched.active_leases():
-                if lease.mode == "mps" and lease.gpu_uuid == uuid:
-                    self.record(
-                        "mps.clients_lost",
-                        lease,
-                        device=uuid,
-                        reason="the MPS server was restarted; the job's CUDA clients died",
-                    )
-        for uuid in report.failed_devices:
+        try:
+            report = await loop.run_in_executor(None, self.mps.check_health)
+            for event in getattr(report, "events", ()):
+                # (not event=: structlog's own first argument has that name)
+                log.warning("mps.health", device=event.device_uuid, **event.to_dict())
+            for uuid in report.affected_devices:
+                detail = next(e.detail for e in report.events if e.device_uuid == uuid)
+                self._mps_clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
+            failed = set(report.failed_devices)
+            sick_gpus = {g.index for u in failed if (g := self._gpu_of_mps_device(u))}
+            for uuid in failed:
+                gpu = self._gpu_of_mps_device(uuid)
+                if gpu is not None:
+                    gpu.health = f"{MPS_UNHEALTHY}: {uuid}"
+            # A later check that finds the device serving again (or gone) clears the mark.
             for gpu in self.sched.gpus.values():
-                if gpu.uuid == uuid:
-                    gpu.health = "MPS daemon cannot be restarted"
-        await loop.run_in_executor(None, self.mps.stop_idle)
+                if gpu.health.startswith(MPS_UNHEALTHY) and gpu.index not in sick_gpus:
+                    gpu.health = "ok"
+                    log.info("mps.recovered", gpu=gpu.index)
+            await loop.run_in_executor(None, self.mps.stop_idle)
+            await loop.run_in_executor(None, self.mps.refresh_status)
+        except Exception as exc:
+            log.exception("mps.housekeeping_crashed", error=str(exc))
+        now, mono = self.now()
+        self._after_change(self.sched.schedule(now, mono))
+
+    def _stop_mps_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
+        """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon.
+
+        Raises:
+            GpuBusy: the instance's MPS server has clients (or cannot say): never destroy it.
+        """
+        if self.mps is None or not mig_uuid or not self.mps.manages(mig_uuid):
+            return
+        try:
+            clients = self.mps.client_count(mig_uuid)
+        except MigdError as exc:
+            raise GpuBusy(
+                f"the MPS daemon on {mig_uuid} does not say whether it has clients ({exc}); "
+                "not destroying the instance"
+            ) from exc
+        if clients:
+            raise GpuBusy(f"the MPS server on {mig_uuid} has {clients} client(s); not destroying")
+        self.mps.stop_device(mig_uuid)
+        log.info("mps.stopped_for_destroy", gpu=gpu, device=mig_uuid)
+
+    def _mps_usage(self, lease: Lease, procs: list[GpuProcess]) -> list[GpuProcess]:
+        """The GPU processes of an MPS lease: those in its holder's process tree.
+
+        Every client of an MPS device shows on it, so the device's list has other jobs'
+        processes too; the wrapper needs its own job's.
+        """
+        mine = []
+        for proc in procs:
+            pid, depth = proc.pid, 0
+            while pid > 1 and depth < 64:
+                if pid == lease.owner_pid:
+                    mine.append(proc)
+                    break
+                parent = self.procs.parent(pid)
+                if parent is None:
+                    break
+                pid, depth = parent, depth + 1
+        return mine
+
+    async def _report_mps_client_error(self, req: ReportRequest, peer: Peer) -> dict[str, Any]:
+        """A wrapper saw an MPS failure in its job's stderr: pass it to the device's
+        manager (the next health check restarts a device that refuses clients)."""
+        lease = self._lease_for(req.lease_id)
+        self.auth.require_owner(peer, lease.owner_uid, "report on")
+        message = str(req.data.get("message", "")).strip()[:4096]
+        if not message:
+            raise InvalidRequest(
+                "an mps_client_error report needs data.message",
+                hint='send {"message": "<the stderr line>"}',
+            )
+        device = lease.mps_device_uuid
+        if device is None:
+            raise InvalidRequest(f"lease {lease.lease_id} is not an MPS lease")
+        self.record("wrapper.mps_client_error", lease, device=device, message=message)
+        log.warning("mps.client_error", lease_id=lease.lease_id, device=device, message=message)
+        if self.mps is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.mps.report_client_error, device, message
+            )
+            self._kick_mps_housekeeping()
+        return {"recorded": True, "device": device}
 
     # -- background loops -------------------------------------------------------------------
 
@@ -1004,7 +1179,7 @@ class Daemon:
             try:
                 await self._reap(now, mono)
                 if self.mps is not None:
-                    await self._mps_housekeeping()
+                    self._kick_mps_housekeeping()
                 # Instances that had processes without a lease are adopted once they empty.
                 for gpu in list(self.sched.gpus.values()):
                     if any(i.origin is Origin.UNEXPLAINED for i in gpu.instances):
@@ -1213,7 +1388,9 @@ class Daemon:
         if self.mps is not None:
             with contextlib.suppress(Exception):
                 self.mps.shutdown(
-                    keep={x.gpu_uuid for x in self.sched.active_leases() if x.mode == "mps"}
+                    keep={
+                        x.mps_device_uuid for x in self.sched.active_leases() if x.mps_device_uuid
+                    }
                 )
         for lease in self.sched.active_leases():
             self.save(lease)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from migd import __version__
 from migd.core.leases import LeaseState
+from migd.core.mps import MpsPool
 from migd.core.planner import plan_on_gpu
 from migd.core.scheduler import GpuMode, ManagedGpu
 from migd.core.states import EMPTY, describe
@@ -94,31 +95,13 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
                     if inst.idle_since_s is not None and not inst.busy
                     else None,
                     "note": inst.note,
+                    **({"mps": _mps_pool_status(daemon, inst.mps_pool)} if inst.mps_pool else {}),
                 }
             )
     if gpu.mode is GpuMode.MPS:
-        pool = sched.mps_pool(gpu)
-        out["mps"] = {
-            "shares": [
-                {
-                    "lease_id": share.share_id,
-                    "job_id": sched.leases[share.share_id].request.job_id
-                    if share.share_id in sched.leases
-                    else None,
-                    "pinned_mib": share.memory_mib,
-                    "clients": share.clients,
-                    "uid": share.uid,
-                }
-                for share in pool.shares
-            ],
-            "pinned_mib": pool.used_mib,
-            "capacity_mib": pool.capacity_mib,
-            "max_clients": pool.max_clients,
-            "uid": pool.owner_uid,
-            "draining_for_uid": pool.draining_for_uid,
-            "multi_user": sched.policy.mps_multi_user,
-            "daemons": daemon.mps.status_for(gpu.uuid) if daemon.mps is not None else [],
-        }
+        out["mps"] = _mps_pool_status(daemon, sched.mps_pool(gpu))
+    if gpu.mode is GpuMode.MIG:
+        out["mps_in_mig"] = gpu.mps_in_mig
     if gpu.mode is GpuMode.EXCLUSIVE:
         lease = sched.leases.get(gpu.exclusive_lease or "")
         out["exclusive"] = {
@@ -126,6 +109,39 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
             "job_id": lease.request.job_id if lease else None,
         }
     return out
+
+
+def _mps_pool_status(daemon: Daemon, pool: MpsPool) -> dict[str, Any]:
+    """An MPS device's shares and its control daemon as last read off the event loop
+    (``daemons[].age_s``: seconds since; the daemon is never asked from here)."""
+    sched = daemon.sched
+    return {
+        "device_uuid": pool.device_uuid,
+        "shares": [
+            {
+                "lease_id": share.share_id,
+                "job_id": sched.leases[share.share_id].request.job_id
+                if share.share_id in sched.leases
+                else None,
+                "pinned_mib": share.memory_mib,
+                "clients": share.clients,
+                "thread_percentage": share.thread_percentage,
+                "uid": share.uid,
+                "warning": sched.leases[share.share_id].warning
+                if share.share_id in sched.leases
+                else "",
+            }
+            for share in pool.shares
+        ],
+        "pinned_mib": pool.used_mib,
+        "capacity_mib": pool.capacity_mib,
+        "clients": pool.clients,
+        "max_clients": pool.max_clients,
+        "uid": pool.owner_uid,
+        "draining_for_uid": pool.draining_for_uid,
+        "multi_user": sched.policy.mps_multi_user,
+        "daemons": daemon.mps.cached_status_for(pool.device_uuid) if daemon.mps is not None else [],
+    }
 
 
 def _latency(daemon: Daemon) -> dict[str, dict[str, float]]:

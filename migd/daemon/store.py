@@ -90,6 +90,8 @@ def lease_to_json(lease: Lease) -> str:
         "mode": lease.request.mode,
         "gpu_uuids": list(lease.request.gpu_uuids) if lease.request.gpu_uuids else None,
         "wait_s": lease.request.wait_s,
+        "mps_clients": lease.request.mps_clients,
+        "mps_thread_percentage": lease.request.mps_thread_percentage,
     }
     data["owner_start_s"] = lease.owner_start_s
     data["decision"] = lease.decision
@@ -109,6 +111,8 @@ def lease_from_json(text: str) -> Lease:
         mode=req.get("mode", "auto"),
         gpu_uuids=tuple(req["gpu_uuids"]) if req.get("gpu_uuids") else None,
         wait_s=req.get("wait_s"),
+        mps_clients=req.get("mps_clients", 1),
+        mps_thread_percentage=req.get("mps_thread_percentage"),
     )
     return Lease(
         lease_id=data["lease_id"],
@@ -131,6 +135,9 @@ def lease_from_json(text: str) -> Lease:
         reason=data.get("reason", ""),
         heartbeat_s=data.get("heartbeat_s"),
         deadline_s=data.get("deadline_s"),
+        mps_thread_percentage=data.get("mps_thread_percentage"),
+        warning=data.get("warning", ""),
+        warning_s=data.get("warning_s"),
     )
 
 

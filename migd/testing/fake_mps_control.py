@@ -33,14 +33,35 @@ migd relies on it:
   Defaults apply to servers started *later* only, as on the real daemon; set
   commands print nothing on success; an unknown or malformed command prints an
   error line (wording made up: the real text is not documented).
+* ``quit`` stops taking clients, ends every server without clients at once and
+  waits for the others' clients to finish; ``quit -t S`` forces the servers down
+  after S seconds. The front end returns once the daemon is gone, so a ``quit``
+  with clients attached blocks (``nvidia-cuda-mps-control(1)``: "quit [-t TIMEOUT]",
+  the daemon stops accepting new clients while waiting for current servers and
+  clients to finish; the wording of the man page is quoted secondarily).
+* One server per Linux user at a time (per-user mode): a client or ``start_server``
+  of another user is queued while the current server has clients, and served once
+  that server has drained and exited ("the control daemon requests the existing
+  server to shutdown as soon as all its clients are done. Once the existing server
+  has terminated, the control daemon launches a new server", man page).
 * MPS servers are real child processes of the daemon (so tests can kill one);
-  they exit when the daemon goes away.
+  they exit when the daemon goes away. A server enforces the pinned-memory limit
+  on its clients: a client's limit is the server's limit for device 0, lowered
+  (never raised) by the client's own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` ("The
+  new limit will only further constrain the limit set by the control daemon",
+  docs.nvidia.com/deploy/mps/appendix-environment-variables.html).
+  :func:`connect_client` is what a simulated CUDA program (``migd.testing.simjob``)
+  calls at CUDA init to learn its limit; clients are real processes, and a client
+  whose process has exited leaves its server.
 
 Test-only (clearly not NVIDIA's) commands, prefixed ``fake_``:
-``fake_register_client PID UID`` connects a client process the way CUDA init
-would (starting a server for the UID; per-user serialisation; the client cap from
-``$FAKE_MPS_MAX_CLIENTS``, default 48) and prints the server PID;
-``fake_unregister_client PID``; ``fake_status`` prints the daemon's state as JSON.
+``fake_register_client PID UID [LIMIT]`` connects a client process the way CUDA
+init would (starting a server for the UID; per-user serialisation; the client cap
+from ``$FAKE_MPS_MAX_CLIENTS``, default 48; ``LIMIT`` is the client's
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) and prints the server PID;
+``fake_client_limit PID`` prints the client's enforced limit for device 0 in MiB
+(empty: none); ``fake_unregister_client PID``; ``fake_status`` prints the daemon's
+state as JSON.
 
 Failure modes: create ``<pipe dir>/fake-fault-<name>`` (:func:`fault_path`):
 
@@ -67,6 +88,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from migd.core.mps import parse_limit_mib, parse_pinned_limit_env
 
 PID_FILE_NAME = "nvidia-cuda-mps-control.pid"
 CONTROL_SOCKET_NAME = "control"
@@ -125,6 +148,8 @@ class _Server:
     pinned_limits: dict[str, str]
     thread_percentage: float
     clients: set[int] = field(default_factory=set)
+    # client pid -> the pinned limit (MiB, device 0) it got at connect time; None: no limit
+    client_limits: dict[int, int | None] = field(default_factory=dict)
 
 
 class _Daemon:
@@ -137,6 +162,12 @@ class _Daemon:
         self.default_limits: dict[str, str] = {}
         self.default_thread_percentage = 100.0
         self.servers: dict[int, _Server] = {}
+        # Per-user: UIDs whose clients (or start_server) wait for the current server to drain.
+        self.pending_uids: list[int] = []
+        # quit: no new clients; the daemon exits when its servers are gone (or at the deadline).
+        self.quitting = False
+        self.quit_deadline: float | None = None
+        self.quit_waiters: list[socket.socket] = []
         self.running = True
         self.cleaned_up = False
         self.sock: socket.socket | None = None
@@ -199,7 +230,8 @@ class _Daemon:
             # die with the daemon) and the connection being answered (its client waits
             # for EOF).
             os.closerange(3, 1 << 16)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            # Asked to stop (quit, hand-over, shutdown_server): a clean exit, status 0.
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
             signal.signal(signal.SIGUSR1, lambda *_: os._exit(1))
             parent = os.getppid()
             while os.getppid() == parent:
@@ -210,10 +242,13 @@ class _Daemon:
     def stop_server(self, server: _Server, *, force: bool = False) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(server.pid, signal.SIGKILL if force else signal.SIGTERM)
+        code = 0
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(server.pid, 0)
+            _pid, status = os.waitpid(server.pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code
         self.servers.pop(server.pid, None)
-        self.log(f"Server {server.pid} exited with status 0")
+        self.log(f"Server {server.pid} exited with status {code}")
 
     def reap(self) -> None:
         while self.servers:
@@ -227,6 +262,39 @@ class _Daemon:
             code = 128 - code if code < 0 else code  # a signal shows like a shell's 128+N
             if self.servers.pop(pid, None) is not None:
                 self.log(f"Server {pid} exited with status {code}")
+
+    def server_limit_mib(self, server: _Server) -> int | None:
+        """The server's per-client limit for device 0 (set by default or per server)."""
+        value = server.pinned_limits.get("0")
+        return None if value is None else parse_limit_mib(value)
+
+    def prune_clients(self) -> None:
+        """A client whose process has exited has left its server (CUDA tears it down)."""
+        for server in self.servers.values():
+            for pid in [p for p in server.clients if not _process_exists(p)]:
+                server.clients.discard(pid)
+                server.client_limits.pop(pid, None)
+                self.log(f"Client {{PID: {pid}}} exit", who="Server", pid=server.pid)
+
+    def hand_over(self) -> None:
+        """Per-user: once the current server has no clients, it exits for the next user."""
+        if not self.pending_uids or any(s.clients for s in self.servers.values()):
+            return
+        uid = self.pending_uids.pop(0)
+        for other in list(self.servers.values()):
+            if other.uid != uid:
+                self.stop_server(other)
+        if not any(s.uid == uid for s in self.servers.values()):
+            self.start_server(uid)
+
+    def progress_quit(self) -> None:
+        """Servers without clients end at once; the rest at the ``-t`` deadline."""
+        forced = self.quit_deadline is not None and time.monotonic() >= self.quit_deadline
+        for server in list(self.servers.values()):
+            if forced or not server.clients:
+                self.stop_server(server, force=forced)
+        if not self.servers:
+            self.running = False
 
     def crash_servers(self) -> None:
         for server in list(self.servers.values()):
@@ -295,6 +363,15 @@ class _Daemon:
             return f"Failed to start server: {DEVICES_UNAVAILABLE_MESSAGE}"
         if any(s.uid == uid for s in self.servers.values()):
             return ""
+        # One server at a time: another user's server must drain first (it is asked to
+        # shut down once its clients are done; this one starts after it).
+        if any(s.clients for s in self.servers.values()):
+            if uid not in self.pending_uids:
+                self.pending_uids.append(uid)
+            self.log(f"Server for user {uid} queued: another user's server has clients")
+            return ""
+        for other in list(self.servers.values()):
+            self.stop_server(other)
         self.start_server(uid)
         return ""
 
@@ -343,15 +420,27 @@ class _Daemon:
         return f"{self._server(args[0]).thread_percentage:.1f}"
 
     def cmd_quit(self, args: list[str]) -> str:
-        for server in list(self.servers.values()):
-            self.stop_server(server)
-        self.running = False
+        timeout: float | None = None
+        if args:
+            if args[0] != "-t" or len(args) != 2:
+                raise ValueError("usage")
+            timeout = float(args[1])
+        self.quitting = True
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            self.quit_deadline = min(self.quit_deadline or deadline, deadline)
+        self.log("Received quit: no new clients; waiting for the servers' clients to finish")
+        self.progress_quit()
         return ""
 
     # test-only commands
 
     def cmd_fake_register_client(self, args: list[str]) -> str:
         client_pid, uid = int(args[0]), int(args[1])
+        env_limit = args[2] if len(args) > 2 else ""
+        if self.quitting:
+            self.log(f"NEW CLIENT {client_pid} from user {uid}: the daemon is shutting down")
+            return f"ERROR: {DEVICES_UNAVAILABLE_MESSAGE}"
         if self.fault("refuse-clients"):
             self.log(f"NEW CLIENT {client_pid} from user {uid}: {DEVICES_UNAVAILABLE_MESSAGE}")
             return f"ERROR: {DEVICES_UNAVAILABLE_MESSAGE}"
@@ -367,6 +456,8 @@ class _Daemon:
                     f"NEW CLIENT {client_pid} from user {uid}: Server is not ready, "
                     "push client to pending list"
                 )
+                if server_uid not in self.pending_uids:
+                    self.pending_uids.append(server_uid)
                 return f"ERROR: pending: server {busy[0].pid} of user {busy[0].uid} is busy"
             for other in list(self.servers.values()):
                 self.stop_server(other)
@@ -377,15 +468,38 @@ class _Daemon:
             server = self.start_server(server_uid)
         else:
             self.log(f"NEW CLIENT {client_pid} from user {uid}: Server already exists")
+        if server_uid in self.pending_uids:
+            self.pending_uids.remove(server_uid)
+        # The server's limit binds; the client's own variable can only lower it.
+        limit = self.server_limit_mib(server)
+        own = parse_pinned_limit_env(env_limit, self.visible_devices.split(",")[0] or None)
+        if own is not None:
+            limit = own if limit is None else min(limit, own)
         server.clients.add(client_pid)
+        server.client_limits[client_pid] = limit
         self.log(f"Client {{PID: {client_pid}}} connected", who="Server", pid=server.pid)
+        if limit is not None:
+            self.log(
+                f"Client {{PID: {client_pid}}}: device pinned memory limit {limit}M",
+                who="Server",
+                pid=server.pid,
+            )
         return str(server.pid)
+
+    def cmd_fake_client_limit(self, args: list[str]) -> str:
+        client_pid = int(args[0])
+        for server in self.servers.values():
+            if client_pid in server.clients:
+                limit = server.client_limits.get(client_pid)
+                return "" if limit is None else str(limit)
+        raise KeyError(args[0])
 
     def cmd_fake_unregister_client(self, args: list[str]) -> str:
         client_pid = int(args[0])
         for server in self.servers.values():
             if client_pid in server.clients:
                 server.clients.discard(client_pid)
+                server.client_limits.pop(client_pid, None)
                 self.log(f"Client {{PID: {client_pid}}} exit", who="Server", pid=server.pid)
         return ""
 
@@ -397,6 +511,8 @@ class _Daemon:
                 "visible_devices": self.visible_devices,
                 "default_pinned_limits": self.default_limits,
                 "default_thread_percentage": self.default_thread_percentage,
+                "pending_uids": list(self.pending_uids),
+                "quitting": self.quitting,
                 "servers": [
                     {
                         "pid": s.pid,
@@ -404,6 +520,7 @@ class _Daemon:
                         "pinned_limits": s.pinned_limits,
                         "thread_percentage": s.thread_percentage,
                         "clients": sorted(s.clients),
+                        "client_limits_mib": {str(k): v for k, v in s.client_limits.items()},
                     }
                     for s in self.servers.values()
                 ],
@@ -438,11 +555,16 @@ class _Daemon:
         while self.running:
             for _ in selector.select(timeout=_TICK_S):
                 conn, _addr = self.sock.accept()
-                with conn:
-                    self._answer(conn)
+                if not self._answer(conn):
+                    conn.close()
                 if self.stopped():
                     break
             self.reap()
+            self.prune_clients()
+            if self.quitting:
+                self.progress_quit()
+            else:
+                self.hand_over()
             if self.fault("die"):
                 os._exit(1)  # leave pid file and socket behind, like a crash
             if self.fault("crash-server"):
@@ -450,9 +572,15 @@ class _Daemon:
             while self.fault("hang"):
                 time.sleep(_TICK_S)
         self._cleanup()
+        # The front ends that sent `quit` return only now, with the daemon gone.
+        for waiter in self.quit_waiters:
+            with contextlib.suppress(OSError):
+                waiter.sendall(_END)
+                waiter.close()
         return 0
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket) -> bool:
+        """Answer one command; True if the connection is kept (a ``quit`` waiting)."""
         while self.fault("hang"):
             time.sleep(_TICK_S)
         conn.settimeout(5.0)
@@ -463,12 +591,15 @@ class _Daemon:
                 if not chunk:
                     break
                 data += chunk
-            reply = self.handle(data.decode("utf-8", "replace").strip())
-            if not self.running:
-                self._cleanup()
+            command = data.decode("utf-8", "replace").strip()
+            reply = self.handle(command)
+            if command.split()[:1] == ["quit"] and not reply:
+                self.quit_waiters.append(conn)
+                return True
             conn.sendall(reply.encode() + _END)
         except OSError:
-            return
+            pass
+        return False
 
     def stopped(self) -> bool:
         return not self.running
@@ -488,6 +619,20 @@ class _Daemon:
             with contextlib.suppress(FileNotFoundError):
                 (self.pipe_dir / name).unlink()
         self.log("Control daemon exiting")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text("utf-8")
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def _run_daemon(pipe_dir: Path, log_dir: Path, *, multi_user: bool, foreground: bool) -> int:
@@ -530,10 +675,11 @@ def _run_daemon(pipe_dir: Path, log_dir: Path, *, multi_user: bool, foreground: 
 # -- front end --------------------------------------------------------------------------------
 
 
-def _send(command: str) -> str | None:
-    """One command to the daemon in the current directory; ``None`` if the link broke."""
+def _send(command: str, socket_path: str = CONTROL_SOCKET_NAME) -> str | None:
+    """One command to the daemon (default: in the current directory); ``None`` if the
+    link broke."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.connect(CONTROL_SOCKET_NAME)
+        sock.connect(socket_path)
         sock.sendall(command.encode() + b"\n")
         data = b""
         while not data.endswith(_END):
@@ -544,6 +690,54 @@ def _send(command: str) -> str | None:
     if not data.endswith(_END):
         return None
     return data[: -len(_END)].decode("utf-8", "replace")
+
+
+class ClientRefused(RuntimeError):
+    """The daemon would not take the client (what CUDA init reports as an error)."""
+
+
+def connect_client(
+    pipe_dir: Path | str,
+    pid: int,
+    uid: int,
+    env_limit: str = "",
+    *,
+    wait_s: float = 60.0,
+) -> tuple[int, int | None] | None:
+    """Connect a simulated CUDA client the way CUDA init does; ``(server pid, limit MiB)``.
+
+    ``None`` when no daemon answers on ``pipe_dir``: the program then runs *without*
+    MPS, and without a limit ("If the connection attempt fails, the program continues
+    to run as it normally would without MPS", ``nvidia-cuda-mps-control(1)``). A client
+    of another user waits, as the real one hangs in CUDA init, until that user's server
+    has drained (at most ``wait_s``).
+
+    Raises:
+        ClientRefused: the daemon refused the client (client cap, a refusing device,
+            shutting down), or the wait ran out.
+    """
+    path = str(Path(pipe_dir) / CONTROL_SOCKET_NAME)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            reply = _send(f"fake_register_client {pid} {uid} {env_limit}".strip(), path)
+        except OSError:
+            return None
+        if reply is None:
+            raise ClientRefused("the MPS control daemon broke the connection")
+        reply = reply.strip()
+        if reply.isdigit():
+            limit = (_send(f"fake_client_limit {pid}", path) or "").strip()
+            return int(reply), int(limit) if limit.isdigit() else None
+        if not reply.startswith("ERROR: pending") or time.monotonic() >= deadline:
+            raise ClientRefused(reply.removeprefix("ERROR: "))
+        time.sleep(_TICK_S)
+
+
+def disconnect_client(pipe_dir: Path | str, pid: int) -> None:
+    """The client's CUDA context goes away (best effort: the daemon also notices its exit)."""
+    with contextlib.suppress(OSError):
+        _send(f"fake_unregister_client {pid}", str(Path(pipe_dir) / CONTROL_SOCKET_NAME))
 
 
 def _run_client(pipe_dir: Path) -> int:

@@ -1,11 +1,16 @@
 """A fake CUDA job for the simulated backend: ``python -m migd.testing.simjob``.
 
-It finds its device the way a CUDA program does (``CUDA_VISIBLE_DEVICES``,
-``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``), attaches to the simulated GPU inside
-migd, allocates memory step by step and, when an allocation does not fit,
-prints PyTorch's out-of-memory message and exits 1, exactly what the wrapper
-sees from a real job. With ``MIGD_MEMSTATS_FILE`` set it writes allocator
-statistics per step, as a PyTorch job instrumented for the forecast would.
+It finds its device the way a CUDA program does (``CUDA_VISIBLE_DEVICES``) and,
+with ``CUDA_MPS_PIPE_DIRECTORY`` set, connects to the MPS control daemon there as
+CUDA init would (the stand-in ``nvidia-cuda-mps-control`` of
+:mod:`migd.testing.fake_mps_control`): the server tells it its pinned-memory
+limit, its own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` lowered by the server's, and
+without a daemon it runs without MPS and without a limit, as CUDA does. It then
+attaches to the simulated GPU inside migd, allocates memory step by step and,
+when an allocation does not fit, prints PyTorch's out-of-memory message and
+exits 1, exactly what the wrapper sees from a real job. With
+``MIGD_MEMSTATS_FILE`` set it writes allocator statistics per step, as a PyTorch
+job instrumented for the forecast would.
 """
 
 from __future__ import annotations
@@ -23,13 +28,25 @@ from migd.core.units import parse_mib
 from migd.errors import MigdError
 
 
-def _mps_limit() -> int | None:
-    text = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
-    for part in text.split(","):
-        device, _, size = part.partition("=")
-        if device.strip() == "0" and size:
-            return parse_mib(size)
-    return None
+def _connect_mps(pid: int) -> tuple[bool, int | None, str]:
+    """CUDA init under MPS: (connected, enforced limit MiB, error) for this process.
+
+    Not connected (no daemon on the pipe directory): the program runs without MPS.
+    """
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    if not pipe:
+        return False, None, ""
+    from migd.testing.fake_mps_control import ClientRefused, connect_client
+
+    try:
+        got = connect_client(
+            pipe, pid, os.getuid(), os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+        )
+    except ClientRefused as exc:
+        return True, None, f"CUDA error: all CUDA-capable devices are busy or unavailable ({exc})"
+    if got is None:
+        return False, None, ""
+    return True, got[1], ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     client = MigdClient(args.socket or os.environ.get("MIGD_API_SOCKET"), timeout_s=10)
     pid = os.getpid()
+    mps, limit_mib, mps_error = _connect_mps(pid)
+    if mps_error:
+        print(f"RuntimeError: {mps_error}", file=sys.stderr, flush=True)
+        return 1
     try:
-        reply = client.call("sim_attach", pid=pid, device_uuid=device, mps_limit_mib=_mps_limit())
+        reply = client.call("sim_attach", pid=pid, device_uuid=device, mps_limit_mib=limit_mib)
     except MigdError as exc:
         print(f"RuntimeError: CUDA error: initialization error ({exc.message})", file=sys.stderr)
         return 1
@@ -94,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with contextlib.suppress(MigdError):
             client.call("sim_detach", pid=pid)
+        if mps:
+            from migd.testing.fake_mps_control import disconnect_client
+
+            disconnect_client(os.environ["CUDA_MPS_PIPE_DIRECTORY"], pid)
     print(f"simjob: done, peak {total} MiB on {device}", flush=True)
     return int(args.exit)
 

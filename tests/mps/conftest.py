@@ -141,6 +141,22 @@ def env(short_dir: Path, fake_binary: Path) -> Iterator[Env]:
             manager.shutdown()
 
 
+@pytest.fixture
+def client_procs() -> Iterator[Callable[[], int]]:
+    """Real processes to register as MPS clients (the fake drops clients that exit)."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> int:
+        proc = subprocess.Popen(["sleep", "300"])
+        procs.append(proc)
+        return proc.pid
+
+    yield spawn
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
     """Poll ``condition`` until it holds (no fixed sleeps in tests)."""
     deadline = time.monotonic() + timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -97,17 +98,19 @@ def test_replies_follow_the_real_formats(fake_binary: Path, dirs: tuple[Path, Pa
         bad = run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 lots\n")
         assert bad.returncode == 0 and bad.stdout.strip()  # rejected: an error line on stdout
     finally:
-        run(fake_binary, pipe, log, stdin="quit\n")
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_defaults_reach_only_servers_started_later(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
 ) -> None:
     pipe, log = dirs
     assert run(fake_binary, pipe, log, "-d").returncode == 0
     try:
         run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 1024M\n")
-        first = run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n").stdout.strip()
+        first = run(
+            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
+        ).stdout.strip()
         run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2048M\n")
         status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
         (server,) = status["servers"]
@@ -115,45 +118,50 @@ def test_defaults_reach_only_servers_started_later(
         assert server["pinned_limits"] == {"0": "1024M"}
         assert status["default_pinned_limits"] == {"0": "2048M"}
     finally:
-        run(fake_binary, pipe, log, stdin="quit\n")
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_per_user_clients_wait_while_another_user_is_served(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
 ) -> None:
     pipe, log = dirs
+    first, second = client_procs(), client_procs()
     assert run(fake_binary, pipe, log, "-d").returncode == 0
     try:
         assert (
-            run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n")
+            run(fake_binary, pipe, log, stdin=f"fake_register_client {first} 1000\n")
             .stdout.strip()
             .isdigit()
         )
-        other = run(fake_binary, pipe, log, stdin="fake_register_client 200 2000\n").stdout
+        other = run(fake_binary, pipe, log, stdin=f"fake_register_client {second} 2000\n").stdout
         assert other.startswith("ERROR: pending")
-        run(fake_binary, pipe, log, stdin="fake_unregister_client 100\n")
+        run(fake_binary, pipe, log, stdin=f"fake_unregister_client {first}\n")
         assert (
-            run(fake_binary, pipe, log, stdin="fake_register_client 200 2000\n")
+            run(fake_binary, pipe, log, stdin=f"fake_register_client {second} 2000\n")
             .stdout.strip()
             .isdigit()
         )
     finally:
-        run(fake_binary, pipe, log, stdin="quit\n")
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_multi_user_daemon_serves_all_users_from_one_root_server(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
 ) -> None:
     pipe, log = dirs
     assert run(fake_binary, pipe, log, "-d", "-M").returncode == 0
     try:
-        a = run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n").stdout.strip()
-        b = run(fake_binary, pipe, log, stdin="fake_register_client 200 2000\n").stdout.strip()
+        a = run(
+            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
+        ).stdout.strip()
+        b = run(
+            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 2000\n"
+        ).stdout.strip()
         assert a == b
         status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
         assert [s["uid"] for s in status["servers"]] == [0]
     finally:
-        run(fake_binary, pipe, log, stdin="quit\n")
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_die_fault_leaves_a_stale_pid_file_that_does_not_block_a_new_daemon(
@@ -174,23 +182,25 @@ def test_die_fault_leaves_a_stale_pid_file_that_does_not_block_a_new_daemon(
 
 
 def test_refuse_clients_fault_logs_the_cuda_error(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
 ) -> None:
     pipe, log = dirs
     assert run(fake_binary, pipe, log, "-d").returncode == 0
     try:
         fault_path(pipe, "refuse-clients").touch()
-        reply = run(fake_binary, pipe, log, stdin="fake_register_client 100 1000\n").stdout
+        reply = run(
+            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
+        ).stdout
         assert "all CUDA-capable devices are busy or unavailable" in reply
         assert (
             "all CUDA-capable devices are busy or unavailable" in (log / "control.log").read_text()
         )
     finally:
-        run(fake_binary, pipe, log, stdin="quit\n")
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_client_cap_refuses_the_client_past_the_limit(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
 ) -> None:
     pipe, log = dirs
     env_cap = {"FAKE_MPS_MAX_CLIENTS": "2"}
@@ -211,9 +221,130 @@ def test_client_cap_refuses_the_client_past_the_limit(
     try:
         replies = [
             run(fake_binary, pipe, log, stdin=f"fake_register_client {pid} 1000\n").stdout.strip()
-            for pid in (100, 101, 102)
+            for pid in (client_procs(), client_procs(), client_procs())
         ]
         assert replies[0].isdigit() and replies[1] == replies[0]
         assert "busy or unavailable" in replies[2]
     finally:
-        run(fake_binary, pipe, log, stdin="quit\n")
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+
+
+def test_quit_waits_for_clients_and_quit_t_forces_the_servers_down(
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    pid = int((pipe / PID_FILE_NAME).read_text())
+    client = client_procs()
+    server = run(fake_binary, pipe, log, stdin=f"fake_register_client {client} 1000\n").stdout
+    # A plain quit waits for the client: the front end does not return.
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(
+            [str(fake_binary)],
+            input="quit\n",
+            capture_output=True,
+            text=True,
+            timeout=1.0,
+            env={"PATH": os.environ["PATH"], "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+            check=False,
+        )
+    assert pid_alive(pid) and pid_alive(int(server))
+    # ... and takes no new client meanwhile.
+    refused = run(fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n")
+    assert "busy or unavailable" in refused.stdout
+    forced = run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    assert forced.returncode == 0
+    assert not pid_alive(pid) and not (pipe / PID_FILE_NAME).exists()
+    assert f"Server {int(server)} exited with status 137" in (log / "control.log").read_text()
+
+
+def test_quit_returns_once_the_last_client_has_exited(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    pid = int((pipe / PID_FILE_NAME).read_text())
+    client = subprocess.Popen(["sleep", "1"])
+    try:
+        run(fake_binary, pipe, log, stdin=f"fake_register_client {client.pid} 1000\n")
+        result = run(fake_binary, pipe, log, stdin="quit\n")  # blocks about 1 s
+        assert result.returncode == 0
+        assert client.poll() is not None or client.wait(5) == 0
+        assert not pid_alive(pid)
+        assert "exited with status 0" in (log / "control.log").read_text()
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_start_server_of_another_user_waits_until_the_current_server_drains(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    client = subprocess.Popen(["sleep", "300"])
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        run(fake_binary, pipe, log, stdin=f"fake_register_client {client.pid} 1000\n")
+        run(fake_binary, pipe, log, stdin="start_server -uid 2000\n")
+
+        def uids() -> list[int]:
+            status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
+            return [s["uid"] for s in status["servers"]]
+
+        assert uids() == [1000]  # one user at a time: 2000 is queued
+        client.kill()
+        client.wait()
+        wait_for(lambda: uids() == [2000], what="the queued user's server")
+    finally:
+        client.kill()
+        client.wait()
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+
+
+def test_a_client_gets_the_servers_limit_lowered_never_raised_by_its_env(
+    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+) -> None:
+    from migd.testing.fake_mps_control import connect_client
+
+    pipe, log = dirs
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2G\n")
+        server, limit = connect_client(pipe, client_procs(), 1000) or (0, 0)
+        assert limit == 2048  # no variable: the server's limit
+        assert connect_client(pipe, client_procs(), 1000, "0=512MB") == (server, 512)
+        # NVIDIA: a client value above the server's "will be ineffective"
+        assert connect_client(pipe, client_procs(), 1000, "0=4096M") == (server, 2048)
+        uuid = "GPU-11111111-2222-3333-4444-555555555555"
+        assert connect_client(pipe, client_procs(), 1000, f"{uuid}=1G") == (server, 1024)
+    finally:
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    # No daemon: CUDA runs the program without MPS, and without any limit.
+    assert connect_client(pipe, client_procs(), 1000, "0=512M") is None
+
+
+def test_a_client_whose_process_exits_leaves_its_server(
+    fake_binary: Path, dirs: tuple[Path, Path]
+) -> None:
+    pipe, log = dirs
+    client = subprocess.Popen(["sleep", "300"])
+    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    try:
+        server = run(fake_binary, pipe, log, stdin=f"fake_register_client {client.pid} 1000\n")
+        listed = run(fake_binary, pipe, log, stdin=f"get_client_list {server.stdout.strip()}\n")
+        assert listed.stdout.split() == [str(client.pid)]
+        client.kill()
+        client.wait()
+        wait_for(
+            lambda: (
+                run(
+                    fake_binary, pipe, log, stdin=f"get_client_list {server.stdout.strip()}\n"
+                ).stdout.strip()
+                == ""
+            ),
+            what="the dead client to leave",
+        )
+    finally:
+        client.kill()
+        client.wait()
+        run(fake_binary, pipe, log, stdin="quit -t 0\n")

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,9 @@ def register_client(
 # -- start on demand, environment, limits -----------------------------------------------------
 
 
-def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(env: Env) -> None:
+def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
     manager = env.manager()
     assert manager.start().adopted == ()
     assert not manager.pipe_dir(GPU).exists()
@@ -59,7 +62,7 @@ def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(env: Env)
     pipe = manager.pipe_dir(GPU)
     assert job_env == {
         "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
-        "CUDA_MPS_LOG_DIRECTORY": str(manager.log_dir(GPU)),
+        "CUDA_MPS_LOG_DIRECTORY": str(manager.log_dir(GPU, 1000)),
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4096M",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
         "CUDA_VISIBLE_DEVICES": GPU,
@@ -73,7 +76,7 @@ def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(env: Env)
     assert status["default_pinned_limits"] == {"0": "4096M"}
     assert [(s["uid"], s["pinned_limits"]) for s in status["servers"]] == [(1000, {"0": "4096M"})]
     # a client using the job's pipe dir reaches that very daemon and server
-    assert register_client(env, manager, 4321, 1000) == str(status["servers"][0]["pid"])
+    assert register_client(env, manager, client_procs(), 1000) == str(status["servers"][0]["pid"])
     record = json.loads((manager.device_dir(GPU) / RECORD_FILE_NAME).read_text())
     assert (record["pid"], record["device_uuid"]) == (daemon_pid(manager), GPU)
 
@@ -154,7 +157,9 @@ def test_idle_per_user_device_changes_hands_by_restarting_the_daemon(env: Env) -
     assert entry.serves_uid == 2000
 
 
-def test_multi_user_daemon_is_started_with_M_and_shares_one_server(env: Env) -> None:
+def test_multi_user_daemon_is_started_with_M_and_shares_one_server(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
     manager = env.manager(policy=UserPolicy.MULTI_USER)
     manager.ensure_share(GPU, share("a", uid=1000))
     manager.ensure_share(GPU, share("b", uid=2000))
@@ -162,7 +167,9 @@ def test_multi_user_daemon_is_started_with_M_and_shares_one_server(env: Env) -> 
     assert argv[-1] == "-M" and run_as is None
     status = fake_status(env, manager)
     assert status["multi_user"] is True
-    assert register_client(env, manager, 11, 1000) == register_client(env, manager, 12, 2000)
+    assert register_client(env, manager, client_procs(), 1000) == register_client(
+        env, manager, client_procs(), 2000
+    )
     if os.geteuid() == 0:
         assert manager.pipe_dir(GPU).stat().st_mode & 0o777 == 0o755
 
@@ -266,12 +273,12 @@ def test_dead_control_daemon_is_restarted_with_its_shares_and_limits(env: Env) -
     assert len(status["servers"]) == 1
 
 
-def test_daemon_refusing_clients_is_restarted(env: Env) -> None:
+def test_daemon_refusing_clients_is_restarted(env: Env, client_procs: Callable[[], int]) -> None:
     manager = env.manager()
     manager.ensure_share(GPU, share())
     old = daemon_pid(manager)
     fault_path(manager.pipe_dir(GPU), "refuse-clients").touch()
-    assert "busy or unavailable" in register_client(env, manager, 77, 1000)
+    assert "busy or unavailable" in register_client(env, manager, client_procs(), 1000)
 
     (event,) = manager.check_health().events
     assert (event.problem, event.action, event.ok) == (
@@ -281,7 +288,7 @@ def test_daemon_refusing_clients_is_restarted(env: Env) -> None:
     )
     assert "all CUDA-capable devices are busy or unavailable" in event.detail
     wait_for(lambda: not pid_alive(old), what="old daemon gone")
-    assert register_client(env, manager, 78, 1000).isdigit()
+    assert register_client(env, manager, client_procs(), 1000).isdigit()
 
 
 def test_client_report_of_unavailable_devices_restarts_the_daemon(env: Env) -> None:
@@ -351,6 +358,7 @@ def test_new_manager_adopts_live_daemons_and_cleans_stale_ones(env: Env) -> None
     report = second.start()
     assert report.adopted == (GPU,)
     assert sorted(Path(p).name for p in report.cleaned) == sorted([GPU2, "GPU-reused"])
+    assert report.lost == (GPU2,)  # its recorded daemon died while migd was down
     assert not second.pipe_dir(GPU2).exists() and not reused.exists()
     assert pid_alive(os.getpid())
     (entry,) = second.status()
@@ -364,16 +372,17 @@ def test_new_manager_adopts_live_daemons_and_cleans_stale_ones(env: Env) -> None
 # -- status and errors ------------------------------------------------------------------------
 
 
-def test_status_shows_servers_clients_and_limits(env: Env) -> None:
+def test_status_shows_servers_clients_and_limits(env: Env, client_procs: Callable[[], int]) -> None:
     manager = env.manager()
     manager.ensure_share(GPU, share(memory_mib=3072))
-    register_client(env, manager, 501, 1000)
-    register_client(env, manager, 502, 1000)
+    clients = sorted([client_procs(), client_procs()])
+    for pid in clients:
+        register_client(env, manager, pid, 1000)
     (entry,) = manager.status()
     data = entry.to_dict()
     assert data["device_uuid"] == GPU and data["healthy"] is True
     assert data["pid"] == daemon_pid(manager)
-    assert len(data["servers"]) == 1 and data["clients"] == [501, 502]
+    assert len(data["servers"]) == 1 and data["clients"] == clients
     # Newer drivers print limits >= 1 GiB as whole G, rounded down: 3072M reads as 3G.
     assert data["default_limit_mib"] == 3072
     assert data["pipe_dir"] == str(manager.pipe_dir(GPU)) and data["shares"] == 1
@@ -440,3 +449,131 @@ def test_shutdown_keeps_daemons_of_devices_with_running_jobs(env: Env) -> None:
     assert pid_alive(kept)
     successor = env.manager()
     assert successor.start().adopted == (GPU,)
+
+
+# -- fidelity fixes: limits by index, normal exits, empty command lines, per-user logs ---------
+
+
+def test_limits_are_set_by_device_index_not_uuid(env: Env) -> None:
+    # NVIDIA/k8s-device-plugin#572: limits set by UUID were not applied; the daemon sees
+    # one device (CUDA_VISIBLE_DEVICES), index 0.
+    manager = env.manager()
+    manager.ensure_share(GPU, share(memory_mib=2048))
+    sent = "".join(stdin or "" for _argv, stdin, _as in env.runner.calls)
+    assert "set_default_device_pinned_mem_limit 0 2048M" in sent
+    assert f"pinned_mem_limit {GPU}" not in sent and f"limit {GPU}" not in sent
+
+
+def test_a_server_that_exits_normally_is_not_a_crash(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share())
+    (server,) = (s["pid"] for s in fake_status(env, manager)["servers"])
+    env.control(manager.pipe_dir(GPU), f"shutdown_server {server}")  # exits with status 0
+    wait_for(lambda: not pid_alive(server), what="server to exit")
+    report = manager.check_health()
+    assert report.affected_devices == () and report.events == ()
+
+
+def test_an_empty_command_line_is_not_an_mps_daemon() -> None:
+    from migd.backends.mps import _looks_like_mps, _looks_like_mps_control
+
+    child = subprocess.Popen(["true"])
+    wait_for(lambda: Path(f"/proc/{child.pid}/cmdline").read_bytes() == b"", what="a zombie")
+    try:
+        assert not _looks_like_mps_control(child.pid) and not _looks_like_mps(child.pid)
+    finally:
+        child.wait()
+
+
+def test_each_user_has_their_own_log_directory(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share("a", uid=1000))
+    first_log = Path(manager.status()[0].log_dir)
+    assert first_log == manager.log_dir(GPU, 1000) and (first_log / "control.log").exists()
+    manager.release_share(GPU, "a")
+    manager.ensure_share(GPU, share("b", uid=2000))
+    second_log = Path(manager.status()[0].log_dir)
+    assert second_log == manager.log_dir(GPU, 2000) != first_log
+    assert (second_log / "control.log").exists()
+    if os.geteuid() == 0:
+        # the next user's daemon gets nothing of the last one's: owners stay as they were
+        assert first_log.stat().st_uid == 1000 and second_log.stat().st_uid == 2000
+        assert (first_log / "control.log").stat().st_uid != 2000
+        assert first_log.stat().st_mode & 0o777 == 0o700
+
+
+# -- status without blocking ------------------------------------------------------------------
+
+
+def test_cached_status_answers_at_once_while_the_daemon_hangs(env: Env) -> None:
+    import time
+
+    manager = env.manager(command_timeout_s=2.0)
+    manager.ensure_share(GPU, share())
+    (early,) = manager.cached_status_for(GPU)  # before any refresh: migd's own record
+    assert early["age_s"] is None and early["pid"] == daemon_pid(manager)
+    manager.refresh_status()
+    env.clock.mono += 7.0
+    (fresh,) = manager.cached_status_for(GPU)
+    assert fresh["age_s"] == 7.0 and len(fresh["servers"]) == 1
+    assert manager.client_count(GPU) == 0
+    fault_path(manager.pipe_dir(GPU), "hang").touch()
+    started = time.monotonic()
+    (cached,) = manager.cached_status_for(GPU)
+    assert time.monotonic() - started < 0.1 and cached["servers"] == fresh["servers"]
+    with pytest.raises(MpsError):
+        manager.client_count(GPU)
+
+
+# -- systemd: each daemon in its own scope ----------------------------------------------------
+
+
+def write_systemd_run(bin_dir: Path, log: Path, *, fail: bool = False) -> None:
+    """A stand-in systemd-run: records its argv, then runs the command after ``--``."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "systemd-run"
+    body = (
+        "echo 'Failed to start transient scope unit' >&2; exit 1"
+        if fail
+        else ('while [ "$1" != "--" ]; do shift; done; shift; exec "$@"')
+    )
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\n{body}\n')
+    script.chmod(0o755)
+
+
+def test_under_systemd_each_daemon_starts_in_its_own_scope(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir, log = env.runtime_dir / "sdbin", env.runtime_dir / "systemd-run.log"
+    write_systemd_run(bin_dir, log)
+    monkeypatch.setenv("INVOCATION_ID", "0123456789abcdef")
+    manager = env.manager(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    manager.ensure_share(GPU, share(uid=1000))
+    ((argv, run_as),) = env.runner.daemon_starts()
+    unit = next(a for a in argv if a.startswith("--unit="))[len("--unit=") :]
+    assert argv[:4] == ("systemd-run", "--scope", "--collect", "--quiet")
+    assert unit.startswith("migd-mps-gpu-0a1b2c3d-")
+    assert argv[argv.index("--") + 1 :] == (str(env.binary), "-d")
+    if os.geteuid() == 0:  # systemd-run switches to the job's user, not the runner
+        assert "--uid=1000" in argv and "--gid=1000" in argv and run_as is None
+    assert log.read_text().split()[:3] == ["--scope", "--collect", "--quiet"]
+    (entry,) = manager.status()
+    assert entry.scope_unit == unit and entry.healthy
+
+
+def test_without_systemd_or_when_systemd_run_fails_the_daemon_starts_plainly(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir, log = env.runtime_dir / "sdbin", env.runtime_dir / "systemd-run.log"
+    write_systemd_run(bin_dir, log, fail=True)
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    plain = env.manager(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    plain.ensure_share(GPU, share())
+    assert env.runner.daemon_starts()[0][0][0] == str(env.binary)  # not under systemd
+    monkeypatch.setenv("INVOCATION_ID", "0123456789abcdef")
+    fallback = env.manager(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    fallback.ensure_share(GPU2, share())
+    starts = [argv for argv, _ in env.runner.daemon_starts()[1:]]
+    assert starts[0][0] == "systemd-run" and starts[-1][0] == str(env.binary)
+    (entry,) = [e for e in fallback.status() if e.device_uuid == GPU2]
+    assert entry.scope_unit == "" and "systemd scope" in entry.last_error

@@ -7,6 +7,8 @@ from the environment migd hands the job, as a CUDA program would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from migd.backends.simulated import SimNode, SimOutOfMemory
@@ -19,6 +21,9 @@ from migd.core.mps import (
     parse_limit_mib,
     share_environment,
 )
+from migd.testing.fake_mps_control import connect_client
+
+from .conftest import Env
 
 
 def client_limit_mib(env: dict[str, str]) -> int:
@@ -55,20 +60,31 @@ def test_client_over_its_limit_gets_oom_while_its_neighbour_keeps_running() -> N
     assert node.memory_mib(0)[1] == 8192 + 4096 <= pool.capacity_mib
 
 
-def test_client_that_drops_its_env_is_bounded_by_the_daemon_default() -> None:
-    # migd sets the daemon's default limit to the largest active share; a client that
-    # unsets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT gets that, not the whole GPU.
+def test_client_that_drops_its_env_is_bounded_by_the_daemon_default(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
+    # migd sets the daemon's limit to the largest active share; a client that unsets
+    # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT gets that from the server, not the whole GPU. The
+    # limit comes from the (stand-in) MPS server the client connects to, as in CUDA.
     node = SimNode.from_description("1xV100-32GB")
     gpu = node.gpu(0)
-    total, _ = node.memory_mib(0)
-    pool = admit(
-        admit(MpsPool(gpu.uuid, total, reserve_mib=512), MpsRequest("a", 1000, 2048)),
-        MpsRequest("b", 1000, 6144),
-    )
-    node.attach(201, gpu.uuid, mps_pinned_limit_mib=pool.largest_limit_mib)
+    manager = env.manager()
+    job_env = manager.ensure_share(gpu.uuid, MpsRequest("a", 1000, 2048, gid=1000))
+    manager.ensure_share(gpu.uuid, MpsRequest("b", 1000, 6144, gid=1000))
+    pipe = job_env["CUDA_MPS_PIPE_DIRECTORY"]
+
+    dropped = connect_client(pipe, client_procs(), 1000)  # no variable
+    assert dropped is not None and dropped[1] == 6144
+    node.attach(201, gpu.uuid, mps_pinned_limit_mib=dropped[1])
     node.alloc(201, 6144)
     with pytest.raises(SimOutOfMemory):
         node.alloc(201, 1)
+
+    kept = connect_client(pipe, client_procs(), 1000, job_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"])
+    assert kept is not None and kept[1] == 2048  # its own share, lower than the server's
+    manager.release_share(gpu.uuid, "b")
+    later = connect_client(pipe, client_procs(), 1000)
+    assert later is not None and later[1] == 2048  # new clients see the lowered limit
 
 
 def test_mps_on_a_mig_device_is_bounded_by_the_share_limit_and_the_instance() -> None:

@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from migd.errors import MigdError
+from migd.testing.fake_mps_control import fault_path
 from tests.process.conftest import DaemonProcess, wait_for
 from tests.process.test_daemon_process import NOBODY, as_user
 from tests.process.test_wrapper_process import SIMJOB, run
+
+
+@pytest.fixture(autouse=True)
+def _no_mps_daemon_left(daemon: DaemonProcess) -> Iterator[None]:
+    """migd keeps MPS daemons of active leases across its stop (on purpose): once it has
+    stopped, kill the stand-in daemons this test's migd started (their working directory
+    is their pipe directory, under the test's root)."""
+    yield
+    daemon.stop()
+    root = str(daemon.root)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(proc / "cwd")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if cwd.startswith(root) and b"fake_mps_control" in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def mps_status(daemon: DaemonProcess) -> dict[str, Any]:
@@ -76,7 +105,10 @@ def test_one_user_at_a_time_per_mps_server(daemon: DaemonProcess) -> None:
 import json
 from migd.client import MigdClient
 c = MigdClient({str(daemon.socket_path)!r}, timeout_s=60)
-print(json.dumps(c.lease(job_id="nobody.0", gpu_memory_mib=1000, wait_s=30)))
+lease = c.lease(job_id="nobody.0", gpu_memory_mib=1000, wait_s=30)
+# Read while this process (the lease's holder) lives: once it exits, the reaper ends it.
+uid = c.status()["gpus"][0]["mps"]["uid"]
+print(json.dumps(dict(lease, serving_uid=uid)))
 """
     got: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: got.update(result=as_user(NOBODY, code)))
@@ -92,7 +124,7 @@ print(json.dumps(c.lease(job_id="nobody.0", gpu_memory_mib=1000, wait_s=30)))
     assert result.returncode == 0, result.stderr
     theirs = json.loads(result.stdout)
     assert theirs["state"] == "active" and theirs["owner_uid"] == NOBODY
-    assert mps_status(daemon)["uid"] == NOBODY
+    assert theirs["serving_uid"] == NOBODY
 
 
 def test_sigterm_keeps_a_busy_mps_daemon_and_restart_adopts_it(daemon: DaemonProcess) -> None:
@@ -114,3 +146,430 @@ def test_sigterm_keeps_a_busy_mps_daemon_and_restart_adopts_it(daemon: DaemonPro
     finally:
         holder.kill()
         holder.wait()
+
+
+UNAVAILABLE = "all CUDA-capable devices are busy or unavailable"
+
+
+# -- helpers for the tests below -----------------------------------------------------------
+
+
+def pid_alive(pid: int) -> bool:
+    """Running and not a zombie (a daemonized process may wait for a reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def holder() -> subprocess.Popen[bytes]:
+    """A process that holds a lease (the wrapper's stand-in) until killed."""
+    return subprocess.Popen(["sleep", "300"])
+
+
+def fake_control(pipe: str | Path, command: str) -> str:
+    """Talk to a daemon's stand-in control daemon, as `nvidia-cuda-mps-control` would."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "migd.testing.fake_mps_control"],
+        input=command + "\n",
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env={"PATH": os.environ["PATH"], "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+        check=False,
+    )
+    return proc.stdout
+
+
+def simjob(
+    daemon: DaemonProcess, env: dict[str, str], *args: str, drop: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    job_env = {**os.environ, "MIGD_API_SOCKET": str(daemon.socket_path), **env}
+    for name in drop:
+        job_env.pop(name, None)
+    return subprocess.run(
+        [*SIMJOB, "--step-s", "0.01", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=job_env,
+        check=False,
+    )
+
+
+def lease_row(daemon: DaemonProcess, lease_id: str) -> dict[str, Any]:
+    rows = daemon.client().call("leases", all=True)["leases"]
+    row: dict[str, Any] = next(x for x in rows if x["lease_id"] == lease_id)
+    return row
+
+
+# -- the pinned limit is enforced by the server, not only by the job's environment -------
+
+
+def test_a_job_that_drops_its_limit_is_held_to_the_largest_share_by_the_server(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xV100-32GB"
+    small_holder, big_holder = holder(), holder()
+    try:
+        daemon.start()
+        c = daemon.client()
+        small = c.lease(job_id="s.0", gpu_memory_mib=2048, wait_s=5, holder_pid=small_holder.pid)
+        c.lease(job_id="b.0", gpu_memory_mib=6144, wait_s=5, holder_pid=big_holder.pid)
+        # With its variable: its own 2048 MiB.
+        kept = simjob(daemon, small["env"], "--start", "2G", "--grow", "1G", "--steps", "1")
+        assert kept.returncode == 1 and "CUDA out of memory" in kept.stderr
+        assert "total capacity of 2.00 GiB" in kept.stderr
+        # Without it, CUDA still goes through the MPS server (the pipe directory), whose
+        # limit migd keeps at the largest active share: 6144 MiB, not the whole GPU.
+        dropped = simjob(
+            daemon,
+            small["env"],
+            *("--start", "6G", "--grow", "1G", "--steps", "1"),
+            drop=("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",),
+        )
+        assert dropped.returncode == 1, dropped.stdout
+        assert "total capacity of 6.00 GiB" in dropped.stderr
+        # The variable cannot raise the server's limit either.
+        raised = simjob(
+            daemon,
+            {**small["env"], "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=30G"},
+            *("--start", "6G", "--grow", "1G", "--steps", "1"),
+        )
+        assert "total capacity of 6.00 GiB" in raised.stderr
+    finally:
+        for h in (small_holder, big_holder):
+            h.kill()
+            h.wait()
+
+
+# -- declared clients and compute share -------------------------------------------------------
+
+
+def test_clients_and_min_compute_reach_the_share_and_the_environment(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xV100-32GB"
+    daemon.start()
+    c = daemon.client()
+    lease = c.lease(job_id="c.0", gpu_memory_mib=3000, wait_s=5, mps_clients=3, min_compute=2)
+    assert lease["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "29"  # 2 of 7 slices, up
+    assert lease["mps_clients"] == 3 and lease["mps_thread_percentage"] == 29
+    explicit = c.lease(job_id="c.1", gpu_memory_mib=1000, wait_s=5, mps_thread_percentage=10)
+    assert explicit["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "10"
+    status = mps_status(daemon)
+    assert status["pinned_mib"] == 3 * 3000 + 1000 and status["clients"] == 4
+    share = next(s for s in status["shares"] if s["lease_id"] == lease["lease_id"])
+    assert (share["clients"], share["thread_percentage"]) == (3, 29)
+    # memory x clients beyond the GPU never fits
+    with pytest.raises(MigdError) as info:
+        c.lease(job_id="c.2", gpu_memory_mib=16000, wait_s=0, mps_clients=2)
+    assert info.value.code == "request_too_large"
+
+
+# -- status never waits for an MPS daemon ---------------------------------------------------
+
+
+def test_status_answers_at_once_while_the_mps_daemon_hangs(daemon: DaemonProcess) -> None:
+    daemon.simulate = "1xV100-32GB"
+    daemon.start()
+    lease = daemon.client().lease(job_id="h.0", gpu_memory_mib=1000, wait_s=5)
+    pipe = Path(lease["env"]["CUDA_MPS_PIPE_DIRECTORY"])
+    wait_for(
+        lambda: mps_status(daemon)["daemons"][0]["age_s"] is not None,
+        what="a refreshed MPS status",
+    )
+    fault_path(pipe, "hang").touch()
+    try:
+        for _ in range(20):  # about 3 s: every call while the daemon hangs
+            began = time.monotonic()
+            status = mps_status(daemon)
+            assert time.monotonic() - began < 1.0
+            (entry,) = status["daemons"]
+            assert entry["age_s"] is not None
+            time.sleep(0.15)
+        ages = [mps_status(daemon)["daemons"][0]["age_s"] for _ in range(2)]
+        assert ages[-1] >= 2.0  # the answers are old, and status says how old
+    finally:
+        fault_path(pipe, "hang").unlink(missing_ok=True)
+
+
+# -- usage of an MPS lease is its own job's ----------------------------------------------------
+
+
+def test_usage_of_an_mps_lease_counts_only_its_own_jobs_processes(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xV100-32GB"
+    daemon.start()
+    env = {**os.environ, "MIGD_API_SOCKET": str(daemon.socket_path)}
+    jobs = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "migd.wrapper.main",
+                "--socket",
+                str(daemon.socket_path),
+                "--gpu-memory",
+                f"{size}G",
+                "--mode",
+                "mps",
+                "--job-id",
+                name,
+                "--",
+                *SIMJOB,
+                *("--start", f"{size - 1}G", "--steps", "200", "--step-s", "0.05"),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, size in (("u.a", 2), ("u.b", 4))
+    }
+    try:
+        c = daemon.client()
+
+        def usages() -> dict[str, dict[str, Any]] | None:
+            rows = {x["job_id"]: x for x in c.call("leases")["leases"] if x["state"] == "active"}
+            if set(rows) != set(jobs):
+                return None
+            got = {job: c.call("usage", lease_id=row["lease_id"]) for job, row in rows.items()}
+            return got if all(u["processes"] for u in got.values()) else None
+
+        got = wait_for(usages, what="both jobs to allocate")
+        assert {p["used_mib"] for p in got["u.a"]["processes"]} == {1024}
+        assert {p["used_mib"] for p in got["u.b"]["processes"]} == {3072}
+        assert got["u.a"]["scope"] == "job" and got["u.a"]["device_used_mib"] >= 4096
+        (pid_a,) = [p["pid"] for p in got["u.a"]["processes"]]
+        assert Path(f"/proc/{pid_a}/status").read_text().count("PPid") == 1
+        assert (
+            int(
+                next(
+                    line.split()[1]
+                    for line in Path(f"/proc/{pid_a}/status").read_text().splitlines()
+                    if line.startswith("PPid")
+                )
+            )
+            == jobs["u.a"].pid
+        )  # the wrapper's child
+    finally:
+        for proc in jobs.values():
+            proc.terminate()
+            proc.wait(30)
+
+
+# -- lost clients flag the lease; GPU health recovers ---------------------------------------
+
+
+def test_a_crashed_server_flags_its_leases_in_status_leases_and_explain(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xV100-32GB"
+    h = holder()
+    try:
+        daemon.start()
+        lease = daemon.client().lease(job_id="x.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+        fault_path(lease["env"]["CUDA_MPS_PIPE_DIRECTORY"], "crash-server").touch()
+        row = wait_for(
+            lambda: (r := lease_row(daemon, lease["lease_id"]))["warning"] and r,
+            what="the lease to be flagged",
+        )
+        assert row["state"] == "active" and "MPS clients lost" in row["warning"]
+        status = mps_status(daemon)
+        assert status["shares"][0]["warning"] == row["warning"]
+        text = migctl(daemon, "status")
+        assert "WARNING: MPS clients lost" in text
+        assert "WARNING: MPS clients lost" in migctl(daemon, "leases")
+        assert "WARNING: MPS clients lost" in migctl(daemon, "explain", "x.0")
+        assert "mps.clients_lost" in migctl(daemon, "history", "--job", "x.0")
+    finally:
+        h.kill()
+        h.wait()
+
+
+def test_gpu_health_is_cleared_once_the_mps_daemon_can_be_restarted(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xV100-32GB"
+    h = holder()
+    shim = daemon.root / "run" / "sim-bin" / "nvidia-cuda-mps-control"
+    try:
+        daemon.start()
+        lease = daemon.client().lease(job_id="r.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+        shim.chmod(0o644)  # the control binary cannot run: restarts fail
+        fault_path(lease["env"]["CUDA_MPS_PIPE_DIRECTORY"], "die").touch()
+        gpu = wait_for(
+            lambda: (g := daemon.client().status()["gpus"][0])["health"] != "ok" and g,
+            what="the GPU to be marked",
+        )
+        assert gpu["health"].startswith("MPS daemon cannot be restarted")
+        shim.chmod(0o755)
+        wait_for(
+            lambda: daemon.client().status()["gpus"][0]["health"] == "ok",
+            what="the health mark to clear",
+        )
+        [control] = mps_status(daemon)["daemons"]
+        os.kill(int(control["pid"]), 0)
+    finally:
+        shim.chmod(0o755)
+        h.kill()
+        h.wait()
+
+
+# -- reports from the wrapper ---------------------------------------------------------------
+
+
+def test_a_wrappers_devices_unavailable_report_restarts_the_mps_daemon(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xV100-32GB"
+    h = holder()
+    try:
+        daemon.start()
+        c = daemon.client()
+        lease = c.lease(job_id="d.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+        [before] = mps_status(daemon)["daemons"]
+        reply = c.call(
+            "report",
+            lease_id=lease["lease_id"],
+            event="mps_client_error",
+            data={"message": f"RuntimeError: CUDA error: {UNAVAILABLE}"},
+        )
+        assert reply["recorded"] is True and reply["device"] == lease["gpu_uuid"]
+        wait_for(
+            lambda: [d["pid"] for d in mps_status(daemon)["daemons"]] not in ([], [before["pid"]]),
+            what="a new MPS daemon",
+        )
+        events = wait_for(
+            lambda: (
+                (e := [r["event"] for r in c.call("history", job_id="d.0")["history"]]).count(
+                    "mps.clients_lost"
+                )
+                and e
+            ),
+            what="the lost clients to be recorded",
+        )
+        assert "wrapper.mps_client_error" in events
+        with pytest.raises(MigdError) as info:
+            c.call("report", lease_id=lease["lease_id"], event="mps_client_error", data={})
+        assert info.value.code == "invalid_request"
+    finally:
+        h.kill()
+        h.wait()
+
+
+# -- mode=mps on a MIG GPU ------------------------------------------------------------------
+
+
+def test_mode_mps_on_a_mig_enabled_gpu_is_refused_with_a_hint(daemon: DaemonProcess) -> None:
+    daemon.simulate = "1xA100-40GB"
+    daemon.config_text = 'version = 1\n[[gpu]]\nmatch = "0"\nmode = "mps"\n'
+    daemon.start()
+    (gpu,) = daemon.client().status()["gpus"]
+    assert gpu["mig_current"] is True and gpu["healthy"] is False
+    assert "mps_in_mig = true" in gpu["health"] and "MIG is enabled" in gpu["health"]
+    with pytest.raises(MigdError):
+        daemon.client().lease(job_id="n.0", gpu_memory_mib=1000, wait_s=0)
+
+
+# -- restart of migd with a dead MPS daemon ---------------------------------------------------
+
+
+def test_restart_with_a_dead_mps_daemon_flags_the_lease(daemon: DaemonProcess) -> None:
+    daemon.simulate = "1xV100-32GB"
+    h = holder()
+    try:
+        daemon.start()
+        lease = daemon.client().lease(job_id="z.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+        [control] = mps_status(daemon)["daemons"]
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait() == 0
+        os.kill(int(control["pid"]), signal.SIGKILL)  # dies while migd is down
+        daemon.proc = None
+        daemon.notifications.clear()
+        daemon.start()
+        row = lease_row(daemon, lease["lease_id"])
+        assert row["state"] == "active" and "died while migd was down" in row["warning"]
+        [fresh] = mps_status(daemon)["daemons"]
+        assert fresh["pid"] != control["pid"]
+        events = [r["event"] for r in daemon.client().call("history", job_id="z.0")["history"]]
+        assert "mps.clients_lost" in events
+    finally:
+        h.kill()
+        h.wait()
+
+
+# -- MPS inside MIG ---------------------------------------------------------------------------
+
+
+MPS_IN_MIG = 'version = 1\n[[gpu]]\nmatch = "0"\nmode = "mig"\nmps_in_mig = true\n'
+
+
+def test_small_jobs_share_an_mps_instance_and_it_is_stopped_before_destroy(
+    daemon: DaemonProcess,
+) -> None:
+    daemon.simulate = "1xA100-40GB"
+    daemon.config_text = MPS_IN_MIG
+    daemon.start()
+    c = daemon.client()
+    a = c.lease(job_id="m.a", gpu_memory_mib=1500, wait_s=10)
+    b = c.lease(job_id="m.b", gpu_memory_mib=1200, wait_s=10)
+    assert a["mode"] == b["mode"] == "mps" and a["profile"] == "1g.5gb"
+    mig = a["mig_uuid"]
+    assert mig.startswith("MIG-") and b["mig_uuid"] == mig
+    assert a["env"]["CUDA_VISIBLE_DEVICES"] == mig
+    pipe = Path(a["env"]["CUDA_MPS_PIPE_DIRECTORY"])
+    assert (
+        pipe == Path(b["env"]["CUDA_MPS_PIPE_DIRECTORY"])
+        and (pipe / "nvidia-cuda-mps-control.pid").exists()
+    )
+    (inst,) = [i for i in c.status()["gpus"][0]["instances"] if i["uuid"] == mig]
+    assert len(inst["mps"]["shares"]) == 2 and inst["mps"]["max_clients"] == 48 // 7
+    [control] = inst["mps"]["daemons"]
+    # A job on it is held to its share inside the instance.
+    out = simjob(daemon, a["env"], "--start", "1G", "--grow", "1G", "--steps", "1")
+    assert out.returncode == 1 and "total capacity of 1.46 GiB" in out.stderr
+    c.release(a["lease_id"])
+    c.release(b["lease_id"])
+    # A client the books do not know (a leaked job process) keeps the instance.
+    stray = holder()
+    try:
+        assert (
+            fake_control(pipe, f"fake_register_client {stray.pid} {os.getuid()}").strip().isdigit()
+        )
+        c.call("reset", gpu="0")
+        wait_for(
+            lambda: "work.failed" in [r["event"] for r in c.call("history", limit=20)["history"]],
+            what="the destroy to be refused",
+        )
+        assert any(i["uuid"] == mig for i in c.status()["gpus"][0]["instances"])
+        os.kill(int(control["pid"]), 0)
+    finally:
+        stray.kill()
+        stray.wait()
+    # Without clients: the MPS daemon is stopped, then the instance destroyed.
+    c.call("reset", gpu="0")
+    wait_for(
+        lambda: not any(i["uuid"] == mig for i in c.status()["gpus"][0]["instances"]),
+        what="the MPS instance to go",
+    )
+    assert not pid_alive(int(control["pid"]))
+    # A big job still gets its own instance, and mode=mps gets a share.
+    big = c.lease(job_id="m.big", gpu_memory_mib=9000, wait_s=10)
+    assert big["mode"] == "mig"
+    share = c.lease(job_id="m.mps", gpu_memory_mib=2000, mode="mps", wait_s=10)
+    assert share["mode"] == "mps" and share["mig_uuid"] != big["mig_uuid"]
+
+
+def migctl(daemon: DaemonProcess, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout

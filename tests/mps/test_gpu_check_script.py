@@ -1,0 +1,181 @@
+"""scripts/mps_gpu_check.sh and scripts/mps_migd_check.py, without a GPU.
+
+The shell script is checked for syntax (and with shellcheck where installed), its
+dry run for the refusals it must make, and a whole run against the stand-in control
+daemon and a stand-in nvidia-smi for its clean-up. The migd part runs MpsManager's
+real code against the fake daemon with a client that fails like PyTorch does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import pid_alive
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "mps_gpu_check.sh"
+MIGD_CHECK = REPO / "scripts" / "mps_migd_check.py"
+GPU = "GPU-0a1b2c3d-0000-4000-8000-0000000000aa"
+
+# A client like mps_gpu_check.sh's, for the fake: it learns its limit from the MPS server
+# (through the pipe directory) and fails with PyTorch's message past it.
+FAKE_CLIENT = """
+import json, os, sys
+from migd.testing.fake_mps_control import connect_client
+label, target = sys.argv[1], int(sys.argv[2])
+got = connect_client(os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.getpid(), os.getuid(),
+                     os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
+limit = None if got is None else got[1]
+report = {"label": label, "limit_seen_mib": limit}
+if limit is not None and target > limit:
+    print(f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 "
+          f"has a total capacity of {limit / 1024:.2f} GiB", file=sys.stderr)
+    report.update(outcome="oom", allocated_mib=limit)
+    print(json.dumps(report))
+    sys.exit(1)
+report.update(outcome="allocated", allocated_mib=target)
+print(json.dumps(report))
+"""
+
+
+def stand_in_nvidia_smi(bin_dir: Path, *, mig: str) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        f'  *mig.mode.current*) echo "{mig}";;\n'
+        f'  *query-gpu=uuid*) echo "{GPU}";;\n'
+        f'  -L) echo "GPU 0: Test (UUID: {GPU})";;\n'
+        '  *) echo "stand-in nvidia-smi";;\n'
+        "esac\n"
+    )
+    smi.chmod(0o755)
+
+
+def script_env(bin_dir: Path, fake_binary: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{fake_binary.parent}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+    }
+
+
+def test_the_script_is_valid_bash_and_shellcheck_clean() -> None:
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed")
+    result = subprocess.run(
+        ["shellcheck", str(SCRIPT)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout
+
+
+def test_dry_run_refuses_a_parent_gpu_with_mig_enabled(tmp_path: Path, fake_binary: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    stand_in_nvidia_smi(bin_dir, mig="Enabled")
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=script_env(bin_dir, fake_binary),
+        timeout=60,
+        check=True,
+    )
+    assert f"GPU {GPU} has MIG enabled" in run.stdout and "ready to run" not in run.stdout
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    stand_in_nvidia_smi(bin_dir, mig="Disabled")
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=script_env(bin_dir, fake_binary),
+        timeout=60,
+        check=True,
+    )
+    assert "ready to run" in run.stdout and "9. migd's MpsManager" in run.stdout
+    # Without --dry-run, the refusal is an error.
+    stand_in_nvidia_smi(bin_dir, mig="Enabled")
+    refused = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=script_env(bin_dir, fake_binary),
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2 and "MIG enabled" in refused.stderr
+
+
+def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
+    tmp_path: Path, fake_binary: Path
+) -> None:
+    bin_dir = tmp_path / "bin"
+    stand_in_nvidia_smi(bin_dir, mig="Disabled")
+    env = script_env(bin_dir, fake_binary)
+    env["PYTHONPATH"] = str(REPO)
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    (run_dir,) = (tmp_path / "out").iterdir()
+    summary = (run_dir / "summary.txt").read_text()
+    assert "Cannot find MPS control daemon process" in summary
+    assert "An instance of this daemon is already running" in summary
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["device"] == GPU and len(result["clients"]) == 5
+    assert result["migd"]["job_env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
+    assert result["migd"]["stopped"] is True
+    # No daemon is left: neither the script's nor migd's.
+    pid_line = next(line for line in summary.splitlines() if "stop: quit daemon" in line)
+    assert not pid_alive(int(pid_line.split()[-1]))
+    work = Path(summary.split("pipe dir: ", 1)[1].split()[0]).parent
+    assert work.name.startswith("migd-mps.") and not work.exists()  # removed once stopped
+
+
+def test_migd_check_classifies_the_clients_oom_and_stops_its_daemon(
+    tmp_path: Path, fake_binary: Path, short_dir: Path
+) -> None:
+    client = tmp_path / "client.py"
+    client.write_text(FAKE_CLIENT)
+    out = tmp_path / "migd_check.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(MIGD_CHECK),
+            *("--binary", str(fake_binary), "--device", GPU, "--limit-mib", "1024"),
+            *("--out", str(out), "--runtime-dir", str(short_dir), "--"),
+            sys.executable,
+            str(client),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    share, dropped, mb = result["clients"]
+    assert share["client"]["limit_seen_mib"] == 1024 and share["exit_code"] == 1
+    assert (
+        share["verdict"]["kind"] == "strong" and "CUDA out of memory" in share["verdict"]["matched"]
+    )
+    # Without the variable, the server's limit (the share's) still holds.
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in dropped["env"]
+    assert dropped["client"]["limit_seen_mib"] == 1024 and dropped["verdict"]["kind"] == "strong"
+    assert mb["client"]["limit_seen_mib"] == 512 and mb["verdict"]["kind"] == "strong"
+    assert result["summary"]["migd_handles_the_oom"] is True
+    assert result["stopped"] is True and not pid_alive(result["daemon"]["pid"])
