@@ -8,8 +8,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from migd.api import API_VERSION
 from migd.errors import DaemonUnavailable, MigdError, ProtocolError, error_from_dict
+from migd.protocol import API_VERSION
 
 DEFAULT_SOCKET = Path(os.environ.get("MIGD_API_SOCKET", "/run/migd/migd.sock"))
 
@@ -56,7 +56,10 @@ class MigdClient:
                     f"no permission to connect to {self.socket_path}",
                     hint="ask the admin to allow your user in [api] of migd.toml",
                 ) from exc
-            sock.sendall(json.dumps(message).encode() + b"\n")
+            try:
+                sock.sendall(json.dumps(message).encode() + b"\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before it read the request (a connection limit): read why
             data = b""
             while not data.endswith(b"\n"):
                 chunk = sock.recv(65536)
