@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -56,10 +57,9 @@ class MigdClient:
                     f"no permission to connect to {self.socket_path}",
                     hint="ask the admin to allow your user in [api] of migd.toml",
                 ) from exc
-            try:
+            # migd may refuse a connection (a limit) before reading the request: read why
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(json.dumps(message).encode() + b"\n")
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # refused before it read the request (a connection limit): read why
             data = b""
             while not data.endswith(b"\n"):
                 chunk = sock.recv(65536)

@@ -535,7 +535,7 @@ class Daemon:
                     hint="set api.socket_group to the group they share",
                 )
 
-    def _admit(self, peer: Peer) -> None:
+    def _admit(self, peer: Peer, reader_only: bool) -> None:
         """Connection limits: nobody holds more than api.max_clients_per_uid connections,
         and users who may not lease never take the last quarter of api.max_clients, so
         lease users keep being served. Root is never refused."""
@@ -550,7 +550,7 @@ class Daemon:
                 hint="close idle connections and retry; `ss -xp | grep migd.sock` shows them",
             )
         if self._clients > api.max_clients or (
-            not self.auth.may_lease(peer) and self._readers > api.max_clients - api.max_clients // 4
+            reader_only and self._readers > api.max_clients - api.max_clients // 4
         ):
             raise DaemonUnavailable(
                 f"migd has too many connections open ({self._clients - 1}, "
@@ -572,7 +572,7 @@ class Daemon:
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         self._readers += int(reader_only)
         try:
-            await self._serve_peer(peer, reader, writer)
+            await self._serve_peer(peer, reader_only, reader, writer)
         finally:
             self._clients -= 1
             self._readers -= int(reader_only)
@@ -583,11 +583,15 @@ class Daemon:
                 del self._per_uid[peer.uid]
 
     async def _serve_peer(
-        self, peer: Peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        peer: Peer,
+        reader_only: bool,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         api = self.config.api
         try:
-            self._admit(peer)
+            self._admit(peer, reader_only)
             line = await asyncio.wait_for(reader.readline(), api.request_timeout_s)
         except (ValueError, asyncio.LimitOverrunError):
             error = ProtocolError(f"message longer than {api.max_message_bytes} bytes")
@@ -1185,6 +1189,9 @@ class Daemon:
                         {"counts": self.sched.demand.snapshot(), "last_s": now},
                     )
                     self.sched.forget_terminal()
+                    for book in (self._saved, self._logged, self._work_seconds):
+                        for lease_id in [k for k in book if k not in self.sched.leases]:
+                            del book[lease_id]
                 if tick % 3600 == 0:
                     self.db.prune(self.config.daemon.history_keep)
             except Exception as exc:
@@ -1227,6 +1234,14 @@ class Daemon:
         """
         interval = self.notifier.watchdog_s or 20.0
         tick, stale_after = interval / 4, interval / 2
+        if self.notifier.watchdog_s:
+            log.info(
+                "watchdog.enabled",
+                watchdog_s=interval,
+                ping_every_s=tick,
+                heartbeat_stale_after_s=stale_after,
+                work_timeout_s=self.config.daemon.work_timeout_s,
+            )
         loop = asyncio.get_running_loop()
         while True:
             for index, worker in self.workers.items():
@@ -1306,8 +1321,12 @@ class Daemon:
         )
         self.auth = Authorizer(self.config.api)
         if self._server is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self._apply_socket_access(access)
+            except OSError as exc:
+                log.error(
+                    "api.socket_access_failed", socket=str(self.config.api.socket), error=str(exc)
+                )
         self.sched.set_policy(scheduler_policy(self.config))
         try:
             self._apply_demand_prior()
@@ -1436,7 +1455,7 @@ def check_socket_path(path: Path) -> None:
         ConfigError: the path is unsafe or another migd is running there.
     """
     where = "api.socket"
-    path = path.absolute()  # not resolve(): a symlinked component must be seen
+    path = Path(os.path.normpath(path.absolute()))  # not resolve(): symlinks must be seen
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o755, parents=True)
