@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from migd.errors import MigdError, ProtocolError
+from migd.protocol import API_VERSION, MAX_NESTING, encode
 
-API_VERSION = 1
 JOB_ID = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 LEASE_ID = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 GPU_REF = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -129,21 +129,41 @@ OPS = [
 ]
 
 
+def _nesting(value: Any) -> int:
+    """How deeply objects and arrays nest in a parsed JSON value (a scalar is 0)."""
+    depth = 0
+    level: list[Any] = [value]
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [child for c in containers for child in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
 def decode_request(line: bytes) -> Request:
     """Parse one request line.
 
     Raises:
-        ProtocolError: not JSON, not an object, wrong version, unknown op, bad fields.
+        ProtocolError: not JSON, nested deeper than ``MAX_NESTING``, not an object,
+            wrong version, unknown op, bad fields.
     """
     try:
         raw = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"not a JSON message: {exc}") from exc
+    except RecursionError as exc:  # the C parser recurses once per nesting level
+        raise ProtocolError(f"message nested deeper than {MAX_NESTING} levels") from exc
+    # Counting brackets is a fast upper bound; only messages with many pay the exact walk.
+    if line.count(b"[") + line.count(b"{") > MAX_NESTING and _nesting(raw) > MAX_NESTING:
+        raise ProtocolError(f"message nested deeper than {MAX_NESTING} levels")
     if not isinstance(raw, dict):
         raise ProtocolError("a message must be a JSON object")
-    if raw.get("version") != API_VERSION:
+    version = raw.get("version")
+    if type(version) is not int or version != API_VERSION:  # neither true nor 1.0
         raise ProtocolError(
-            f"unsupported API version {raw.get('version')!r}; this daemon speaks {API_VERSION}",
+            f"unsupported API version {version!r}; this daemon speaks {API_VERSION}",
             hint="upgrade the client (migctl/migd-wrapper) to match the daemon",
         )
     op = raw.get("op")
@@ -157,10 +177,6 @@ def decode_request(line: bytes) -> Request:
             for e in exc.errors()
         )
         raise ProtocolError(f"invalid {op} request: {problems}") from exc
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), default=str).encode() + b"\n"
 
 
 def ok_reply(request_id: int | str | None, result: Any) -> bytes:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 from pathlib import Path
 from typing import Any
 
-from migd.api import API_VERSION
 from migd.errors import DaemonUnavailable, MigdError, ProtocolError, error_from_dict
+from migd.protocol import API_VERSION
 
 DEFAULT_SOCKET = Path(os.environ.get("MIGD_API_SOCKET", "/run/migd/migd.sock"))
 
@@ -56,7 +57,9 @@ class MigdClient:
                     f"no permission to connect to {self.socket_path}",
                     hint="ask the admin to allow your user in [api] of migd.toml",
                 ) from exc
-            sock.sendall(json.dumps(message).encode() + b"\n")
+            # migd may refuse a connection (a limit) before reading the request: read why
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(json.dumps(message).encode() + b"\n")
             data = b""
             while not data.endswith(b"\n"):
                 chunk = sock.recv(65536)

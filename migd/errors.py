@@ -93,7 +93,7 @@ class ConfigError(MigdError):
     """Invalid configuration; ``where`` names the key, e.g. ``gpus[1].mode``."""
 
     code = "config_error"
-    default_hint = "fix the configuration and reload (systemctl reload migd)"
+    default_hint = "fix the setting named; `migd --check-config` checks the whole configuration"
 
     def __init__(self, message: str, *, where: str = "", hint: str | None = None) -> None:
         super().__init__(f"{where}: {message}" if where else message, hint=hint, where=where)

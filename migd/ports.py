@@ -152,7 +152,8 @@ class ProcessTable(Protocol):
         ...
 
     def start_time(self, pid: int) -> float | None:
-        """Process start time (seconds since the epoch), ``None`` if it does not exist."""
+        """When the process started (an opaque number in seconds, e.g. since boot, that
+        ``alive`` compares), ``None`` if it does not exist."""
         ...
 
     def uid(self, pid: int) -> int | None: ...

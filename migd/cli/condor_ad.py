@@ -4,7 +4,8 @@
 ``--per-gpu``, one ad per GPU whose ``SlotMergeConstraint`` merges it only into
 slots that were assigned a share of that GPU (for layouts with one partitionable
 slot per GPU). The ``START`` expression in ``condor_config/`` uses
-``MigdHealthy`` and ``MigdLargestPlaceableMB``.
+``MigdHealthy`` and ``MigdLargestPlaceableMB``. Every attribute is listed in
+``docs/operations.md``.
 
 ``gpu-inventory`` prints what ``MACHINE_RESOURCE_INVENTORY_GPUs`` expects: the
 *physical* GPUs (short UUIDs, as condor_gpu_discovery names them), independent
@@ -34,18 +35,30 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+def free_mib(gpu: dict[str, Any]) -> int:
+    """GPU memory not held by jobs: all but busy MIG instances, or unpinned MPS memory."""
+    if gpu["mode"] == "off":
+        return 0
+    if gpu["mode"] == "mps":
+        busy = int((gpu.get("mps") or {}).get("pinned_mib", 0))
+    elif gpu["mode"] == "exclusive":
+        busy = gpu["memory_total_mib"] if (gpu.get("exclusive") or {}).get("lease_id") else 0
+    else:
+        busy = sum(i["memory_mib"] for i in gpu.get("instances", []) if i["busy"])
+    return max(0, int(gpu["memory_total_mib"]) - busy)
+
+
+def _usable(gpu: dict[str, Any]) -> bool:
+    return bool(gpu["healthy"] and not gpu["draining"] and gpu["mode"] != "off")
+
+
 def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     gpus = status["gpus"]
-    healthy_gpus = [g for g in gpus if g["healthy"] and not g["draining"] and g["mode"] != "off"]
+    healthy_gpus = [g for g in gpus if _usable(g)]
     largest = max(
         ((g["largest_placeable"] or {}).get("memory_mib", 0) for g in healthy_gpus), default=0
     )
-    free = 0
-    for g in healthy_gpus:
-        busy = sum(i["memory_mib"] for i in g.get("instances", []) if i["busy"])
-        if g["mode"] == "mps":
-            busy = (g.get("mps") or {}).get("pinned_mib", 0)
-        free += max(0, g["memory_total_mib"] - busy)
+    free = sum(free_mib(g) for g in healthy_gpus)
     lines = [
         f"MigdHealthy = {_bool(bool(healthy_gpus))}",
         f"MigdVersion = {_classad_str(status['daemon']['version'])}",
@@ -59,9 +72,11 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     ]
     if per_gpu:
         for g in gpus:
-            placeable = (g["largest_placeable"] or {}).get("memory_mib", 0)
-            ok = g["healthy"] and not g["draining"] and g["mode"] != "off"
+            ok = _usable(g)
+            placeable = (g["largest_placeable"] or {}) if ok else {}
             reason = g["health"] if not g["healthy"] else ("draining" if g["draining"] else "")
+            if g["mode"] == "off":
+                reason = reason or "not managed by migd (mode off)"
             lines += [
                 # AssignedGPUs holds share IDs (GPU-xxxxxxxx_sN): match on the GPU's prefix
                 f"SlotMergeConstraint = regexp({_classad_str(short_uuid(g['uuid']) + '_s')},"
@@ -69,7 +84,10 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
                 f"MigdGpuHealthy = {_bool(ok)}",
                 f"MigdGpuMode = {_classad_str(g['mode'])}",
                 f"MigdGpuModel = {_classad_str(g['model'])}",
-                f"MigdGpuLargestPlaceableMB = {placeable if ok else 0}",
+                f"MigdGpuMemoryMB = {int(g['memory_total_mib'])}",
+                f"MigdGpuFreeMB = {free_mib(g) if ok else 0}",
+                f"MigdGpuLargestPlaceableMB = {placeable.get('memory_mib', 0)}",
+                f"MigdGpuLargestPlaceableProfile = {_classad_str(placeable.get('profile', ''))}",
                 f"MigdGpuReason = {_classad_str(reason)}",
                 f"- migd_gpu{g['index']}",
             ]

@@ -9,8 +9,9 @@ from the socket. Users and groups in the config may be names or numeric IDs;
   ``"*"``), plus admins.
 * ``release``/``heartbeat``/``usage``/``report``/``get_lease``: the lease's
   owner (same uid), or an admin.
-* ``release_job``: the owner of the job's leases, lease users (the ``condor``
-  account runs hooks on some setups) and admins.
+* ``release_job`` (the JOB_EXIT hook): admins and ``api.hook_users`` release every
+  lease of the job; anyone else only the job's leases it owns (HTCondor runs the
+  hook as the job's user, docs/htcondor-notes.md (f)).
 * ``status``/``leases``/``explain``/``history``: anyone when
   ``api.status_public``, else lease users and admins.
 * ``drain``/``resume``/``reset``/``reload``: admins (``root`` always is one).
@@ -91,6 +92,10 @@ class Authorizer:
 
     def may_lease(self, peer: Peer) -> bool:
         return self.is_admin(peer) or _matches(peer, self.api.lease_users, self.api.lease_groups)
+
+    def may_release_any(self, peer: Peer) -> bool:
+        """May release any job's leases by job id (``release_job``)."""
+        return self.is_admin(peer) or _matches(peer, self.api.hook_users, [])
 
     def require_lease(self, peer: Peer) -> None:
         if not self.may_lease(peer):

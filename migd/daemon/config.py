@@ -11,6 +11,7 @@ Errors name the exact place: ``policy.queue: Input should be 'fifo' or 'size'``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
@@ -64,9 +65,24 @@ class ApiSection(_Section):
     lease_groups: list[str] = Field(default_factory=lambda: ["condor"])
     admin_users: list[str] = Field(default_factory=lambda: ["root"])
     admin_groups: list[str] = Field(default_factory=list)
+    hook_users: list[str] = Field(
+        default_factory=lambda: ["condor"],
+        description="may release any job's leases (release_job) besides admins",
+    )
     status_public: bool = True
+    socket_group: str | None = Field(
+        None,
+        description="group of the socket file when it is 0660 (status_public = false and "
+        "no lease_users '*'): the group the lease users share",
+    )
     max_message_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
     max_clients: int = Field(512, ge=1)
+    max_clients_per_uid: int = Field(
+        64, ge=1, description="open connections one uid may hold (root: no limit)"
+    )
+    request_timeout_s: float = Field(
+        10.0, gt=0, description="a client must send its request line within this time"
+    )
 
 
 class PolicySection(_Section):
@@ -154,13 +170,13 @@ RESTART_KEYS = (
 )
 
 
-def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_path(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
     parts = dotted.split(".")
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{part} is not a section", where=dotted)
+            raise ConfigError(f"{part} is not a section", where=origin)
         node = child
     node[parts[-1]] = value
 
@@ -178,20 +194,39 @@ def _coerce(text: str) -> Any:
         return text
 
 
+def _env_names() -> dict[str, str]:
+    """``MIGD_POLICY_QUEUE`` -> ``policy.queue`` for every key of every table section."""
+    names: dict[str, str] = {}
+    for section, field in MigdConfig.model_fields.items():
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            for key in model.model_fields:
+                names[f"{ENV_PREFIX}{section.upper()}_{key.upper()}"] = f"{section}.{key}"
+    return names
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``MIGD_POLICY_QUEUE=size`` -> ``{"policy.queue": "size"}`` for every known key."""
+    """``MIGD_POLICY_QUEUE=size`` -> ``{"policy.queue": "size"}`` for every known key.
+
+    Raises:
+        ConfigError: a ``MIGD_<SECTION>_...`` variable names no key of that section (a
+            misspelt setting would otherwise be ignored without a word).
+    """
+    names = _env_names()
+    sections = {dotted.split(".")[0] for dotted in names.values()}
+    prefixes = tuple(f"{ENV_PREFIX}{section.upper()}_" for section in sorted(sections))
     out: dict[str, Any] = {}
-    sections = {
-        name: field.annotation
-        for name, field in MigdConfig.model_fields.items()
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-    }
-    for section, model in sections.items():
-        assert isinstance(model, type) and issubclass(model, BaseModel)
-        for key in model.model_fields:
-            var = f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
-            if var in environ:
-                out[f"{section}.{key}"] = _coerce(environ[var])
+    for var, text in environ.items():
+        if var in names:
+            out[names[var]] = _coerce(text)
+        elif var.startswith(prefixes):
+            close = difflib.get_close_matches(var, names, n=1)
+            raise ConfigError(
+                "no such setting",
+                where=var,
+                hint=(f"did you mean {close[0]}? " if close else "")
+                + "MIGD_<SECTION>_<KEY> variables must name a key of docs/configuration.md",
+            )
     return out
 
 
@@ -201,6 +236,7 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     required: bool = False,
+    flag_names: Mapping[str, str] | None = None,
 ) -> MigdConfig:
     """Read, merge and validate the configuration.
 
@@ -209,10 +245,13 @@ def load_config(
         overrides: dotted keys from flags (highest precedence).
         environ: environment to read ``MIGD_*`` variables from (default: os.environ).
         required: fail if the file does not exist (an explicit ``--config``).
+        flag_names: the flag that set an override (``{"api.socket": "--socket"}``), for
+            error messages; others are named ``--set KEY``.
 
     Raises:
-        ConfigError: unreadable file, bad TOML, or values that fail validation; the
-            message names every bad key (``policy.queue: ...``).
+        ConfigError: unreadable file, bad TOML, an unknown ``MIGD_*`` setting, or values
+            that fail validation; the message names every bad key and where its value
+            came from (``MIGD_POLICY_QUEUE (policy.queue): ...``).
     """
     environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
@@ -228,18 +267,40 @@ def load_config(
         raise ConfigError(
             "file not found", where=str(file), hint="create it from migd.toml.example"
         )
-    for dotted, value in {**env_overrides(environ), **dict(overrides or {})}.items():
-        _set_path(data, dotted, value)
-    return validate_config(data, source=str(file) if file.exists() else "defaults")
+    origins: dict[str, str] = {}
+    env_vars = {dotted: var for var, dotted in _env_names().items()}
+    for dotted, value in env_overrides(environ).items():
+        origins[dotted] = f"{env_vars[dotted]} ({dotted})"
+        _set_path(data, dotted, value, origins[dotted])
+    for dotted, value in dict(overrides or {}).items():
+        flag = (flag_names or {}).get(dotted)
+        origins[dotted] = f"{flag} ({dotted})" if flag else f"--set {dotted}"
+        _set_path(data, dotted, value, origins[dotted])
+    source = str(file) if file.exists() else "defaults"
+    return validate_config(data, source=source, origins=origins)
 
 
-def validate_config(data: Mapping[str, Any], *, source: str = "config") -> MigdConfig:
-    """Validate a parsed mapping; ConfigError lists every problem with its location."""
+def _origin(loc: str, source: str, origins: Mapping[str, str]) -> str:
+    """Where the value at ``loc`` came from: its variable or flag, else the file."""
+    for dotted, origin in origins.items():
+        if loc == dotted or loc.startswith((f"{dotted}.", f"{dotted}[")):
+            return origin
+    return f"{source}: {loc}" if loc else source
+
+
+def validate_config(
+    data: Mapping[str, Any], *, source: str = "config", origins: Mapping[str, str] | None = None
+) -> MigdConfig:
+    """Validate a parsed mapping; ConfigError lists every problem with its location.
+
+    ``origins`` maps dotted keys set outside the file (variables, flags) to their name.
+    """
+    origins = origins or {}
     version = data.get("version", 1)
     if version != 1:
         raise ConfigError(
             f"unsupported config version {version!r} (this migd reads version 1)",
-            where=f"{source}: version",
+            where=_origin("version", source, origins),
         )
     try:
         return MigdConfig.model_validate(dict(data))
@@ -247,12 +308,11 @@ def validate_config(data: Mapping[str, Any], *, source: str = "config") -> MigdC
         problems = []
         for err in exc.errors():
             loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"])
-            loc = loc.replace(".[", "[")
-            problems.append(f"{loc}: {err['msg']}")
-        first = problems[0].split(":", 1)[0]
-        raise ConfigError(
-            "; ".join(problems), where=f"{source}" if len(problems) > 1 else f"{source}: {first}"
-        ) from exc
+            problems.append((_origin(loc.replace(".[", "["), source, origins), err["msg"]))
+        if len(problems) == 1:
+            where, message = problems[0]
+            raise ConfigError(message, where=where) from exc
+        raise ConfigError("; ".join(f"{where}: {msg}" for where, msg in problems)) from exc
 
 
 def changed_restart_keys(old: MigdConfig, new: MigdConfig) -> list[str]:

@@ -51,6 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The named flags and the keys they set (error messages name the flag).
+FLAG_KEYS = {
+    "state_dir": "daemon.state_dir",
+    "runtime_dir": "daemon.runtime_dir",
+    "socket": "api.socket",
+    "log_format": "daemon.log_format",
+    "log_level": "daemon.log_level",
+}
+
+
+def flag_names() -> dict[str, str]:
+    names = {key: "--" + flag.replace("_", "-") for flag, key in FLAG_KEYS.items()}
+    return names | {"backend.kind": "--simulate", "backend.simulate": "--simulate"}
+
+
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from migd.daemon.config import _coerce
 
@@ -63,13 +78,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.simulate:
         out["backend.kind"] = "simulated"
         out["backend.simulate"] = args.simulate
-    for flag, key in (
-        ("state_dir", "daemon.state_dir"),
-        ("runtime_dir", "daemon.runtime_dir"),
-        ("socket", "api.socket"),
-        ("log_format", "daemon.log_format"),
-        ("log_level", "daemon.log_level"),
-    ):
+    for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag)
         if value is not None:
             out[key] = str(value)
@@ -127,9 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_example_config:
         sys.stdout.write(example_toml())
         return 0
+
+    def load() -> MigdConfig:
+        return load_config(
+            args.config,
+            overrides=overrides,
+            required=args.config is not None,
+            flag_names=flag_names(),
+        )
+
     try:
         overrides = overrides_from_args(args)
-        config = load_config(args.config, overrides=overrides, required=args.config is not None)
+        config = load()
     except ConfigError as exc:
         print(f"migd: configuration error: {exc.message}", file=sys.stderr)
         if exc.hint:
@@ -148,9 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
     )
 
-    def reload() -> MigdConfig:
-        return load_config(args.config, overrides=overrides, required=args.config is not None)
-
     try:
         backend, procs, node = build_ports(config)
     except MigdError as exc:
@@ -161,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     mps = build_mps(config)
 
     async def run() -> int:
-        daemon = Daemon(config, backend, procs, reload_config=reload, sim_node=node, mps=mps)
+        daemon = Daemon(config, backend, procs, reload_config=load, sim_node=node, mps=mps)
         return await daemon.run()
 
     try:

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import gc
+import grp
 import os
 import secrets
 import signal
@@ -63,7 +64,7 @@ from migd.core.scheduler import (
 )
 from migd.core.states import state_space
 from migd.daemon.auth import Authorizer, Peer
-from migd.daemon.config import MigdConfig, changed_restart_keys
+from migd.daemon.config import ApiSection, MigdConfig, changed_restart_keys
 from migd.daemon.status import build_status, explain_job
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
@@ -162,12 +163,16 @@ class Daemon:
         self.notes: list[str] = []  # reconciliation findings for `migctl status`
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._clients = 0
+        self._clients = 0  # open connections, in all
+        self._per_uid: dict[int, int] = {}  # open connections per peer uid
+        self._readers = 0  # open connections of peers that may not lease
         self._watchdog_tripped = ""
         self._saved: dict[str, int] = {}  # lease id -> version last written
         self._mps_task: asyncio.Task[None] | None = None  # a running MPS housekeeping round
         self._mps_adopted_at_start: tuple[str, ...] = ()  # MPS devices found alive
         self._mps_lost_at_start: tuple[str, ...] = ()  # ... and found dead, at start-up
+        self._logged: dict[str, LeaseState] = {}  # lease id -> state last logged
+        self._work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         # Service time per op (decoded request to reply written), last 2048 each, for
         # `migctl status` and the benchmark; see _latency_class.
         self.latency_s: dict[str, collections.deque[float]] = collections.defaultdict(
@@ -201,8 +206,64 @@ class Daemon:
     def save(self, lease: Lease) -> None:
         self.db.save_lease(lease)
         self._saved[lease.lease_id] = lease.version
+        if self._logged.get(lease.lease_id) is not lease.state:
+            self._logged[lease.lease_id] = lease.state
+            self._log_transition(lease)
 
-    def record(self, event: str, lease: Lease | None = None, **data: Any) -> None:
+    def _log_transition(self, lease: Lease) -> None:
+        """Every lease decision in the log, with its explanation (each state change is
+        persisted through :meth:`save`, so this sees them all)."""
+        state = lease.state
+        ids = {"lease_id": lease.lease_id, "job_id": lease.request.job_id}
+        decision = lease.decision or {}
+        if state is LeaseState.QUEUED:
+            log.info(
+                "lease.queued",
+                **ids,
+                memory_mib=lease.request.memory_mib,
+                mode=lease.request.mode,
+                position=self.sched.queue.position(lease.lease_id, self.clock.monotonic()),
+                waiting=len(self.sched.queue),
+                reason=f"no partition for {lease.request.memory_mib} MiB can be had now, "
+                "or requests ahead of it go first",
+            )
+        elif state is LeaseState.PREPARING:
+            log.info(
+                "lease.preparing",
+                **ids,
+                gpu=lease.gpu,
+                action=decision.get("action"),
+                reason=decision.get("reason"),
+            )
+        elif state is LeaseState.ACTIVE:
+            seconds = self._work_seconds.pop(lease.lease_id, None)
+            self.record(
+                "granted",
+                lease,
+                gpu=lease.gpu,
+                mode=lease.mode,
+                profile=lease.profile,
+                start=lease.start,
+                mig_uuid=lease.mig_uuid,
+                seconds=seconds,
+                decision=lease.decision,
+            )
+            log.info(
+                "lease.granted",
+                **ids,
+                gpu=lease.gpu,
+                mode=lease.mode,
+                profile=lease.profile,
+                start=lease.start,
+                memory_limit_mib=lease.memory_limit_mib,
+                reason=decision.get("reason"),
+            )
+        elif state.terminal:
+            level = log.warning if state in (LeaseState.RECLAIMED, LeaseState.FAILED) else log.info
+            level(f"lease.{state.value}", **ids, reason=lease.reason)
+
+    def record(self, event: str, lease: Lease | None = None, /, **data: Any) -> None:
+        # Positional-only: a client's report may use any key, "event" and "lease" too.
         self.db.record(
             event,
             data,
@@ -411,7 +472,15 @@ class Daemon:
             return
         elif lease.mode == "exclusive":
             gpu.exclusive_lease = lease.lease_id
-        log.info("lease.restored", lease_id=lease.lease_id, job_id=lease.request.job_id)
+        self._logged[lease.lease_id] = lease.state
+        log.info(
+            "lease.restored",
+            lease_id=lease.lease_id,
+            job_id=lease.request.job_id,
+            gpu=lease.gpu,
+            mode=lease.mode,
+            holder_pid=lease.owner_pid,
+        )
 
     async def _reattach_mps(self) -> None:
         """Register restored MPS leases with their (adopted or restarted) control daemons.
@@ -487,38 +556,104 @@ class Daemon:
     async def bind(self) -> None:
         path = self.config.api.socket
         check_socket_path(path)
+        access = socket_access(self.config.api)  # before binding: an unknown group fails
         self._server = await asyncio.start_unix_server(
             self._serve_client, path=str(path), limit=self.config.api.max_message_bytes
         )
-        public = self.config.api.status_public or "*" in self.config.api.lease_users
-        path.chmod(0o666 if public else 0o660)
+        self._apply_socket_access(access)
+
+    def _apply_socket_access(self, access: tuple[int, int]) -> None:
+        """Socket file mode and group (at start and on every reload)."""
+        mode, gid = access
+        path = self.config.api.socket
+        os.chown(path, -1, gid)
+        path.chmod(mode)
+        api = self.config.api
+        if mode == 0o660 and api.socket_group is None:
+            others = [u for u in api.lease_users if u not in ("root", "0")] + api.lease_groups
+            if others:
+                log.warning(
+                    "api.socket_private",
+                    socket=str(path),
+                    lease_users=others,
+                    reason="status_public = false makes the socket 0660 with migd's own group, "
+                    "so these lease users cannot connect",
+                    hint="set api.socket_group to the group they share",
+                )
+
+    def _admit(self, peer: Peer, reader_only: bool) -> None:
+        """Connection limits: nobody holds more than api.max_clients_per_uid connections,
+        and users who may not lease never take the last quarter of api.max_clients, so
+        lease users keep being served. Root is never refused."""
+        api = self.config.api
+        if peer.uid == 0:
+            return
+        held = self._per_uid.get(peer.uid, 0)
+        if held > api.max_clients_per_uid:
+            raise DaemonUnavailable(
+                f"uid {peer.uid} holds {held - 1} connections to migd already "
+                f"(api.max_clients_per_uid = {api.max_clients_per_uid})",
+                hint="close idle connections and retry; `ss -xp | grep migd.sock` shows them",
+            )
+        if self._clients > api.max_clients or (
+            reader_only and self._readers > api.max_clients - api.max_clients // 4
+        ):
+            raise DaemonUnavailable(
+                f"migd has too many connections open ({self._clients - 1}, "
+                f"api.max_clients = {api.max_clients})",
+                hint="retry in a few seconds; `ss -xp | grep migd.sock` shows who holds them",
+            )
 
     async def _serve_client(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         sock = writer.get_extra_info("socket")
-        self._clients += 1
         try:
             peer = Peer.from_socket(sock)
-            if self._clients > self.config.api.max_clients:
-                raise ProtocolError("too many clients; retry shortly")
-            line = await reader.readline()
-        except (ValueError, asyncio.LimitOverrunError):
-            await self._send(
-                writer,
-                error_reply(
-                    None,
-                    ProtocolError(f"message longer than {self.config.api.max_message_bytes} bytes"),
-                ),
-            )
-            self._clients -= 1
+        except OSError:
+            writer.close()
             return
-        except ProtocolError as exc:
-            await self._send(writer, error_reply(None, exc))
+        reader_only = peer.uid != 0 and not self.auth.may_lease(peer)
+        self._clients += 1
+        self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
+        self._readers += int(reader_only)
+        try:
+            await self._serve_peer(peer, reader_only, reader, writer)
+        finally:
             self._clients -= 1
+            self._readers -= int(reader_only)
+            left = self._per_uid[peer.uid] - 1
+            if left:
+                self._per_uid[peer.uid] = left
+            else:
+                del self._per_uid[peer.uid]
+
+    async def _serve_peer(
+        self,
+        peer: Peer,
+        reader_only: bool,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        api = self.config.api
+        try:
+            self._admit(peer, reader_only)
+            line = await asyncio.wait_for(reader.readline(), api.request_timeout_s)
+        except (ValueError, asyncio.LimitOverrunError):
+            error = ProtocolError(f"message longer than {api.max_message_bytes} bytes")
+            await self._send(writer, error_reply(None, error))
+            return
+        except TimeoutError:
+            error = ProtocolError(
+                f"no complete request line within {api.request_timeout_s:g} s; closing",
+                hint="send the request and its newline right after connecting",
+            )
+            await self._send(writer, error_reply(None, error))
+            return
+        except MigdError as exc:
+            await self._send(writer, error_reply(None, exc))
             return
         except OSError:
-            self._clients -= 1
             writer.close()
             return
         request_id: int | str | None = None
@@ -540,8 +675,6 @@ class Daemon:
         except Exception as exc:  # never let one request take the daemon down
             log.exception("request.crashed", error=str(exc))
             await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
-        finally:
-            self._clients -= 1
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
@@ -569,11 +702,13 @@ class Daemon:
             lease = self._lease_for(req.lease_id)
             self.auth.require_owner(peer, lease.owner_uid, "report on")
             self.record(f"wrapper.{req.event}", lease, **req.data)
+            # Nested, so a client's keys can neither clash with nor forge the log's own
+            # fields (level, timestamp, event, lease_id).
             log.info(
                 f"wrapper.{req.event}",
                 lease_id=lease.lease_id,
                 job_id=lease.request.job_id,
-                **{k: v for k, v in req.data.items() if k != "event"},
+                data=req.data,
             )
             return {"recorded": True}
         if isinstance(req, StatusRequest):
@@ -587,7 +722,7 @@ class Daemon:
             return {"leases": [self._lease_view(lease, peer) for lease in leases]}
         if isinstance(req, ExplainRequest):
             self.auth.require_read(peer)
-            return explain_job(self, req.job_id)
+            return explain_job(self, req.job_id, lambda lease: self._lease_view(lease, peer))
         if isinstance(req, HistoryRequest):
             self.auth.require_read(peer)
             return {
@@ -652,7 +787,6 @@ class Daemon:
             created_s=now,
         )
         outcome = self.sched.submit(lease, now, mono)
-        self.save(lease)
         self.record(
             "submitted",
             lease,
@@ -662,6 +796,7 @@ class Daemon:
             state=lease.state.value,
             queued_position=outcome.queued_position,
         )
+        self.save(lease)
         self._after_change(outcome.work)
         # Queued: no capacity now, the grant waits for other leases to end. Preparing: the
         # partition is being made for this request (NVML time, not queueing).
@@ -746,24 +881,29 @@ class Daemon:
             self.workers[lease.gpu].executor.submit(self.mps.release, mps_device, lease.lease_id)
         self.save(lease)
         self.record("reclaimed" if reclaim else "released", lease, reason=reason)
-        log.info(
-            "lease.reclaimed" if reclaim else "lease.released",
-            lease_id=lease.lease_id,
-            job_id=lease.request.job_id,
-            reason=reason,
-        )
         self._after_change(work)
         return {"state": lease.state.value}
 
     def handle_release_job(self, req: ReleaseJobRequest, peer: Peer) -> dict[str, Any]:
+        """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of
+        the job, anyone else only their own (a job id alone proves nothing: any user can
+        name any job)."""
         leases = [
             lease for lease in self.sched.active_leases() if lease.request.job_id == req.job_id
         ]
+        if not self.auth.may_release_any(peer):
+            mine = [lease for lease in leases if lease.owner_uid == peer.uid]
+            if leases and not mine:
+                raise NotAuthorized(
+                    f"user {peer.user} (uid {peer.uid}) may not release job {req.job_id}'s "
+                    f"leases: they belong to uid {leases[0].owner_uid}",
+                    hint="the lease's owner, an admin or a user in api.hook_users may",
+                    uid=peer.uid,
+                )
+            leases = mine
         released = []
         for lease in leases:
-            if peer.uid != lease.owner_uid and not self.auth.may_lease(peer):
-                raise NotAuthorized(f"uid {peer.uid} may not release job {req.job_id}'s leases")
-            self._release(lease, req.reason or "released by the JOB_EXIT hook")
+            self._release(lease, req.reason or f"released by the JOB_EXIT hook (uid {peer.uid})")
             released.append(lease.lease_id)
         return {"released": released}
 
@@ -877,6 +1017,7 @@ class Daemon:
             if lease_id not in self.waiters:
                 self.sched.leases.pop(lease_id, None)
                 self._saved.pop(lease_id, None)
+                self._logged.pop(lease_id, None)
 
     async def _gpu_loop(self, index: int) -> None:
         worker = self.workers[index]
@@ -960,25 +1101,7 @@ class Daemon:
             lease_id=work.lease_id,
         )
         if lease is not None and lease.state is LeaseState.ACTIVE:
-            self.record(
-                "granted",
-                lease,
-                gpu=lease.gpu,
-                profile=lease.profile,
-                start=lease.start,
-                mig_uuid=lease.mig_uuid,
-                seconds=round(elapsed, 3),
-                decision=lease.decision,
-            )
-            log.info(
-                "lease.granted",
-                lease_id=lease.lease_id,
-                job_id=lease.request.job_id,
-                gpu=lease.gpu,
-                profile=lease.profile,
-                start=lease.start,
-                reason=(lease.decision or {}).get("reason"),
-            )
+            self._work_seconds[lease.lease_id] = round(elapsed, 3)  # for the grant's record
         elif work.kind == "teardown":
             self.record("teardown", None, gpu=work.gpu, ops=[str(o) for o in work.ops])
         self._after_change(self.sched.schedule(now, mono))
@@ -1235,7 +1358,6 @@ class Daemon:
                 for lease in self.sched.expire(now, mono):
                     self.save(lease)
                     self.record("expired", lease, reason=lease.reason)
-                    log.info("lease.expired", lease_id=lease.lease_id, job_id=lease.request.job_id)
                 self._after_change([])
                 if tick % 10 == 0:
                     self._after_change(self.sched.idle_teardown(now))
@@ -1244,6 +1366,9 @@ class Daemon:
                         {"counts": self.sched.demand.snapshot(), "last_s": now},
                     )
                     self.sched.forget_terminal()
+                    for book in (self._saved, self._logged, self._work_seconds):
+                        for lease_id in [k for k in book if k not in self.sched.leases]:
+                            del book[lease_id]
                 if tick % 3600 == 0:
                     self.db.prune(self.config.daemon.history_keep)
             except Exception as exc:
@@ -1272,11 +1397,30 @@ class Daemon:
             await asyncio.sleep(5.0)
 
     async def _watchdog_loop(self) -> None:
-        """Feed systemd's watchdog only while every GPU thread answers."""
-        period = (self.notifier.watchdog_s or 20.0) / 2
+        """Feed systemd's watchdog only while every GPU thread is sound.
+
+        Every GPU thread must answer a heartbeat within half the watchdog interval,
+        except while NVML work (a create or destroy) younger than
+        ``daemon.work_timeout_s`` runs on some GPU: a heartbeat queued behind a slow but
+        legitimate creation, in that GPU's thread or behind the driver's lock that
+        serialises MIG changes across GPUs, must not get migd killed. A call that hangs
+        stops the pings either way: a short call (memory sampling, the reaper) at once,
+        a create or destroy when ``work_timeout_s`` ends it (migd then records the
+        failure and marks the GPU, see ``_run_work``). systemd restarts migd one
+        ``WatchdogSec`` after the last ping; leases survive in the state db.
+        """
+        interval = self.notifier.watchdog_s or 20.0
+        tick, stale_after = interval / 4, interval / 2
+        if self.notifier.watchdog_s:
+            log.info(
+                "watchdog.enabled",
+                watchdog_s=interval,
+                ping_every_s=tick,
+                heartbeat_stale_after_s=stale_after,
+                work_timeout_s=self.config.daemon.work_timeout_s,
+            )
         loop = asyncio.get_running_loop()
         while True:
-            now_mono = self.clock.monotonic()
             for index, worker in self.workers.items():
                 if worker.heartbeat_pending:
                     continue
@@ -1287,17 +1431,12 @@ class Daemon:
 
                 def done(fut: Any, w: GpuWorker = worker) -> None:
                     w.heartbeat_pending = False
-                    if not fut.exception():
+                    if not fut.cancelled() and not fut.exception():
                         w.last_ok_mono = self.clock.monotonic()
 
                 loop.run_in_executor(worker.executor, beat).add_done_callback(done)
-            await asyncio.sleep(period)
-            stale = [
-                i
-                for i, w in self.workers.items()
-                if self.clock.monotonic() - w.last_ok_mono > 2 * period + 1
-                and self.sched.gpus[i].mode is not GpuMode.OFF
-            ]
+            await asyncio.sleep(tick)
+            stale = self.starved_gpus(stale_after)
             if stale or self._watchdog_tripped:
                 log.error(
                     "watchdog.starved",
@@ -1307,7 +1446,22 @@ class Daemon:
                 )
                 continue
             self.notifier.watchdog()
-            del now_mono
+
+    def starved_gpus(self, stale_after: float) -> list[int]:
+        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds,
+        unless NVML work younger than ``daemon.work_timeout_s`` runs (see above)."""
+        now = self.clock.monotonic()
+        limit = self.config.daemon.work_timeout_s
+        if any(
+            w.busy_since_mono is not None and now - w.busy_since_mono < limit
+            for w in self.workers.values()
+        ):
+            return []
+        return [
+            i
+            for i, w in self.workers.items()
+            if now - w.last_ok_mono > stale_after and self.sched.gpus[i].mode is not GpuMode.OFF
+        ]
 
     # -- reload and shutdown ----------------------------------------------------------------
 
@@ -1317,6 +1471,12 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = self.reload_config()
+        except ConfigError as exc:
+            log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
+            self.notifier.ready("reload failed; old configuration kept")
+            return {"reloaded": False, "error": exc.to_dict()}
+        try:
+            access = socket_access(new.api)
         except ConfigError as exc:
             log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
             self.notifier.ready("reload failed; old configuration kept")
@@ -1337,6 +1497,13 @@ class Daemon:
             }
         )
         self.auth = Authorizer(self.config.api)
+        if self._server is not None:
+            try:
+                self._apply_socket_access(access)
+            except OSError as exc:
+                log.error(
+                    "api.socket_access_failed", socket=str(self.config.api.socket), error=str(exc)
+                )
         self.sched.set_policy(scheduler_policy(self.config))
         try:
             self._apply_demand_prior()
@@ -1429,32 +1596,74 @@ def _latency_class(op: str, result: Any) -> str:
     return op
 
 
+def socket_access(api: ApiSection) -> tuple[int, int]:
+    """The socket file's mode and group for an ``[api]`` section.
+
+    ``0666`` when status is public or any user may lease (SO_PEERCRED decides who may
+    do what); else ``0660``, group ``api.socket_group`` (migd's own group if unset).
+
+    Raises:
+        ConfigError: ``api.socket_group`` names no group on this host.
+    """
+    gid = os.getegid()
+    if api.socket_group is not None:
+        name = api.socket_group
+        try:
+            gid = int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise ConfigError(
+                f"no group {name!r} on this host",
+                where="api.socket_group",
+                hint="name an existing group (getent group) or a numeric gid",
+            ) from None
+    public = api.status_public or "*" in api.lease_users or "*" in api.lease_groups
+    return (0o666 if public else 0o660), gid
+
+
 def check_socket_path(path: Path) -> None:
     """Refuse a socket location another user could hijack.
 
-    The directory must be a real directory (not a symlink), owned by us or root and
-    not writable by others; an existing socket must be stale (no daemon answers).
+    Every directory from ``/`` down to the socket's must be a real directory (no
+    symlinked component: give the real path, e.g. ``/run``, not ``/var/run``) owned by
+    root or by migd's user. The socket's own directory must not be writable by group
+    or others at all; a directory above it may be, only if it is root's and sticky
+    (``/tmp``: nobody can rename or replace what others put there). An existing socket
+    must be stale (no daemon answers).
 
     Raises:
         ConfigError: the path is unsafe or another migd is running there.
     """
+    where = "api.socket"
+    path = Path(os.path.normpath(path.absolute()))  # not resolve(): symlinks must be seen
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o755, parents=True)
-    st = parent.lstat()
-    where = "api.socket"
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"{parent} is a symlink; refusing to put the socket there", where=where)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{parent} is not a directory", where=where)
-    if st.st_mode & stat.S_IWOTH:
-        raise ConfigError(
-            f"{parent} is world-writable; another user could replace the socket",
-            where=where,
-            hint="use a private directory such as /run/migd (the systemd unit creates it)",
-        )
-    if st.st_uid not in (0, os.geteuid()):
-        raise ConfigError(f"{parent} belongs to uid {st.st_uid}, not to migd", where=where)
+    ours = (0, os.geteuid())
+    for directory in (parent, *parent.parents):
+        st = directory.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(
+                f"{directory} is a symlink; refusing to put the socket under it",
+                where=where,
+                hint=f"give the real path ({directory} -> {os.path.realpath(directory)})",
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{directory} is not a directory", where=where)
+        if st.st_uid not in ours:
+            raise ConfigError(
+                f"{directory} belongs to uid {st.st_uid}, who could replace the socket",
+                where=where,
+                hint="use a directory owned by root, such as /run/migd",
+            )
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        sticky_root = st.st_mode & stat.S_ISVTX and st.st_uid == 0
+        if writable and (directory == parent or not sticky_root):
+            who = "world" if st.st_mode & stat.S_IWOTH else "group"
+            raise ConfigError(
+                f"{directory} is {who}-writable; another user could replace the socket",
+                where=where,
+                hint="use a private directory such as /run/migd (the systemd unit creates it)",
+            )
     if path.is_symlink():
         raise ConfigError(f"{path} is a symlink; refusing to use it", where=where)
     if path.exists():

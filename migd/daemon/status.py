@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from migd import __version__
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
 from migd.core.planner import plan_on_gpu
-from migd.core.scheduler import GpuMode, ManagedGpu
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 
 if TYPE_CHECKING:
@@ -213,7 +214,10 @@ def build_status(daemon: Daemon) -> dict[str, Any]:
     }
 
 
-def explain_job(daemon: Daemon, job_id: str) -> dict[str, Any]:
+def explain_job(
+    daemon: Daemon, job_id: str, view: Callable[[Lease], dict[str, Any]]
+) -> dict[str, Any]:
+    """A job's leases (each as ``view`` shows it to the asking peer) and its history."""
     leases = {lease.lease_id: lease for lease in daemon.db.leases_for_job(job_id)}
     for lease in daemon.sched.leases.values():
         if lease.request.job_id == job_id:
@@ -222,7 +226,7 @@ def explain_job(daemon: Daemon, job_id: str) -> dict[str, Any]:
     return {
         "job_id": job_id,
         "leases": [
-            {**lease.to_dict(), "decision": lease.decision}
+            {**view(lease), "decision": lease.decision}
             for lease in sorted(leases.values(), key=lambda lease: lease.created_s)
         ],
         "history": [row.to_dict() for row in reversed(history)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from migd.client import MigdClient
@@ -133,6 +135,39 @@ class DaemonProcess:
         return events
 
 
+def strays(root: Path) -> dict[int, int]:
+    """Live processes (pid -> process group) that belong to a test's ``root``: their
+    command line names a path under it, or their environment does (the MPS daemons'
+    ``CUDA_MPS_PIPE_DIRECTORY``)."""
+    mark = f"{root}/"
+    found: dict[int, int] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "environ", "status"]):
+        info = proc.info
+        if info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        cmdline = info.get("cmdline") or []
+        environ = info.get("environ") or {}
+        if any(mark in arg for arg in cmdline) or any(
+            str(v).startswith(mark) for v in environ.values()
+        ):
+            with contextlib.suppress(ProcessLookupError):
+                found[info["pid"]] = os.getpgid(info["pid"])
+    return found
+
+
+def kill_strays(root: Path) -> None:
+    """SIGKILL the process groups of every process that belongs to a test's ``root``.
+
+    The MPS control daemons migd starts (the stand-in ``fake_mps_control``) detach into
+    their own session, so stopping or killing migd leaves them running (by design: they
+    serve jobs across a restart); their servers share their group.
+    """
+    for pgid in set(strays(root).values()) - {os.getpgrp()}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    wait_for(lambda: not strays(root), timeout_s=5.0, what=f"the processes of {root} to end")
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     # Unix socket paths are limited to ~107 bytes; pytest's tmp paths can be long.
@@ -146,6 +181,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
             proc.proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
             proc.proc.wait(10)
         proc.stop()
+        kill_strays(root)  # MPS daemons that outlive migd by design
         if proc.notify is not None:
             proc.notify.close()
         if proc.log_path.exists() and os.environ.get("MIGD_TEST_SHOW_LOGS"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -409,3 +411,383 @@ def test_migctl_exit_codes(daemon: DaemonProcess) -> None:
     ad = migctl("condor-ad").stdout
     assert "MigdHealthy = true" in ad and "MigdLargestPlaceableMB = 40448" in ad
     assert migctl("bogus").returncode == 2
+
+
+# -- cross-user security ------------------------------------------------------------------------
+
+CLIENT_SCRIPT = """
+import json, sys
+from migd.client import MigdClient
+from migd.errors import MigdError
+c = MigdClient(sys.argv[1], timeout_s=30)
+def attempt(call):
+    try:
+        return ["ok", call()]
+    except MigdError as e:
+        return [e.code, e.message]
+"""
+
+
+def test_release_job_is_for_the_owner_admins_and_hook_users(daemon: DaemonProcess) -> None:
+    """With lease_users = ["*"] (the wrapper runs as the job's user), another user may not
+    release a job's leases by its id, nor read their environment through explain."""
+    daemon.config_text = 'version = 1\n[api]\nlease_users = ["*"]\nhook_users = []\n'
+    daemon.start()
+    root_lease = daemon.client().lease(job_id="11.0", gpu_memory_mib=4000, wait_s=5)
+    code = (
+        CLIENT_SCRIPT
+        + """
+out = {}
+out["release_other"] = attempt(lambda: c.call("release_job", job_id="11.0"))
+out["explain_other"] = attempt(lambda: c.call("explain", job_id="11.0"))
+mine = c.lease(job_id="12.0", gpu_memory_mib=4000, wait_s=5)
+out["explain_own"] = attempt(lambda: c.call("explain", job_id="12.0"))
+out["release_own"] = attempt(lambda: c.call("release_job", job_id="12.0"))
+out["mine"] = mine["lease_id"]
+print(json.dumps(out))
+"""
+    )
+    returncode, stdout, stderr = run_as(NOBODY, code, str(daemon.socket_path))
+    assert returncode == 0, stderr
+    out = json.loads(stdout)
+    assert out["release_other"][0] == NotAuthorized.code, out["release_other"]
+    assert "hook_users" in out["release_other"][1] or "uid 0" in out["release_other"][1]
+    client = daemon.client()
+    assert client.call("get_lease", lease_id=root_lease["lease_id"])["state"] == "active"
+    # explain shows another user's lease without its environment, one's own with it
+    [other] = out["explain_other"][1]["leases"]
+    assert other["lease_id"] == root_lease["lease_id"] and "env" not in other
+    [own] = out["explain_own"][1]["leases"]
+    assert own["env"]["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    assert out["release_own"] == ["ok", {"released": [out["mine"]]}]
+    # root (an admin) sees every environment
+    assert client.call("explain", job_id="11.0")["leases"][0]["env"]
+    # a hook user (here: nobody, via a reload) may release any job's leases
+    daemon.config_path.write_text(
+        'version = 1\n[api]\nlease_users = ["*"]\nhook_users = ["nobody"]\n'
+    )
+    daemon.signal(signal.SIGHUP)
+    wait_for(
+        lambda: any(e.get("event") == "config.reloaded" for e in daemon.log_events()),
+        what="the reload",
+    )
+    hook = as_user(
+        NOBODY,
+        f"from migd.client import MigdClient\n"
+        f"print(MigdClient({str(daemon.socket_path)!r}).call('release_job', job_id='11.0'))",
+    )
+    assert hook.returncode == 0, hook.stderr
+    assert root_lease["lease_id"] in hook.stdout
+    assert client.call("get_lease", lease_id=root_lease["lease_id"])["state"] == "released"
+
+
+def test_private_socket_group_lets_lease_users_in_and_reload_reapplies(
+    daemon: DaemonProcess,
+) -> None:
+    private = 'version = 1\n[api]\nstatus_public = false\nlease_users = ["root", "nobody"]\n'
+    daemon.config_text = private
+    daemon.start()
+    status = f"from migd.client import MigdClient\nMigdClient({str(daemon.socket_path)!r}).status()"
+    st = daemon.socket_path.stat()
+    assert st.st_mode & 0o777 == 0o660 and st.st_gid == os.getegid()
+    # without socket_group, the lease user nobody cannot connect, and migd says so at start
+    assert "no permission to connect" in as_user(NOBODY, status).stderr
+    warning = next(e for e in daemon.log_events() if e.get("event") == "api.socket_private")
+    assert warning["level"] == "warning" and "socket_group" in warning["hint"]
+
+    def reload(text: str) -> None:
+        count = sum(e.get("event") == "config.reloaded" for e in daemon.log_events())
+        daemon.config_path.write_text(text)
+        daemon.signal(signal.SIGHUP)
+        wait_for(
+            lambda: sum(e.get("event") == "config.reloaded" for e in daemon.log_events()) > count,
+            what="the reload",
+        )
+
+    reload(private + 'socket_group = "nogroup"\n')
+    st = daemon.socket_path.stat()
+    assert st.st_mode & 0o777 == 0o660 and st.st_gid == 65534
+    assert as_user(NOBODY, status).returncode == 0  # nobody's group is nogroup (65534)
+    assert "no permission to connect" in run_as(65533, status)[2]
+    # an unknown group fails the reload and keeps the socket as it was
+    daemon.config_path.write_text(private + 'socket_group = "no-such-group-x"\n')
+    daemon.signal(signal.SIGHUP)
+    wait_for(
+        lambda: any(
+            e.get("event") == "config.reload_failed" and "no-such-group-x" in e.get("error", "")
+            for e in daemon.log_events()
+        ),
+        what="the failed reload",
+    )
+    assert daemon.socket_path.stat().st_gid == 65534
+    reload('version = 1\n[api]\nstatus_public = true\nlease_users = ["root", "nobody"]\n')
+    assert daemon.socket_path.stat().st_mode & 0o777 == 0o666
+
+
+# -- denial of service --------------------------------------------------------------------------
+
+HOLDER_SCRIPT = """
+import json, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    socks.append(s)
+began = time.monotonic()
+print(json.dumps({"held": n}), flush=True)
+sys.stdin.readline()
+replies = []
+for s in socks:
+    s.settimeout(30)
+    data = s.recv(65536)
+    replies.append([time.monotonic() - began, json.loads(data) if data else None])
+print(json.dumps(replies), flush=True)
+"""
+
+PROBE_SCRIPT = """
+import json, sys
+from migd.client import MigdClient
+from migd.errors import MigdError
+try:
+    print(json.dumps(["ok", MigdClient(sys.argv[1], timeout_s=10).status()["schema"]]))
+except MigdError as e:
+    print(json.dumps([e.code, e.message, e.hint]))
+"""
+
+
+def _as(uid: int, script: str, *args: str) -> subprocess.Popen[str]:
+    repo = str(Path(__file__).resolve().parents[2])
+    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    return subprocess.Popen(
+        [*drop, sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
+
+
+def run_as(uid: int, script: str, *args: str) -> tuple[int, str, str]:
+    """Run Python code as ``uid`` (gid the same, no other groups): (status, out, err)."""
+    proc = _as(uid, script, *args)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def _probe(uid: int, path: Path) -> list[Any]:
+    returncode, out, err = run_as(uid, PROBE_SCRIPT, str(path))
+    assert returncode == 0, err
+    result: list[Any] = json.loads(out)
+    return result
+
+
+def test_idle_connections_time_out_and_are_capped_per_uid(daemon: DaemonProcess) -> None:
+    """Idle connections cannot starve migd: each uid may hold a few, users who may not
+    lease never take the last quarter of the slots, and a silent connection is closed."""
+    daemon.config_text = (
+        "version = 1\n[api]\nmax_clients = 8\nmax_clients_per_uid = 3\n"
+        'request_timeout_s = 8.0\nlease_users = ["root", "65530"]\nlease_groups = []\n'
+    )
+    daemon.start()
+    path = daemon.socket_path
+    holders = []
+    try:
+        for uid in (NOBODY, 65533):  # two users who may not lease hold 3 idle connections each
+            holder = _as(uid, HOLDER_SCRIPT, str(path), "3")
+            assert holder.stdout is not None
+            assert json.loads(holder.stdout.readline()) == {"held": 3}
+            holders.append(holder)
+        # a fourth connection of the same uid is refused at once, with a hint that fits
+        over = _probe(NOBODY, path)
+        assert over[0] == "daemon_unavailable" and "max_clients_per_uid" in over[1], over
+        assert "ss -xp" in over[2]
+        # 6 of 8 slots are taken by readers: another reader is refused, a lease user is not
+        refused = _probe(65532, path)
+        assert refused[0] == "daemon_unavailable" and "too many connections" in refused[1]
+        assert _probe(65530, path) == ["ok", 1]
+        assert daemon.client().status()["schema"] == 1  # root is never refused
+        # the idle connections get an error reply and are closed after request_timeout_s
+        for holder in holders:
+            out, _ = holder.communicate("go\n", timeout=30)
+            replies = json.loads(out)
+            for waited, reply in replies:
+                assert reply is not None and reply["error"]["code"] == ProtocolError.code
+                assert "within 8 s" in reply["error"]["message"]
+                assert 5 < waited < 20
+        assert _probe(NOBODY, path) == ["ok", 1]  # their slots were given back
+    finally:
+        for holder in holders:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+
+
+# -- decoding, reports, status -----------------------------------------------------------------
+
+
+def test_deep_nesting_and_report_keys_are_handled(daemon: DaemonProcess) -> None:
+    daemon.start()
+    path = daemon.socket_path
+    deep = b"[" * 20000 + b"]" * 20000 + b"\n"
+    for payload in (
+        deep,
+        b'{"version": 1, "op": "ping", "x": ' + b"[" * 20000 + b"]" * 20000 + b"}\n",
+        b'{"version": true, "op": "ping"}\n',
+        b'{"version": 1.0, "op": "ping"}\n',
+    ):
+        reply = raw_exchange(path, payload)
+        assert reply["error"]["code"] == ProtocolError.code, reply
+        assert "internal" not in reply["error"]["message"]
+    client = daemon.client()
+    lease = client.lease(job_id="r.0", gpu_memory_mib=4000, wait_s=5)
+    data = {
+        "lease": 1,
+        "event": "forged",
+        "lease_id": "other",
+        "job_id": "other.0",
+        "level": "critical",
+        "timestamp": "1999-01-01",
+        "peak_used_mib": 123,
+    }
+    result = client.call("report", lease_id=lease["lease_id"], event="note", data=data)
+    assert result == {"recorded": True}
+    history = client.call("history", job_id="r.0")["history"]
+    [row] = [r for r in history if r["event"] == "wrapper.note"]
+    assert row["data"] == data and row["lease_id"] == lease["lease_id"]
+    [logged] = [e for e in daemon.log_events() if e.get("event") == "wrapper.note"]
+    assert logged["level"] == "info" and logged["timestamp"] != "1999-01-01"
+    assert logged["lease_id"] == lease["lease_id"] and logged["data"] == data
+    assert not any(e.get("event") == "request.crashed" for e in daemon.log_events())
+
+
+def test_status_stays_fast_and_the_watchdog_fed_during_a_slow_create(
+    daemon: DaemonProcess,
+) -> None:
+    # A 1g create takes 0.16 s x 25 = 4 s on the simulated A100; WATCHDOG_USEC is 2 s.
+    daemon.extra_args += ["--set", "backend.sim_time_scale=25"]
+    daemon.start()
+    client = daemon.client()
+    got: dict[str, Any] = {}
+    waiter = threading.Thread(
+        target=lambda: got.update(
+            lease=daemon.client(timeout_s=60).lease(job_id="s.0", gpu_memory_mib=4000, wait_s=30)
+        )
+    )
+    waiter.start()
+    wait_for(lambda: client.status()["leases"]["preparing"] == 1, what="the create to start")
+    daemon.read_notifications()
+    pings_before = daemon.notifications.count("WATCHDOG=1")
+    slowest = 0.0
+    while waiter.is_alive():
+        began = time.perf_counter()
+        status = client.status()
+        slowest = max(slowest, time.perf_counter() - began)
+        if status["leases"]["preparing"] == 0:
+            break
+        time.sleep(0.1)
+    waiter.join(30)
+    assert got["lease"]["prepared"] and got["lease"]["state"] == "active"
+    assert slowest < 0.25, f"status took {slowest:.3f} s during a create"
+    daemon.read_notifications()
+    # pinged every 0.5 s while the GPU thread was busy for ~4 s (WatchdogSec = 2 s)
+    assert daemon.notifications.count("WATCHDOG=1") - pings_before >= 4
+    assert not any(e.get("event") == "watchdog.starved" for e in daemon.log_events())
+
+
+# -- the documented status schema ---------------------------------------------------------------
+
+STATUS_SCHEMA = Path(__file__).resolve().parents[2] / "docs" / "status.schema.json"
+JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+}
+
+
+def schema_errors(value: Any, schema: dict[str, Any], where: str = "$") -> list[str]:
+    """Check ``value`` against the JSON Schema subset docs/status.schema.json uses."""
+    if "oneOf" in schema:
+        fits = [not schema_errors(value, option, where) for option in schema["oneOf"]]
+        return [] if fits.count(True) == 1 else [f"{where}: fits {fits.count(True)} of oneOf"]
+    errors: list[str] = []
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{where}: {value!r} is not {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{where}: {value!r} not in {schema['enum']}")
+    if "type" in schema:
+        types = [schema["type"]] if isinstance(schema["type"], str) else schema["type"]
+        ok = any(
+            isinstance(value, JSON_TYPES[t]) and not (t != "boolean" and isinstance(value, bool))
+            for t in types
+        )
+        if not ok:
+            return [f"{where}: {value!r} is not {types}"]
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for key in schema.get("required", []):
+            if key not in value:
+                errors.append(f"{where}: {key!r} is missing")
+        extra = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            if key in props:
+                errors += schema_errors(item, props[key], f"{where}.{key}")
+            elif extra is False:
+                errors.append(f"{where}: {key!r} is not in the documented schema")
+            elif isinstance(extra, dict):
+                errors += schema_errors(item, extra, f"{where}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for n, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{where}[{n}]")
+    return errors
+
+
+def test_status_json_matches_the_documented_schema(daemon: DaemonProcess) -> None:
+    """One MIG, one MPS and one exclusive GPU, with leases and a queued request: every
+    branch of the status reply is checked against docs/status.schema.json."""
+    daemon.simulate = "1xA100-40GB,2xV100-32GB"
+    daemon.config_text = 'version = 1\n[[gpu]]\nmatch = "2"\nmode = "exclusive"\n'
+    daemon.start()
+    client = daemon.client()
+    client.lease(job_id="m.0", gpu_memory_mib=4000, mode="mig", wait_s=5)
+    client.lease(job_id="p.0", gpu_memory_mib=4000, mode="mps", wait_s=5)
+    client.lease(job_id="x.0", gpu_memory_mib=30000, gpus=["2"], wait_s=5)
+
+    def queued() -> None:
+        with contextlib.suppress(MigdError):  # granted or cancelled at teardown
+            daemon.client(timeout_s=30).lease(
+                job_id="q.0", gpu_memory_mib=30000, gpus=["2"], wait_s=10
+            )
+
+    waiter = threading.Thread(target=queued)
+    waiter.start()
+    try:
+        wait_for(lambda: client.status()["queue"], what="the queued request")
+        migctl = [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path)]
+        shown = subprocess.run(
+            [*migctl, "status", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        status = json.loads(shown)
+        assert {g["mode"] for g in status["gpus"]} == {"mig", "mps", "exclusive"}
+        assert status["queue"] and status["gpus"][0]["instances"]
+        assert status["gpus"][1]["mps"]["shares"] and status["gpus"][2]["exclusive"]["lease_id"]
+        schema = json.loads(STATUS_SCHEMA.read_text())
+        assert schema_errors(status, schema) == []
+        # the check can fail: an undocumented field, a wrong type, a missing field
+        status["gpus"][0]["surprise"] = 1
+        status["queue"][0]["position"] = "first"
+        del status["daemon"]["pid"]
+        assert len(schema_errors(status, schema)) == 3
+    finally:
+        client.call("release_job", job_id="x.0")
+        waiter.join(30)

@@ -213,10 +213,17 @@ def test_holder_dying_while_down_is_reclaimed_and_the_busy_instance_kept(
 
     crash(daemon)
     end(holder)
-    restart(daemon)
+    offset = restart(daemon)
 
     record = lease_record(daemon, lease["lease_id"])
     assert record["state"] == "reclaimed" and "holder" in record["reason"]
+    # the decision is in the log too, as a warning with its reason
+    [logged] = [
+        e
+        for e in events_since(daemon, offset)
+        if e.get("event") == "lease.reclaimed" and e.get("lease_id") == lease["lease_id"]
+    ]
+    assert logged["level"] == "warning" and "holder" in logged["reason"]
     status = migctl_status(daemon)
     assert layout(status) == layout(before)
     [inst] = [i for i in instances(status) if i["uuid"] == lease["mig_uuid"]]
@@ -336,14 +343,22 @@ def test_sigkill_with_a_queued_request_cancels_it_and_creates_nothing(
     wait_for(lambda: client.status()["queue"], what="the request to queue")
     before = migctl_status(daemon)
 
+    [decision] = [
+        e for e in events_since(daemon, 0) if e.get("event") == "lease.queued"
+    ]  # the queueing decision was logged, with where it stands
+    assert decision["job_id"] == "3.0" and decision["position"] == 1 and decision["reason"]
     crash(daemon)
     waiter.join(30)
     assert "error" in outcome and "lease" not in outcome  # its client saw the daemon go
-    restart(daemon)
+    offset = restart(daemon)
 
     [queued] = leases_of_job(daemon, "3.0")
     assert queued["state"] == "cancelled"
     assert "restarted" in queued["reason"]
+    assert any(
+        e.get("event") == "lease.cancelled" and e.get("job_id") == "3.0"
+        for e in events_since(daemon, offset)
+    )
     status = migctl_status(daemon)
     assert status["queue"] == []
     assert layout(status) == layout(before)  # no instance for the cancelled request

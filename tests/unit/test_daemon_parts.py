@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import os
+import re
 import shutil
 import sqlite3
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,7 +35,9 @@ from migd.daemon.config import (
     load_config,
     validate_config,
 )
+from migd.daemon.service import check_socket_path
 from migd.daemon.store import StateStore
+from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, ProtocolError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -313,3 +324,349 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
 def test_configuration_doc_shows_the_current_example() -> None:
     doc = (REPO / "docs" / "configuration.md").read_text()
     assert example_toml() in doc, "regenerate docs/configuration.md's example block"
+
+
+# -- config: where a bad value came from -----------------------------------------------------
+
+
+def test_env_and_flag_errors_name_their_source_once(tmp_path: Path) -> None:
+    path = tmp_path / "migd.toml"
+    path.write_text("version = 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={"MIGD_POLICY_QUEUE": "lifo"})
+    message = err.value.message
+    assert message.startswith("MIGD_POLICY_QUEUE (policy.queue): Input should be")
+    assert message.count("policy.queue") == 1 and str(path) not in message
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={}, overrides={"policy.queue": "lifo"})
+    assert err.value.message.startswith("--set policy.queue: Input should be")
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            path, environ={}, overrides={"api.socket": 5}, flag_names={"api.socket": "--socket"}
+        )
+    assert err.value.message.startswith("--socket (api.socket): ")
+    path.write_text('version = 1\n[policy]\nqueue = "lifo"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert err.value.message == f"{path}: policy.queue: Input should be 'fifo' or 'size'"
+    assert "reload" not in err.value.hint
+
+
+def test_a_misspelt_migd_variable_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, environ={"MIGD_POLICY_QUEUEE": "size"})
+    assert err.value.where == "MIGD_POLICY_QUEUEE"
+    assert "did you mean MIGD_POLICY_QUEUE?" in err.value.hint
+    # variables of other migd parts are not config keys and stay allowed
+    cfg = load_config(None, environ={"MIGD_MAX_VRAM": "1", "MIGD_GPU_MEMORY_LIMIT_MIB": "2"})
+    assert cfg == MigdConfig()
+
+
+def test_start_up_config_error_says_how_to_fix_not_reload(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from migd.daemon.main import main
+
+    assert main(["--set", "policy.queue=lifo", "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "--set policy.queue: Input should be 'fifo' or 'size'" in err
+    assert "reload" not in err and "--check-config" in err
+
+
+# -- API decoding: nesting and version types --------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(min_value=1, max_value=30_000), st.sampled_from([b"[", b'{"a":']))
+def test_decoder_refuses_deep_nesting_cleanly(depth: int, opener: bytes) -> None:
+    closer = b"]" if opener == b"[" else b"}"
+    inner = opener * depth + b"1" + closer * depth
+    for payload in (inner, b'{"version":1,"op":"ping","x":' + inner + b"}"):
+        with pytest.raises(ProtocolError) as err:
+            decode_request(payload)
+        if depth > 32:
+            assert "nested deeper than 32" in err.value.message
+
+
+@pytest.mark.parametrize("version", ["true", "1.0", '"1"', "null"])
+def test_version_must_be_the_integer_1(version: str) -> None:
+    with pytest.raises(ProtocolError, match="unsupported API version"):
+        decode_request(f'{{"version": {version}, "op": "ping"}}'.encode())
+
+
+def test_clients_do_not_import_pydantic() -> None:
+    code = "import sys, migd.cli.migctl, migd.client; print('pydantic' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+    assert out.strip() == "False"
+
+
+# -- socket path safety -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def tmp_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="migd-sockpath-", dir="/tmp"))
+    root.chmod(0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_socket_path_checks_every_ancestor(tmp_root: Path) -> None:
+    safe = tmp_root / "a" / "b"
+    safe.mkdir(parents=True, mode=0o755)
+    check_socket_path(safe / "migd.sock")  # /tmp (sticky, root's) above is fine
+    (tmp_root / "a").chmod(0o775)  # group-writable, not sticky, two levels up
+    with pytest.raises(ConfigError, match="a is group-writable"):
+        check_socket_path(safe / "migd.sock")
+    (tmp_root / "a").chmod(0o1777)  # sticky but its owner is root: fine above the socket's
+    check_socket_path(safe / "migd.sock")
+    os.chown(tmp_root / "a", 65534, 65534)  # sticky, but another user owns it
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        check_socket_path(safe / "migd.sock")
+    os.chown(tmp_root / "a", 0, 0)
+    (tmp_root / "a").chmod(0o755)
+    safe.chmod(0o1777)  # the socket's own directory may not be writable by others at all
+    with pytest.raises(ConfigError, match="b is world-writable"):
+        check_socket_path(safe / "migd.sock")
+    safe.chmod(0o755)
+    (tmp_root / "link").symlink_to(tmp_root / "a")  # a symlinked component above
+    with pytest.raises(ConfigError, match="link is a symlink") as err:
+        check_socket_path(tmp_root / "link" / "b" / "migd.sock")
+    assert str(tmp_root / "a") in err.value.hint
+
+
+# -- logs ---------------------------------------------------------------------------------------
+
+LOG_SCRIPT = """
+import structlog, sys
+from migd.daemon.logs import configure_logging
+configure_logging(sys.argv[1])
+log = structlog.get_logger("migd")
+log.info("one", x=1)
+log.warning("two")
+log.error("three")
+"""
+
+
+def _log_lines(tmp_path: Path, fmt: str, journal: bool) -> list[str]:
+    out = tmp_path / f"log-{fmt}-{journal}"
+    with out.open("w") as stream:
+        env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+        if journal:
+            st = os.fstat(stream.fileno())
+            env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        subprocess.run(
+            [sys.executable, "-c", LOG_SCRIPT, fmt], stderr=stream, env=env, check=True, cwd=REPO
+        )
+    return out.read_text().splitlines()
+
+
+def test_log_format_selection_and_journal_priorities(tmp_path: Path) -> None:
+    plain = _log_lines(tmp_path, "auto", journal=False)  # a file: JSON, no prefix
+    assert [json.loads(line)["event"] for line in plain] == ["one", "two", "three"]
+    journal = _log_lines(tmp_path, "auto", journal=True)
+    assert [line[:3] for line in journal] == ["<6>", "<4>", "<3>"]
+    assert json.loads(journal[1][3:])["level"] == "warning"
+    console = _log_lines(tmp_path, "console", journal=False)
+    assert "one" in console[0] and not console[0].startswith("{")
+    # JOURNAL_STREAM inherited by a process whose stderr goes elsewhere does not count
+    from migd.daemon.logs import stderr_is_journal
+
+    with (tmp_path / "other").open("w") as stream:
+        assert not stderr_is_journal(stream, {"JOURNAL_STREAM": "1:2"})
+        st = os.fstat(stream.fileno())
+        assert stderr_is_journal(stream, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+
+
+# -- process start ticks ------------------------------------------------------------------------
+
+
+def test_holder_start_is_kept_in_ticks_since_boot(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    from migd.backends.procs import PsutilProcessTable
+
+    table = PsutilProcessTable()
+    pid = os.getpid()
+    start = table.start_time(pid)
+    assert start is not None
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    assert start == ticks / os.sysconf("SC_CLK_TCK")
+    assert start < time.clock_gettime(time.CLOCK_BOOTTIME)
+    assert table.alive(pid, start)
+    assert not table.alive(pid, start + 1 / os.sysconf("SC_CLK_TCK"))  # another process
+    # A wall-clock step moves the kernel's boot time (and psutil's create_time) but not
+    # the ticks: the holder stays alive.
+    monkeypatch.setattr(psutil, "boot_time", lambda: time.time() - 1e6)
+    assert table.alive(pid, start)
+    monkeypatch.undo()
+    # Leases written by older versions hold the wall-clock start: still understood.
+    legacy = psutil.Process(pid).create_time()
+    assert table.alive(pid, legacy) and not table.alive(pid, legacy - 1.0)
+
+
+# -- condor ad ----------------------------------------------------------------------------------
+
+
+def test_per_gpu_ad_has_free_memory_largest_profile_mode_and_health() -> None:
+    status = _status(
+        [
+            {"memory_mib": 9984, "busy": True},
+            {"memory_mib": 4864, "busy": False},
+        ]
+    )
+    mps = {
+        "index": 1,
+        "uuid": "GPU-aaaaaaaa-0000",
+        "model": "V100-32GB",
+        "mode": "mps",
+        "healthy": True,
+        "health": "ok",
+        "draining": True,
+        "memory_total_mib": 32768,
+        "instances": [],
+        "mps": {"pinned_mib": 4000},
+        "largest_placeable": {"profile": "mps", "memory_mib": 27000},
+    }
+    status["gpus"].append(mps)  # type: ignore[attr-defined]
+    ad = render_condor_ad(status, per_gpu=True)
+    gpu0, gpu1 = ad.split("- migd_gpu0")[0].split("- migd\n")[1], ad.split("- migd_gpu0")[1]
+    assert "MigdGpuFreeMB = 30976" in gpu0  # 40960 - the busy 9984
+    assert 'MigdGpuLargestPlaceableProfile = "3g.20gb"' in gpu0
+    assert "MigdGpuLargestPlaceableMB = 20091" in gpu0 and "MigdGpuMemoryMB = 40960" in gpu0
+    assert 'MigdGpuMode = "mig"' in gpu0 and "MigdGpuHealthy = true" in gpu0
+    # a drained GPU offers nothing and says why
+    assert "MigdGpuHealthy = false" in gpu1 and 'MigdGpuReason = "draining"' in gpu1
+    assert "MigdGpuFreeMB = 0" in gpu1 and 'MigdGpuLargestPlaceableProfile = ""' in gpu1
+    assert "MigdFreeMB = 30976" in ad  # node-wide: usable GPUs only
+
+
+def test_release_job_permission_follows_hook_users() -> None:
+    from migd.daemon.auth import Authorizer, Peer
+
+    api = MigdConfig().api
+    auth = Authorizer(api)
+    assert auth.may_release_any(Peer(1, 0, 0))  # root
+    assert not auth.may_release_any(Peer(1, 65534, 65534))
+    nobody = Authorizer(api.model_copy(update={"hook_users": ["nobody"]}))
+    assert nobody.may_release_any(Peer(1, 65534, 65534))
+    assert not nobody.may_lease(Peer(1, 65534, 65534))  # a hook user is not a lease user
+
+
+# -- watchdog -----------------------------------------------------------------------------------
+
+
+class _Pings(Notifier):
+    def __init__(self) -> None:
+        super().__init__(environ={})
+        self.watchdog_s = 1.0
+        self.sent: list[tuple[float, str]] = []
+
+    def notify(self, *fields: str) -> bool:
+        self.sent.extend((time.monotonic(), f) for f in fields)
+        return True
+
+    def pings(self, since: float, until: float) -> list[float]:
+        return [t for t, f in self.sent if f == "WATCHDOG=1" and since <= t <= until]
+
+
+class _GatedBackend:
+    """The simulated backend, with creations slowed and heartbeats that can hang."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.create_s = 0.0
+        self.hang = threading.Event()
+        self.unhang = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def heartbeat(self, gpu: int) -> None:
+        if self.hang.is_set():
+            self.unhang.wait(30)
+        self.inner.heartbeat(gpu)
+
+    def create_instance(self, gpu: int, profile_id: int, start: int) -> Any:
+        time.sleep(self.create_s)
+        return self.inner.create_instance(gpu, profile_id, start)
+
+
+def test_watchdog_fed_through_a_slow_create_and_starved_by_a_hung_thread(tmp_root: Path) -> None:
+    """WatchdogSec 1 s: a 2.5 s creation (within daemon.work_timeout_s) keeps the pings
+    coming; a heartbeat that hangs stops them."""
+    from migd.backends.procs import PsutilProcessTable
+    from migd.backends.simulated import simulated_backend
+    from migd.client import MigdClient
+    from migd.daemon.service import Daemon
+
+    config = validate_config(
+        {
+            "daemon": {
+                "state_dir": str(tmp_root / "state"),
+                "runtime_dir": str(tmp_root / "run"),
+                "work_timeout_s": 30,
+            },
+            "backend": {"kind": "simulated"},
+            "api": {"socket": str(tmp_root / "run" / "migd.sock")},
+        }
+    )
+    inner, _ = simulated_backend("2xA100-40GB")
+    backend = _GatedBackend(inner)
+    notifier = _Pings()
+
+    async def scenario() -> None:
+        daemon = Daemon(config, backend, PsutilProcessTable(), notifier=notifier)  # type: ignore[arg-type]
+        await daemon.start()
+        try:
+            await asyncio.sleep(0.6)
+            backend.create_s = 2.5
+            began = time.monotonic()
+            client = MigdClient(config.api.socket, timeout_s=30)
+            lease = await asyncio.to_thread(
+                client.lease, job_id="w.0", gpu_memory_mib=4000, wait_s=30
+            )
+            ended = time.monotonic()
+            assert lease["prepared"] and ended - began >= 2.5
+            pings = notifier.pings(began, ended)
+            gaps = [b - a for a, b in zip([began, *pings], [*pings, ended], strict=True)]
+            assert len(pings) >= 6 and max(gaps) < 0.6, (pings, gaps)
+            backend.hang.set()  # the next heartbeat of each GPU thread never returns
+            hung = time.monotonic()
+            await asyncio.sleep(2.5)
+            assert notifier.pings(hung + 1.2, time.monotonic()) == []
+            assert daemon.starved_gpus(0.5) == [0, 1]
+        finally:
+            backend.unhang.set()
+            await daemon.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gc.unfreeze()
+
+
+def test_api_doc_lists_every_field_of_the_status_schema() -> None:
+    schema = json.loads((REPO / "docs" / "status.schema.json").read_text())
+    doc = (REPO / "docs" / "api.md").read_text()
+    block = doc.split("## Status (`migctl status --json`), schema 1", 1)[1].split("## ", 1)[0]
+    assert "docs/status.schema.json" in block
+    listed = set(re.findall(r"[a-z_0-9]+", block))
+
+    def fields(node: object) -> set[str]:
+        out: set[str] = set()
+        if isinstance(node, dict):
+            out |= set(node.get("properties", {}))
+            for value in node.values():
+                out |= fields(value)
+        elif isinstance(node, list):
+            for value in node:
+                out |= fields(value)
+        return out
+
+    missing = sorted(fields(schema) - listed)
+    assert missing == [], f"docs/api.md's status block does not list {missing}"
