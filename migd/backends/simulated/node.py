@@ -102,6 +102,9 @@ class SimComputeInstance:
     profile_index: int  # NVML_COMPUTE_INSTANCE_PROFILE_*
     slices: int
     uuid: str  # the MIG device UUID
+    # Index of its MIG device under the parent (nvmlDeviceGetMigDeviceHandleByIndex): the
+    # lowest free slot when the compute instance was made, so destroys leave holes.
+    mig_index: int = 0
 
 
 @dataclass(eq=False)
@@ -419,6 +422,46 @@ class SimNode:
                 and self._refusal(gpu, profile, start, profile.memory_slices) is None
             )
 
+    def remaining_capacity(self, index: int, profile: Profile) -> int:
+        """How many more instances of ``profile`` the driver would accept now, all together.
+
+        Used for ``nvmlDeviceGetGpuInstanceRemainingCapacity``: instances are added at the
+        profile's legal starts in order until the driver's rules refuse (the published
+        placements are aligned, so first-fit packs as many as any order would).
+        """
+        with self._lock:
+            gpu = self.gpus[index]
+            added: list[SimGpuInstance] = []
+            try:
+                for start in profile.starts:
+                    if self._refusal(gpu, profile, start, profile.memory_slices) is None:
+                        # A placeholder the rules count; removed below, never persisted.
+                        placeholder = SimGpuInstance(
+                            -1 - len(added), -1 - len(added), profile, start
+                        )
+                        gpu.instances[placeholder.gi_id] = placeholder
+                        added.append(placeholder)
+            finally:
+                for placeholder in added:
+                    del gpu.instances[placeholder.gi_id]
+            return len(added)
+
+    def mig_devices(self, index: int) -> dict[int, tuple[SimGpuInstance, SimComputeInstance]]:
+        """GPU ``index``'s MIG devices by their index under the parent (holes are empty slots)."""
+        with self._lock:
+            return {
+                ci.mig_index: (gi, ci)
+                for gi in self.gpus[index].instances.values()
+                for ci in gi.cis.values()
+            }
+
+    def max_mig_devices(self, index: int) -> int:
+        """``nvmlDeviceGetMaxMigDeviceCount``: one per compute slice at most; 0 without MIG."""
+        gpu = self.gpus[index]
+        if gpu.geometry is None or not gpu.mig_current:
+            return 0
+        return gpu.geometry.compute_slices
+
     def process(self, pid: int) -> SimProcess | None:
         with self._lock:
             return self._processes.get(pid)
@@ -639,12 +682,14 @@ class SimNode:
         ci_id: int | None = None,
     ) -> SimComputeInstance:
         self._serials += 1
+        taken = {c.mig_index: c for g in gpu.instances.values() for c in g.cis.values()}
         ci = SimComputeInstance(
             serial=self._serials,
             ci_id=_lowest_free(gi.cis, 0) if ci_id is None else ci_id,
             profile_index=profile_index,
             slices=CI_PROFILE_SLICES[profile_index],
             uuid=uuid or f"MIG-{uuid_module.UUID(int=self._rng.getrandbits(128), version=4)}",
+            mig_index=_lowest_free(taken, 0),
         )
         gi.cis[ci.ci_id] = ci
         self._ci_by_serial[ci.serial] = (gpu, gi, ci)
