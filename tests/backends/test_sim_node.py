@@ -98,6 +98,65 @@ def test_toml_with_an_impossible_layout_is_refused() -> None:
         SimNode.from_description(text)
 
 
+def test_toml_describes_instances_made_by_hand() -> None:
+    text = """
+[[gpu]]
+model = "A100-40GB"
+instances = [
+  {profile = "3g.20gb", start = 4, compute_instances = [
+    {slices = 1, uuid = "MIG-00000000-0000-4000-8000-000000000001"}, {slices = 2}]},
+  {profile = "2g.10gb", start = 0, compute_instances = []},
+]
+processes = [{pid = 7, device = "MIG-00000000-0000-4000-8000-000000000001"}]
+"""
+    node = SimNode.from_description(text)
+    split, empty = sorted(node.instances(0), key=lambda v: -v.start)
+    assert split.ci_ids == (0, 1) and split.uuids[0] == "MIG-00000000-0000-4000-8000-000000000001"
+    assert empty.ci_ids == ()  # a GPU instance without a compute instance
+    proc = node.process(7)
+    assert proc is not None and proc.device_uuid == split.uuids[0]
+
+
+@pytest.mark.parametrize(
+    ("instances", "fragment"),
+    [
+        (
+            '[{profile = "1g.5gb", start = 0, uuid = "MIG-1"}, '
+            '{profile = "1g.5gb", start = 1, uuid = "MIG-1"}]',
+            "MIG UUID MIG-1 is given twice",
+        ),
+        (
+            '[{profile = "3g.20gb", start = 4, compute_instances = [{slices = 1, uuid = "MIG-2"},'
+            ' {slices = 1, uuid = "MIG-2"}]}]',
+            "MIG UUID MIG-2 is given twice",
+        ),
+        ('[{profile = "1g.5gb", start = 0, uuid = "GPU-3"}]', "not a MIG UUID"),
+        (
+            '[{profile = "3g.20gb", start = 4, compute_instances = [{slices = 2}, {slices = 2}]}]',
+            "need more than its 3 compute slices",
+        ),
+        ('[{profile = "1g.5gb", start = 0, compute_instances = [{uuid = "MIG-4"}]}]', "slices"),
+    ],
+)
+def test_toml_instances_that_cannot_exist_are_refused(instances: str, fragment: str) -> None:
+    text = f'[[gpu]]\nmodel = "A100-40GB"\ninstances = {instances}\n'
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        SimNode.from_description(text)
+
+
+def test_a_mig_uuid_given_on_two_gpus_is_refused() -> None:
+    text = """
+[[gpu]]
+model = "A100-40GB"
+instances = [{profile = "1g.5gb", start = 0, uuid = "MIG-5"}]
+[[gpu]]
+model = "A100-40GB"
+instances = [{profile = "1g.5gb", start = 0, uuid = "MIG-5"}]
+"""
+    with pytest.raises(ConfigError, match="given twice"):
+        SimNode.from_description(text)
+
+
 def test_uuids_are_stable_per_seed_and_well_formed() -> None:
     first = SimNode.from_description("4xA100-40GB", seed=3)
     again = SimNode.from_description("4xA100-40GB", seed=3)

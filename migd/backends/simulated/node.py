@@ -344,8 +344,42 @@ class SimNode:
                 )
             if inst.gi_id is not None and inst.gi_id in gpu.instances:
                 raise ConfigError(f"GPU instance id {inst.gi_id} given twice", where=where)
+            computes = (
+                ((profile.compute_slices, inst.uuid),)
+                if inst.compute_instances is None
+                else inst.compute_instances
+            )
+            given = [mig for _slices, mig in computes if mig is not None]
+            for n, mig in enumerate(given):
+                if not mig.startswith("MIG-"):
+                    raise ConfigError(f"{mig!r} is not a MIG UUID (MIG-...)", where=where)
+                if (
+                    mig in self._by_uuid
+                    or mig in given[:n]
+                    or any(g.uuid == mig for g in self.gpus)
+                ):
+                    raise ConfigError(f"MIG UUID {mig} is given twice", where=where)
+            if sum(slices for slices, _ in computes) > profile.compute_slices:
+                raise ConfigError(
+                    f"the compute instances of {profile.name}@{inst.start} need more than its "
+                    f"{profile.compute_slices} compute slices",
+                    where=where,
+                )
             gi = self._add_gi(gpu, profile, inst.start, gi_id=inst.gi_id)
-            self._add_ci(gpu, gi, _full_ci_index(profile), uuid=inst.uuid)
+            for slices, uuid in computes:
+                index = next((i for i, n in CI_PROFILE_SLICES.items() if n == slices), None)
+                if index is None:
+                    raise ConfigError(
+                        f"no compute instance profile has {slices} slices", where=where
+                    )
+                try:
+                    self.ci_profile(gi, index)
+                except api.NVMLError as exc:
+                    raise ConfigError(
+                        f"{profile.name} cannot hold a {slices}-slice compute instance",
+                        where=where,
+                    ) from exc
+                self._add_ci(gpu, gi, index, uuid=uuid)
         for proc in gpu.spec.processes:
             device = self._spec_device_uuid(gpu, proc, where)
             self.attach(proc.pid, device, proc.mps_pinned_limit_mib, mps=proc.mps)
@@ -365,8 +399,8 @@ class SimNode:
             )
         profile = gpu.geometry.profile(profile_ref)
         for gi in gpu.instances.values():
-            if gi.profile.profile_id == profile.profile_id and gi.start == int(start):
-                return next(iter(gi.cis.values())).uuid
+            if gi.profile.profile_id == profile.profile_id and gi.start == int(start) and gi.cis:
+                return gi.cis[min(gi.cis)].uuid
         raise ConfigError(f"no instance {proc.device} for pid {proc.pid}", where=where)
 
     # -- inspection ---------------------------------------------------------------------------
@@ -1116,13 +1150,6 @@ def _lowest_free(used: dict[int, Any], first: int) -> int:
     while candidate in used:
         candidate += 1
     return candidate
-
-
-def _full_ci_index(profile: Profile) -> int:
-    for index, slices in CI_PROFILE_SLICES.items():
-        if slices == profile.compute_slices:
-            return index
-    raise MigdError(f"no compute instance profile has {profile.compute_slices} slices")
 
 
 def _cuda_version_int(version: int | str) -> int:

@@ -18,6 +18,10 @@ Three sources, one result (a list of :class:`SimGpuSpec` plus node options):
       processes = [{pid = 4242, device = "3g.20gb@4", used_mib = 1024,
                     mps_pinned_limit_mib = 2048}]
 
+  An instance table may also give ``uuid`` (its MIG UUID), ``gi_id`` and, for an
+  instance made by hand, ``compute_instances = [{slices = 1, uuid = "MIG-..."}, ...]``
+  (``[]``: a GPU instance without a compute instance). MIG UUIDs must be unique.
+
 * a probe recorded on real hardware by ``scripts/gpu_probe.py`` (JSON), so the
   simulator can be made to agree with what a real GPU reported.
 """
@@ -41,12 +45,18 @@ PROBE_SCHEMA = "migd-gpu-probe/1"
 
 @dataclass(frozen=True, slots=True)
 class SimInstanceSpec:
-    """A GPU instance (with its full compute instance) that exists when the node starts."""
+    """A GPU instance that exists when the node starts, with its compute instance(s).
+
+    ``compute_instances`` is ``None`` for one full-size compute instance (MIG UUID
+    ``uuid``), as migd makes them; otherwise ``(compute slices, MIG UUID or None)`` per
+    compute instance, as an admin may make them by hand (``()``: none at all).
+    """
 
     profile: str | int  # profile name or ID
     start: int
     uuid: str | None = None  # MIG UUID to use (a recorded one); generated when None
     gi_id: int | None = None  # GPU instance id to use (a recorded one); next free when None
+    compute_instances: tuple[tuple[int, str | None], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,9 +269,16 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
     instances: list[SimInstanceSpec] = []
     for i, inst in enumerate(entry.get("instances", [])):
         if isinstance(inst, Mapping):
+            computes = inst.get("compute_instances")
             instances.append(
                 SimInstanceSpec(
-                    inst["profile"], int(inst["start"]), inst.get("uuid"), inst.get("gi_id")
+                    inst["profile"],
+                    int(inst["start"]),
+                    inst.get("uuid"),
+                    inst.get("gi_id"),
+                    None
+                    if computes is None
+                    else _compute_instances(computes, f"{where}.instances[{i}]"),
                 )
             )
         elif isinstance(inst, Sequence) and len(inst) == 2:
@@ -292,6 +309,20 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
     if count > 1 and processes:
         raise ConfigError("processes need count = 1 (PIDs are unique)", where=f"{where}.processes")
     return [spec] * count
+
+
+def _compute_instances(entries: Any, where: str) -> tuple[tuple[int, str | None], ...]:
+    if not isinstance(entries, Sequence) or isinstance(entries, str):
+        raise ConfigError("compute_instances is a list of {slices = N, uuid = ...}", where=where)
+    out: list[tuple[int, str | None]] = []
+    for entry in entries:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("slices"), int):
+            raise ConfigError(
+                "each compute instance is {slices = N} with an optional uuid", where=where
+            )
+        uuid = entry.get("uuid")
+        out.append((int(entry["slices"]), None if uuid is None else str(uuid)))
+    return tuple(out)
 
 
 def parse_probe(
