@@ -132,11 +132,13 @@ def _c_array(call: str, position: int, value: Any, element: Any) -> Any:
 
 
 def _serialised(cls: type[FakePynvml]) -> type[FakePynvml]:
-    """Run every ``nvml*`` function under the node lock, as one driver call.
+    """Run every ``nvml*`` read under the node lock, as one driver call.
 
     A call reads several pieces of node state (a GPU instance, then its compute
     instances, ...); holding the lock makes each call see one consistent node, as a
     real driver call does, whichever threads and clients call at the same time.
+    Writes (:data:`WRITE_CALLS`) take the lock themselves, only around their reads and
+    their commit: a simulated create latency must not stall every other NVML call.
     """
 
     def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -148,7 +150,7 @@ def _serialised(cls: type[FakePynvml]) -> type[FakePynvml]:
         return locked
 
     for name, value in list(vars(cls).items()):
-        if name.startswith("nvml") and callable(value):
+        if name.startswith("nvml") and callable(value) and name not in WRITE_CALLS:
             setattr(cls, name, wrap(value))
     return cls
 
@@ -204,17 +206,19 @@ class FakePynvml:
         self.node.check_call(call, gpu, privileged=call in PRIVILEGED_CALLS)
 
     def _handle(self, pointer_type: Any, key: tuple[Any, ...]) -> Any:
-        token = self._token_of.get(key)
-        if token is None:
-            self._next_token += 0x10
-            token = self._next_token
-            self._token_of[key] = token
-            self._key_of[token] = key
+        with self.node.lock:
+            token = self._token_of.get(key)
+            if token is None:
+                self._next_token += 0x10
+                token = self._next_token
+                self._token_of[key] = token
+                self._key_of[token] = key
         return ctypes.cast(ctypes.c_void_p(token), pointer_type)
 
     def _key(self, handle: Any, kinds: tuple[str, ...]) -> tuple[Any, ...]:
         token = api.pointer_token(handle)
-        key = self._key_of.get(token) if token is not None else None
+        with self.node.lock:
+            key = self._key_of.get(token) if token is not None else None
         if key is None or key[0] not in kinds:
             # nvml.h: NVML_ERROR_INVALID_ARGUMENT "if device is invalid".
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
@@ -238,7 +242,8 @@ class FakePynvml:
     def _gi(self, call: str, handle: Any) -> tuple[SimGpu, SimGpuInstance]:
         key = self._key(handle, ("gi",))
         self._enter(call, key[1])
-        return self.node.lookup_gi(key[2])
+        with self.node.lock:
+            return self.node.lookup_gi(key[2])
 
     def _gi_handle(self, gpu: SimGpu, gi: SimGpuInstance) -> Any:
         return self._handle(api.c_nvmlGpuInstance_t, ("gi", gpu.index, gi.serial))
@@ -345,7 +350,9 @@ class FakePynvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         gpu, gi, _ci = self._device_or_mig("nvmlDeviceGetMemoryInfo", handle)
-        total, used = self.node.memory_mib(gpu.index, gi.serial if gi is not None else None)
+        gi_serial = gi.serial if gi is not None else None
+        total, used = self.node.memory_mib(gpu.index, gi_serial)
+        used += self.node.reserved_mib(gpu.index, gi_serial)
         if not version:
             info: Any = api.c_nvmlMemory_t()
         else:

@@ -24,13 +24,14 @@ process's context; see :meth:`SimNode.snapshot`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
 import uuid as uuid_module
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,10 @@ class SimNode:
     Args:
         gpus: the GPUs, in NVML index order.
         seed: seeds GPU UUIDs (stable per index) and MIG UUIDs (new per creation).
-        time_scale: multiplies seed 003 Table 1 create/destroy latencies
-            (:mod:`migd.core.costs`); 0 (the default) makes every operation instant.
+        time_scale: multiplies the create/destroy latencies (each GPU's ``latency``,
+            default seed 003 Table 1, :mod:`migd.core.costs`); 0 (the default, for tests)
+            makes every operation instant; 1.0 is real time. The wait happens outside the
+            node lock: other NVML calls go on, MIG changes of the same GPU wait their turn.
         root: whether NVML callers are privileged (``set_root`` changes it later).
         driver_version, cuda_version: what ``nvmlSystemGetDriverVersion`` /
             ``nvmlSystemGetCudaDriverVersion`` report (``"12.4"`` or ``12040``).
@@ -227,7 +230,12 @@ class SimNode:
         self._sleep = sleep
         self._initial_root = root
         self._lock = threading.RLock()
-        self._costs = [CostModel.for_model(s.model or "H100") for s in self._specs]
+        self._write_done = threading.Condition(self._lock)
+        self._writing_gpus: set[int] = set()  # GPUs with a MIG change in progress
+        self._costs = [
+            CostModel(dict(s.latency)) if s.latency else CostModel.for_model(s.model or "H100")
+            for s in self._specs
+        ]
         self.call_counts: Counter[str] = Counter()
         self._serials = 0
         self.state_file = Path(state_file) if state_file is not None else None
@@ -579,21 +587,27 @@ class SimNode:
             NVMLError: NOT_SUPPORTED (MIG off), INVALID_ARGUMENT (unknown profile, illegal
                 start or size), INSUFFICIENT_RESOURCES (overlap, instance limit, shared cap).
         """
-        with self._lock:
-            gpu = self.gpus[index]
-            geometry = self.require_mig(gpu)
-            profile = next((p for p in geometry.profiles if p.profile_id == profile_id), None)
-            if profile is None:
-                # nvml.h: INVALID_ARGUMENT "If device, profile, profileId, placement or
-                # gpuInstance are invalid".
-                raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
-            refusal = self._refusal(gpu, profile, start, size)
-            if refusal is not None:
-                raise api.NVMLError(refusal)
+        with self._writing(index):
+            with self._lock:
+                gpu = self.gpus[index]
+                geometry = self.require_mig(gpu)
+                profile = next((p for p in geometry.profiles if p.profile_id == profile_id), None)
+                if profile is None:
+                    # nvml.h: INVALID_ARGUMENT "If device, profile, profileId, placement or
+                    # gpuInstance are invalid".
+                    raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+                refusal = self._refusal(gpu, profile, start, size)
+                if refusal is not None:
+                    raise api.NVMLError(refusal)
             self._pause(self._costs[index].create_s(profile.compute_slices))
-            gi = self._add_gi(gpu, profile, start)
-            self._persist()
-            return gi
+            with self._lock:
+                # Only this GPU's MIG writes are held off; check again what they cannot see.
+                refusal = self._refusal(gpu, profile, start, size) if gpu.mig_current else None
+                if not gpu.mig_current or refusal is not None:
+                    raise api.NVMLError(refusal or api.NVML_ERROR_NOT_SUPPORTED)
+                gi = self._add_gi(gpu, profile, start)
+                self._persist()
+                return gi
 
     def _refusal(self, gpu: SimGpu, profile: Profile, start: int, size: int) -> int | None:
         """Why the driver refuses ``profile`` at ``start`` now (an NVML code), or None."""
@@ -652,16 +666,22 @@ class SimNode:
             NVMLError: INVALID_ARGUMENT (stale handle), IN_USE.
         """
         with self._lock:
-            gpu, gi = self.lookup_gi(gi_serial)
-            self.require_mig(gpu)
-            if gi.cis:
-                # nvml.h: IN_USE "if processes (e.g. CUDA application) or compute instances
-                # are active on the GPU instance".
-                raise api.NVMLError(api.NVML_ERROR_IN_USE)
+            gpu, _gi = self.lookup_gi(gi_serial)
+        with self._writing(gpu.index):
+            with self._lock:
+                gpu, gi = self.lookup_gi(gi_serial)  # it may have gone while we waited
+                self.require_mig(gpu)
+                if gi.cis:
+                    # nvml.h: IN_USE "if processes (e.g. CUDA application) or compute
+                    # instances are active on the GPU instance".
+                    raise api.NVMLError(api.NVML_ERROR_IN_USE)
             self._pause(self._costs[gpu.index].destroy_s(gi.profile.compute_slices))
-            del gpu.instances[gi.gi_id]
-            del self._gi_by_serial[gi.serial]
-            self._persist()
+            with self._lock:
+                if self._gi_by_serial.get(gi.serial) is None:  # reset() meanwhile
+                    raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+                del gpu.instances[gi.gi_id]
+                del self._gi_by_serial[gi.serial]
+                self._persist()
 
     def lookup_gi(self, gi_serial: int) -> tuple[SimGpu, SimGpuInstance]:
         """A live GPU instance by handle serial (INVALID_ARGUMENT for a stale handle)."""
@@ -699,6 +719,8 @@ class SimNode:
             NVMLError: NOT_SUPPORTED, INSUFFICIENT_RESOURCES (compute slices used up).
         """
         with self._lock:
+            gpu, _gi = self.lookup_gi(gi_serial)
+        with self._writing(gpu.index), self._lock:
             gpu, gi = self.lookup_gi(gi_serial)
             slices, _count = self.ci_profile(gi, profile_index)
             if sum(ci.slices for ci in gi.cis.values()) + slices > gi.profile.compute_slices:
@@ -737,6 +759,8 @@ class SimNode:
             NVMLError: INVALID_ARGUMENT (stale handle), IN_USE.
         """
         with self._lock:
+            gpu, _gi, _ci = self.lookup_ci(ci_serial)
+        with self._writing(gpu.index), self._lock:
             _gpu, gi, ci = self.lookup_ci(ci_serial)
             if any(p.ci_serial == ci.serial for p in self._processes.values()):
                 # nvml.h: IN_USE "if processes (e.g. CUDA application) are active on the
@@ -747,15 +771,38 @@ class SimNode:
             del self._by_uuid[ci.uuid]
             self._persist()
 
+    @contextlib.contextmanager
+    def _writing(self, index: int) -> Iterator[None]:
+        """Hold off other MIG changes of GPU ``index`` (the driver serialises them).
+
+        Only writers of the same GPU wait; reads of every GPU, and writes of the others,
+        go on, as NVML's do while an instance is being created.
+        """
+        with self._write_done:
+            while index in self._writing_gpus:
+                self._write_done.wait()  # releases the node lock while waiting
+            self._writing_gpus.add(index)
+        try:
+            yield
+        finally:
+            with self._write_done:
+                self._writing_gpus.discard(index)
+                self._write_done.notify_all()
+
     def _pause(self, seconds: float) -> None:
+        """Wait out an NVML latency. Called without the node lock: readers see the state
+        before the operation until it completes at once, as with a real driver call."""
         if self.time_scale > 0 and seconds > 0:
-            # Sleeping under the node lock serialises operations as the driver does.
             self._sleep(seconds * self.time_scale)
 
     # -- memory and processes -----------------------------------------------------------------
 
     def memory_mib(self, index: int, gi_serial: int | None = None) -> tuple[int, int]:
-        """(total, used) MiB of the whole GPU or of one GPU instance's memory."""
+        """(total, used by processes) MiB of the whole GPU or of one GPU instance.
+
+        NVML reports :meth:`reserved_mib` on top (``nvmlDeviceGetMemoryInfo``), and a
+        CUDA allocation must fit beside both.
+        """
         with self._lock:
             gpu = self.gpus[index]
             if gi_serial is None:
@@ -764,6 +811,18 @@ class SimNode:
             _, gi = self.lookup_gi(gi_serial)
             used = sum(p.used_mib for p in self._processes.values() if p.gi_serial == gi_serial)
             return gi.profile.memory_mib, used
+
+    def reserved_mib(self, index: int, gi_serial: int | None = None) -> int:
+        """MiB the driver holds on an idle device: ``idle_used_mib`` on a whole GPU,
+        ``mig_idle_used_mib`` per GPU instance (a MIG parent adds up its instances')."""
+        with self._lock:
+            gpu = self.gpus[index]
+            spec = gpu.spec
+            if gi_serial is not None:
+                return spec.mig_idle_used_mib
+            if gpu.mig_current:
+                return spec.mig_idle_used_mib * len(gpu.instances)
+            return spec.idle_used_mib
 
     def processes_on(self, index: int, ci_serial: int | None = None) -> list[SimProcess]:
         """Processes on GPU ``index`` (all of them) or on one MIG device."""
@@ -846,6 +905,7 @@ class SimNode:
                     limit="MPS pinned-memory limit",
                 )
             total, used = self.memory_mib(proc.gpu, proc.gi_serial)
+            used += self.reserved_mib(proc.gpu, proc.gi_serial)
             if used + mib > total:
                 raise SimOutOfMemory(
                     pid=pid,
