@@ -131,7 +131,7 @@ class GpuBackend(Protocol):
         ...
 
     def list_instances(self, gpu: int) -> list[MigInstance]:
-        """Existing GPU instances (with their compute instance and MIG UUID); ``[]`` without MIG."""
+        """Existing GPU instances with every compute instance and MIG UUID; ``[]`` without MIG."""
         ...
 
     def create_instance(self, gpu: int, profile_id: int, start: int) -> MigInstance:
