@@ -182,6 +182,8 @@ class BenchDaemon:
                 "--log-level",
                 "warning",
                 "--set",
+                "backend.sim_time_scale=0",  # measure migd, not the simulated NVML latency
+                "--set",
                 'api.lease_users=["*"]',
                 "--set",
                 "policy.idle_policy=keep",

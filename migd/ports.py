@@ -25,7 +25,10 @@ from migd.core.geometry import Geometry
 class GpuInfo:
     """One physical GPU as discovered (``nvidia-smi -q`` has the same facts).
 
-    ``mig_current``/``mig_pending`` are ``None`` on GPUs without MIG support.
+    ``mig_current``/``mig_pending`` are ``None`` on GPUs without MIG support, and
+    also when NVML could not say: then ``mig_mode_error`` says why (``None`` means the
+    mode was read). A GPU whose MIG mode is unknown must not be given work: it may
+    well be a MIG GPU.
     ``model`` is the catalog key (``A100-40GB``) or ``None`` for an unknown model.
     """
 
@@ -41,14 +44,33 @@ class GpuInfo:
     cuda_version: str
     model: str | None
     compute_capability: tuple[int, int] | None = None
+    mig_mode_error: str | None = None
+
+    @property
+    def mig_mode_known(self) -> bool:
+        """False when NVML could not read the MIG mode (see ``mig_mode_error``)."""
+        return self.mig_mode_error is None
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeInstance:
+    """One compute instance of a GPU instance: one MIG device (``MIG-...``)."""
+
+    ci_id: int
+    uuid: str
+    slices: int  # compute slices
 
 
 @dataclass(frozen=True, slots=True)
 class MigInstance:
-    """A GPU instance with its (single, full-size) compute instance.
+    """A GPU instance and its compute instances.
 
-    ``uuid`` is the MIG device UUID (``MIG-...``) taken from the compute instance's
-    device handle; ``None`` for a GPU instance without a compute instance.
+    migd makes one full-size compute instance per GPU instance; ``ci_id``/``uuid`` are
+    that one (the first, by id, where an admin made several; ``None`` for a GPU
+    instance without a compute instance). ``compute_instances`` lists every compute
+    instance, so an instance made by hand with several MIG devices is seen whole.
+    ``uuid`` is the MIG device UUID, found through the GPU's MIG device handles
+    (``nvmlDeviceGetMigDeviceHandleByIndex``) by GPU and compute instance id.
     """
 
     gpu: int
@@ -59,6 +81,7 @@ class MigInstance:
     ci_id: int | None
     uuid: str | None
     memory_total_mib: int
+    compute_instances: tuple[ComputeInstance, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +92,7 @@ class GpuProcess:
     used_mib: int | None  # None when NVML cannot say (no privileges, some MIG cases)
     gpu: int
     mig_uuid: str | None = None
+    mps: bool = False  # listed by nvmlDeviceGetMPSComputeRunningProcesses (an MPS client)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +131,7 @@ class GpuBackend(Protocol):
         ...
 
     def list_instances(self, gpu: int) -> list[MigInstance]:
-        """Existing GPU instances (with their compute instance and MIG UUID); ``[]`` without MIG."""
+        """Existing GPU instances with every compute instance and MIG UUID; ``[]`` without MIG."""
         ...
 
     def create_instance(self, gpu: int, profile_id: int, start: int) -> MigInstance:
@@ -122,8 +146,12 @@ class GpuBackend(Protocol):
     def destroy_instance(self, gpu: int, gi_id: int) -> None:
         """Destroy the compute instance(s), then the GPU instance.
 
+        Every compute instance is checked for processes before any is destroyed, so an
+        instance in use is never left half destroyed.
+
         Raises:
-            GpuBusy: processes (or another NVML client) still use it.
+            GpuBusy: processes (on any of its compute instances, or another NVML
+                client) still use it.
             InstanceNotFound: no GPU instance with that id.
         """
         ...

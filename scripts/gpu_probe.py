@@ -2,12 +2,15 @@
 """Record what NVML reports about this node's GPUs, as JSON. READ-ONLY.
 
 Runs migd's own :class:`~migd.backends.nvml.NvmlBackend` and records discovery,
-memory, processes and MIG mode of every GPU, and where MIG is on: the profile
-infos (``nvidia-smi mig -lgip``), the possible placements (``-lgipp``; root only),
-the existing instances with their memory and processes. It never creates,
-destroys or changes anything: only NVML *query* functions are called (the test
-``tests/backends/test_gpu_probe.py`` runs it on the simulator and checks that no
-write call was made).
+memory, processes (with their MPS-client flag and command name) and MIG mode of
+every GPU, and where MIG is on: the profile infos with engine counts (``nvidia-smi
+mig -lgip``), the possible placements (``-lgipp``; root only), the existing GPU
+instances with each compute instance (MIG UUID, slices) and their memory. That is
+all ``SimNode.from_probe`` needs to rebuild the node, including the memory the
+driver reserves on idle devices. It never creates, destroys or changes anything:
+the NVML module is wrapped so that only query functions can be called at all
+(:class:`ReadOnlyNvml`), and ``tests/backends/test_gpu_probe.py`` runs it on the
+simulator and checks that no write call was made.
 
 The record feeds the simulator (``SimNode.from_probe(path)``), so tests can be
 made to agree with real hardware. Usage::
@@ -60,6 +63,44 @@ def _bindings_version() -> str | None:
         return None
 
 
+# NVML functions that change something: refused whatever their name otherwise says.
+_WRITE_WORDS = re.compile(r"Create|Destroy|Set|Reset|Clear|Register|Enable|Disable|Kill|Validate")
+# Queries: nvml*Get*, nvml*Is*, and the session calls.
+_QUERY = re.compile(r"^nvml(Init(WithFlags)?(_v\d)?|Shutdown|ErrorString|\w*Get\w*|\w*Is[A-Z]\w*)$")
+
+
+class ReadOnlyNvml:
+    """A ``pynvml`` module through which only NVML queries can be called.
+
+    Constants, types and errors pass through; any other ``nvml*`` function (create,
+    destroy, set, reset, ...) raises ``PermissionError`` before NVML sees it.
+    """
+
+    def __init__(self, nvml: Any) -> None:
+        self._nvml = nvml
+
+    @staticmethod
+    def allowed(name: str) -> bool:
+        return _QUERY.match(name) is not None and _WRITE_WORDS.search(name) is None
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._nvml, name)
+        if name.startswith("nvml") and callable(value) and not self.allowed(name):
+            raise PermissionError(f"gpu_probe is read-only: it never calls {name}")
+        return value
+
+    def __dir__(self) -> list[str]:
+        return dir(self._nvml)
+
+
+def _command_name(pid: int) -> str | None:
+    """The process's command name (``/proc/PID/comm``), e.g. nvidia-cuda-mps-server."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def probe(
     backend: NvmlBackend, gpus: Sequence[int] | None = None, *, simulated: str | None = None
 ) -> dict[str, Any]:
@@ -87,13 +128,15 @@ def probe(
     for info in infos:
         if gpus is not None and info.index not in gpus:
             continue
-        record["gpus"].append(_probe_gpu(backend, info))
+        record["gpus"].append(_probe_gpu(backend, info, host=simulated is None))
     return record
 
 
-def _probe_gpu(backend: NvmlBackend, info: GpuInfo) -> dict[str, Any]:
+def _probe_gpu(backend: NvmlBackend, info: GpuInfo, *, host: bool = True) -> dict[str, Any]:
     index = info.index
     errors: dict[str, str] = {}
+    if info.mig_mode_error is not None:
+        errors["mig_mode"] = info.mig_mode_error
     entry: dict[str, Any] = {
         "index": info.index,
         "uuid": info.uuid,
@@ -111,7 +154,14 @@ def _probe_gpu(backend: NvmlBackend, info: GpuInfo) -> dict[str, Any]:
     entry["memory_used_mib"] = memory.used_mib if memory else None
     processes = _attempt(errors, "processes", lambda: backend.processes(index))
     entry["processes"] = [
-        {"pid": p.pid, "used_mib": p.used_mib, "mig_uuid": p.mig_uuid} for p in processes or []
+        {
+            "pid": p.pid,
+            "used_mib": p.used_mib,
+            "mig_uuid": p.mig_uuid,
+            "mps": p.mps,  # listed as an MPS client (the MPS server itself is not)
+            "name": _command_name(p.pid) if host else None,
+        }
+        for p in processes or []
     ]
     if info.mig_current:
         entry["mig"] = _probe_mig(backend, index, errors)
@@ -153,6 +203,10 @@ def _probe_mig(backend: NvmlBackend, index: int, errors: dict[str, str]) -> dict
             "ci_id": inst.ci_id,
             "uuid": inst.uuid,
             "memory_total_mib": inst.memory_total_mib,
+            "compute_instances": [
+                {"ci_id": c.ci_id, "uuid": c.uuid, "slices": c.slices}
+                for c in inst.compute_instances
+            ],
         }
         if inst.uuid is not None:
             mem = _attempt(
@@ -184,7 +238,14 @@ def main(argv: Sequence[str] | None = None, *, nvml: object | None = None) -> in
         from migd.backends.simulated import FakePynvml, SimNode
 
         nvml = FakePynvml(SimNode.from_description(args.simulate))
-    backend = NvmlBackend(nvml)
+    if nvml is None:
+        try:
+            import pynvml
+        except ImportError:
+            print("gpu_probe: the NVML bindings (nvidia-ml-py) are not installed", file=sys.stderr)
+            return 2
+        nvml = pynvml
+    backend = NvmlBackend(ReadOnlyNvml(nvml))
     try:
         record = probe(backend, args.gpu, simulated=args.simulate)
     except MigdError as err:

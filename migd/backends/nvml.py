@@ -15,6 +15,14 @@ against both; it relies only on pynvml's documented calling conventions
 * list calls fill a caller-allocated ctypes array and write the count through
   ``ctypes.byref(c_uint)``; arrays are sized from the profile's instance count.
 
+MIG device UUIDs are found through the parent's MIG device handles
+(``nvmlDeviceGetMaxMigDeviceCount`` + ``nvmlDeviceGetMigDeviceHandleByIndex``,
+NOT_FOUND being an empty slot), matched by ``nvmlDeviceGetGpuInstanceId`` /
+``nvmlDeviceGetComputeInstanceId``. ``nvmlComputeInstanceInfo_t.device`` is
+documented in ``nvml.h`` as the *parent* device, so its UUID is the GPU's; it is
+used only after ``nvmlDeviceIsMigDeviceHandle`` and the ids confirm that a driver
+put the MIG device there.
+
 Every NVML error is translated here, once, into :mod:`migd.errors`
 (:func:`nvml_errors`). Reads that only add detail degrade to ``None``/empty and
 log once; reads the daemon decides on (instances, processes) and all writes raise.
@@ -28,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, NoReturn
 
@@ -50,7 +58,7 @@ from migd.errors import (
     PlacementOverlap,
     UnknownModel,
 )
-from migd.ports import GpuInfo, GpuProcess, MemoryInfo, MigInstance
+from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInstance
 
 _log = logging.getLogger(__name__)
 
@@ -109,6 +117,17 @@ _ERROR_NAMES: dict[int, str] = {
 _ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
 
 _NOT_AVAILABLE_UINT = 0xFFFFFFFF  # gpuInstanceId of a process outside MIG
+
+# Engines a profile takes from the GPU's shared pool (nvmlGpuInstanceProfileInfo_t);
+# copy engines are the instance's own and are not budgeted.
+_SHARED_ENGINES = ("dec", "enc", "jpeg", "ofa")
+
+# A MIG device handle index with nothing behind it (nvml.h: NOT_FOUND "if no valid MIG
+# device was found at index"; INVALID_ARGUMENT past the end, or for a handle that went
+# stale while being read, as the Kubernetes DRA driver also treats it).
+_EMPTY_SLOT = frozenset({NVML_ERROR_NOT_FOUND, NVML_ERROR_INVALID_ARGUMENT})
+
+MigIds = tuple[int, int]  # (GPU instance id, compute instance id)
 
 MigModeReader = Callable[[], tuple[bool | None, bool | None]]
 
@@ -358,7 +377,9 @@ class NvmlBackend:
         self._versions: tuple[str, str] | None = None
         self._geometries: dict[int, Geometry] = {}
         self._ci_profile_cache: dict[tuple[int, int], list[_CiProfile]] = {}
-        self._mig_ids: dict[int, dict[str, tuple[int, int]]] = {}
+        # Per GPU: MIG UUID -> (GI id, CI id), and the MIG device handle last seen for it.
+        self._mig_ids: dict[int, dict[str, MigIds]] = {}
+        self._mig_handles: dict[int, dict[str, Any]] = {}
         self._logged: set[str] = set()
 
     # -- session ----------------------------------------------------------------------------
@@ -450,7 +471,14 @@ class NvmlBackend:
             name = _text(nvml.nvmlDeviceGetName(handle))
             pci = nvml.nvmlDeviceGetPciInfo(handle)
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        mig_current, mig_pending = self._mig_mode(gpu)
+        mig_error: str | None = None
+        try:
+            mig_current, mig_pending = self._mig_mode(gpu)
+        except (GpuNotFound, DriverUnavailable):
+            raise
+        except GpuError as err:  # unknown is not "no MIG": the daemon gives it no work
+            mig_current = mig_pending = None
+            mig_error = err.message
         capability = self._degradable(
             "read compute capability",
             gpu,
@@ -471,6 +499,7 @@ class NvmlBackend:
             cuda_version=cuda,
             model=catalog.detect_model(pci_device_id, name, total_mib),
             compute_capability=(capability[0], capability[1]) if capability else None,
+            mig_mode_error=mig_error,
         )
         self._infos[gpu] = info
         return info
@@ -506,7 +535,12 @@ class NvmlBackend:
             return None
 
     def _mig_mode(self, gpu: int) -> tuple[bool | None, bool | None]:
-        """(current, pending) MIG mode; (None, None) where the GPU has no MIG."""
+        """(current, pending) MIG mode; (None, None) where the GPU has no MIG.
+
+        Raises:
+            GpuError: NVML could not read the mode (e.g. NVML_ERROR_UNKNOWN). That is not
+                "no MIG": a MIG GPU managed as a whole GPU would be handed out wrongly.
+        """
         nvml = self._n()
         handle = self._handle(gpu)
         try:
@@ -517,8 +551,13 @@ class NvmlBackend:
         except (GpuNotFound, DriverUnavailable):
             raise
         except GpuError as err:
-            self._log_once(f"migmode:{gpu}", "%s; MIG mode reported as unknown", err)
-            return None, None
+            self._log_once(f"migmode:{gpu}", "%s; MIG mode unknown", err)
+            raise GpuError(
+                f"the MIG mode of GPU {gpu} cannot be read ({err.message})",
+                hint="`nvidia-smi -q -i N` shows whether the driver can say; restart migd "
+                "once it does (the GPU gets no work until then)",
+                **err.details,
+            ) from err
         return bool(current), bool(pending)
 
     def _mig_mode_reader(self, gpu: int) -> MigModeReader:
@@ -567,8 +606,9 @@ class NvmlBackend:
             )
             return builtin
         try:
-            infos = self.profile_infos(gpu)
-            placements = {p.profile_id: self.possible_placements(gpu, p.profile_id) for p in infos}
+            details = self.profile_infos_with_engines(gpu)
+            infos = [info for info, _engines in details]
+            placements = {p.profile_id: self._placements_or_table(gpu, p, builtin) for p in infos}
         except GpuPermissionDenied as err:
             if builtin is None:
                 raise GpuPermissionDenied(
@@ -600,10 +640,71 @@ class NvmlBackend:
                 )
                 geometry = builtin
             else:
+                geometry = self._with_nvml_engines(
+                    gpu, geometry, {i.profile_id: e for i, e in details}, builtin
+                )
                 if builtin is not None:
                     self._compare_with_builtin(gpu, geometry, builtin)
         self._geometries[gpu] = geometry
         return geometry
+
+    def _placements_or_table(
+        self, gpu: int, info: NvmlProfileInfo, builtin: Geometry | None
+    ) -> list[tuple[int, int]]:
+        """One profile's possible placements; the built-in table's where NVML cannot say.
+
+        A profile NVML lists but will not give placements for (NOT_SUPPORTED) falls back
+        alone; the other profiles keep NVML's. Without a table entry it is left out.
+        """
+        try:
+            return self.possible_placements(gpu, info.profile_id)
+        except GpuUnsupported as err:
+            prior = None
+            if builtin is not None:
+                prior = next((p for p in builtin.profiles if p.profile_id == info.profile_id), None)
+            self._log_once(
+                f"geo-profile:{gpu}:{info.profile_id}",
+                "GPU %d: no placements from NVML for profile %s (%s); %s",
+                gpu,
+                info.name or info.profile_id,
+                err.message,
+                f"using the built-in {builtin.model} table's" if prior and builtin else "left out",
+            )
+            if prior is None:
+                return []
+            return [(start, prior.memory_slices) for start in prior.starts]
+
+    def _with_nvml_engines(
+        self,
+        gpu: int,
+        geometry: Geometry,
+        engines: dict[int, dict[str, int]],
+        builtin: Geometry | None,
+    ) -> Geometry:
+        """Each profile's shared-engine counts as NVML reports them (NVML wins; log changes)."""
+        known = {p.profile_id: p for p in builtin.profiles} if builtin else {}
+        changed: list[Profile] = []
+        differences: list[str] = []
+        for profile in geometry.profiles:
+            reported = engines.get(profile.profile_id)
+            if reported is None:
+                changed.append(profile)
+                continue
+            shared = {k: reported[k] for k in _SHARED_ENGINES if k in reported}
+            prior = known.get(profile.profile_id)
+            if prior is not None and prior.engines is not None:
+                table = {k: prior.engines.get(k, 0) for k in shared}
+                if table != shared:
+                    differences.append(f"{profile.name}: NVML {shared}, table {table}")
+            changed.append(replace(profile, engines=shared))
+        if differences:
+            self._log_once(
+                f"geo-engines:{gpu}",
+                "GPU %d: NVML's engine counts differ from the built-in table (NVML wins): %s",
+                gpu,
+                "; ".join(differences),
+            )
+        return replace(geometry, profiles=tuple(changed), _by_id={}, _by_name={})
 
     def _builtin(self, info: GpuInfo) -> Geometry | None:
         if info.model is None:
@@ -731,22 +832,25 @@ class NvmlBackend:
     # -- instances ----------------------------------------------------------------------------
 
     def list_instances(self, gpu: int) -> list[MigInstance]:
-        """GPU instances with their compute instance and MIG UUID (``nvidia-smi mig -lgi``).
+        """GPU instances with all their compute instances and MIG UUIDs (``nvidia-smi mig -lgi``).
 
-        Empty when MIG is disabled.
+        Empty when MIG is disabled. The MIG devices are walked once per listing.
 
         Raises:
             GpuUnsupported: no MIG on this GPU.
             GpuPermissionDenied: not root (NVML lists instances for root only).
+            GpuError: the MIG mode cannot be read, or a compute instance has no MIG
+                device even after a second look (NVML contradicts itself).
         """
         current, _pending = self._mig_mode(gpu)
         if current is False:
             self._mig_ids[gpu] = {}
+            self._mig_handles[gpu] = {}
             return []
         geometry = self.geometry(gpu)
         nvml = self._n()
         handle = self._handle(gpu)
-        found: list[MigInstance] = []
+        raw: list[tuple[Any, Profile, Any, list[tuple[int, int]]]] = []
         for profile in geometry.profiles:
             count = ctypes.c_uint(0)
             # nvml.h: "the buffer must be large enough to accommodate the instances
@@ -761,28 +865,142 @@ class NvmlBackend:
                 nvml.nvmlDeviceGetGpuInstances(
                     handle, profile.profile_id, array, ctypes.byref(count)
                 )
-            found.extend(self._describe_gi(gpu, array[i], profile) for i in range(count.value))
-        found.sort(key=lambda m: (m.start, m.gi_id))
-        self._mig_ids[gpu] = {
-            m.uuid: (m.gi_id, m.ci_id) for m in found if m.uuid is not None and m.ci_id is not None
+            for i in range(count.value):
+                gi = array[i]
+                with nvml_errors("read GPU instance", gpu=gpu):
+                    info = nvml.nvmlGpuInstanceGetInfo(gi)
+                cis = [
+                    (ci_id, slices)
+                    for _ci, ci_id, slices in self._gi_compute_instances(
+                        gpu, gi, int(info.profileId)
+                    )
+                ]
+                raw.append((gi, profile, info, cis))
+        wanted = {(int(info.id), ci_id) for _gi, _p, info, cis in raw for ci_id, _s in cis}
+        devices: dict[MigIds, tuple[str, Any]] = {}
+        for ids in wanted:
+            cached = self._cached_mig_device(gpu, ids)
+            if cached is None:
+                devices = self._mig_devices(gpu)  # one walk finds them all
+                if wanted - devices.keys():  # made while we looked: one more look
+                    devices = self._mig_devices(gpu)
+                break
+            devices[ids] = cached
+        self._mig_ids[gpu] = {devices[ids][0]: ids for ids in wanted if ids in devices}
+        self._mig_handles[gpu] = {
+            devices[ids][0]: devices[ids][1] for ids in wanted if ids in devices
         }
+        missing = sorted(wanted - devices.keys())
+        if missing:
+            raise GpuError(
+                f"GPU {gpu}: compute instance(s) {missing} (GPU instance id, compute instance "
+                "id) have no MIG device in NVML's MIG device list",
+                hint="`nvidia-smi -L` and `nvidia-smi mig -lci` should agree; if they do not, "
+                "reset the GPU",
+                gpu=gpu,
+                missing=missing,
+            )
+        found = [
+            self._describe_gi(gpu, profile, info, cis, devices) for _gi, profile, info, cis in raw
+        ]
+        found.sort(key=lambda m: (m.start, m.gi_id))
         return found
 
-    def _describe_gi(self, gpu: int, gi: Any, profile: Profile) -> MigInstance:
-        nvml = self._n()
-        with nvml_errors("read GPU instance", gpu=gpu):
-            info = nvml.nvmlGpuInstanceGetInfo(gi)
-        ci_id, uuid = self._first_ci(gpu, gi, int(info.profileId))
+    def _describe_gi(
+        self,
+        gpu: int,
+        profile: Profile,
+        info: Any,
+        cis: list[tuple[int, int]],
+        devices: dict[MigIds, tuple[str, Any]],
+    ) -> MigInstance:
+        gi_id = int(info.id)
+        computes = tuple(
+            ComputeInstance(ci_id=ci_id, uuid=devices[(gi_id, ci_id)][0], slices=slices)
+            for ci_id, slices in sorted(cis)
+        )
+        first = computes[0] if computes else None
         return MigInstance(
             gpu=gpu,
-            gi_id=int(info.id),
+            gi_id=gi_id,
             profile_id=int(info.profileId),
             start=int(info.placement.start),
             size=int(info.placement.size),
-            ci_id=ci_id,
-            uuid=uuid,
+            ci_id=first.ci_id if first else None,
+            uuid=first.uuid if first else None,
             memory_total_mib=profile.memory_mib,
+            compute_instances=computes,
         )
+
+    def _mig_devices(self, gpu: int) -> dict[MigIds, tuple[str, Any]]:
+        """Every MIG device of the GPU: (GI id, CI id) -> (MIG UUID, MIG device handle).
+
+        Walks ``nvmlDeviceGetMigDeviceHandleByIndex`` over ``nvmlDeviceGetMaxMigDeviceCount``
+        slots (an empty slot answers NOT_FOUND) and refreshes the UUID caches.
+        """
+        found = self._walk_mig_devices(gpu, None)
+        self._mig_ids[gpu] = {uuid: ids for ids, (uuid, _d) in found.items()}
+        self._mig_handles[gpu] = {uuid: device for _ids, (uuid, device) in found.items()}
+        return found
+
+    def _cached_mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+        """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
+        handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
+        for uuid, known in self._mig_ids.get(gpu, {}).items():
+            if known == ids:
+                handle = self._mig_handles.get(gpu, {}).get(uuid)
+                if handle is not None and self._handle_has_uuid(gpu, handle, uuid):
+                    return uuid, handle
+                return None
+        return None
+
+    def _mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+        """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
+        cached = self._cached_mig_device(gpu, ids)
+        if cached is not None:
+            return cached
+        found = self._walk_mig_devices(gpu, ids).get(ids)
+        if found is not None:
+            self._mig_ids.setdefault(gpu, {})[found[0]] = ids
+            self._mig_handles.setdefault(gpu, {})[found[0]] = found[1]
+        return found
+
+    def _walk_mig_devices(self, gpu: int, wanted: MigIds | None) -> dict[MigIds, tuple[str, Any]]:
+        """Walk the MIG device slots; with ``wanted``, stop at that device (or find none)."""
+        nvml = self._n()
+        parent = self._handle(gpu)
+        with nvml_errors("count MIG devices", gpu=gpu):
+            slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))
+        found: dict[MigIds, tuple[str, Any]] = {}
+        for index in range(slots):
+            with nvml_errors("read MIG device", gpu=gpu, mig_index=index):
+                try:
+                    device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
+                    gi_id = int(nvml.nvmlDeviceGetGpuInstanceId(device))
+                    if wanted is not None and gi_id != wanted[0]:
+                        continue
+                    ids = (gi_id, int(nvml.nvmlDeviceGetComputeInstanceId(device)))
+                    if wanted is not None and ids != wanted:
+                        continue
+                    uuid = _text(nvml.nvmlDeviceGetUUID(device))
+                except Exception as exc:
+                    if nvml_error_code(exc) in _EMPTY_SLOT:
+                        continue  # no MIG device here (or it just went away)
+                    raise
+            found[ids] = (uuid, device)
+            if wanted is not None:
+                break
+        return found
+
+    def _handle_has_uuid(self, gpu: int, handle: Any, uuid: str) -> bool:
+        """Whether a MIG device handle seen before still names ``uuid`` (handles get reused)."""
+        with nvml_errors("open MIG device", gpu=gpu, mig_uuid=uuid):
+            try:
+                return _text(self._n().nvmlDeviceGetUUID(handle)) == uuid
+            except Exception as exc:
+                if nvml_error_code(exc) in _EMPTY_SLOT:
+                    return False  # a stale handle
+                raise
 
     def _ci_profiles(self, gpu: int, gi: Any, gi_profile_id: int) -> list[_CiProfile]:
         """Compute instance profiles a GI of this profile supports, largest first (cached)."""
@@ -829,16 +1047,18 @@ class NvmlBackend:
             )
         return [array[i] for i in range(count.value)]
 
-    def _first_ci(self, gpu: int, gi: Any, gi_profile_id: int) -> tuple[int | None, str | None]:
+    def _gi_compute_instances(
+        self, gpu: int, gi: Any, gi_profile_id: int
+    ) -> list[tuple[Any, int, int]]:
+        """Every compute instance of a GPU instance: (handle, CI id, compute slices)."""
         nvml = self._n()
+        out: list[tuple[Any, int, int]] = []
         for ci_profile in self._ci_profiles(gpu, gi, gi_profile_id):
-            cis = self._compute_instances(gpu, gi, ci_profile)
-            if cis:
+            for ci in self._compute_instances(gpu, gi, ci_profile):
                 with nvml_errors("read compute instance", gpu=gpu):
-                    info = nvml.nvmlComputeInstanceGetInfo(cis[0])
-                    uuid = _text(nvml.nvmlDeviceGetUUID(info.device))
-                return int(info.id), uuid
-        return None, None
+                    ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
+                out.append((ci, ci_id, ci_profile.slices))
+        return out
 
     def create_instance(self, gpu: int, profile_id: int, start: int) -> MigInstance:
         """Create a GPU instance at ``start`` plus its full compute instance.
@@ -907,22 +1127,62 @@ class NvmlBackend:
                 ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, int(ci_profile.id))
             with nvml_errors("read new compute instance", gpu=gpu):
                 ci_info = nvml.nvmlComputeInstanceGetInfo(ci)
-                uuid = _text(nvml.nvmlDeviceGetUUID(ci_info.device))
+            ids = (int(gi_info.id), int(ci_info.id))
+            uuid = self._new_mig_uuid(gpu, ids, ci_info.device)
         except BaseException:
             self._roll_back(gpu, gi, ci)
             raise
-        instance = MigInstance(
+        return MigInstance(
             gpu=gpu,
-            gi_id=int(gi_info.id),
+            gi_id=ids[0],
             profile_id=profile.profile_id,
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
-            ci_id=int(ci_info.id),
+            ci_id=ids[1],
             uuid=uuid,
             memory_total_mib=profile.memory_mib,
+            compute_instances=(
+                ComputeInstance(ci_id=ids[1], uuid=uuid, slices=profile.compute_slices),
+            ),
         )
-        self._mig_ids.setdefault(gpu, {})[uuid] = (instance.gi_id, int(ci_info.id))
-        return instance
+
+    def _new_mig_uuid(self, gpu: int, ids: MigIds, ci_device: Any) -> str:
+        """The MIG UUID of a compute instance just made (GI id, CI id ``ids``).
+
+        ``ci_device`` is ``nvmlComputeInstanceInfo_t.device``: nvml.h documents it as the
+        parent GPU, whose UUID is the GPU's. It is used only where NVML confirms it is
+        this MIG device (some drivers fill it in so); otherwise the MIG devices are walked.
+        """
+        nvml = self._n()
+        try:
+            is_mig = nvml.nvmlDeviceIsMigDeviceHandle(ci_device)
+            if (
+                int(getattr(is_mig, "value", is_mig))
+                and (
+                    int(nvml.nvmlDeviceGetGpuInstanceId(ci_device)),
+                    int(nvml.nvmlDeviceGetComputeInstanceId(ci_device)),
+                )
+                == ids
+            ):
+                uuid = _text(nvml.nvmlDeviceGetUUID(ci_device))
+                if uuid.startswith("MIG-"):
+                    self._mig_ids.setdefault(gpu, {})[uuid] = ids
+                    self._mig_handles.setdefault(gpu, {})[uuid] = ci_device
+                    return uuid
+        except Exception as exc:
+            if nvml_error_code(exc) is None and not _is_library_mismatch(exc):
+                raise  # not NVML saying no: a bug
+        found = self._mig_device(gpu, ids)
+        if found is None:
+            raise GpuError(
+                f"GPU {gpu}: the new compute instance {ids[1]} of GPU instance {ids[0]} has "
+                "no MIG device in NVML's MIG device list",
+                hint="`nvidia-smi -L` should list it; if not, reset the GPU",
+                gpu=gpu,
+                gi_id=ids[0],
+                ci_id=ids[1],
+            )
+        return found[0]
 
     def _ci_index_for(self, compute_slices: int) -> int:
         index = getattr(self._n(), f"NVML_COMPUTE_INSTANCE_PROFILE_{compute_slices}_SLICE", None)
@@ -981,12 +1241,16 @@ class NvmlBackend:
     def destroy_instance(self, gpu: int, gi_id: int) -> None:
         """Destroy the compute instance(s), then the GPU instance (``nvidia-smi mig -dci/-dgi``).
 
-        NVML "in use" is retried ``destroy_retries`` times with doubling back-off.
+        Every compute instance's MIG device is checked for processes before any is
+        destroyed: NVML refuses a busy compute instance only once the idle ones before
+        it are gone, which would leave an in-use instance half destroyed. Processes and
+        NVML "in use" are retried ``destroy_retries`` times with doubling back-off (a
+        process that just ended may still be listed for a moment).
 
         Raises:
             InstanceNotFound: no GPU instance ``gi_id`` on this GPU.
-            GpuBusy: still in use after the retries (processes, or another NVML client
-                such as DCGM holding handles).
+            GpuBusy: still in use after the retries (processes on any of its compute
+                instances, or another NVML client such as DCGM holding handles).
             GpuPermissionDenied: not root.
         """
         attempts = self._destroy_retries + 1
@@ -1002,6 +1266,7 @@ class NvmlBackend:
             ids = self._mig_ids.get(gpu, {})
             for uuid in [u for u, (g, _c) in ids.items() if g == gi_id]:
                 del ids[uuid]
+                self._mig_handles.get(gpu, {}).pop(uuid, None)
             return
         pids = self._pids_on_gi(gpu, gi_id)
         raise GpuBusy(
@@ -1033,59 +1298,77 @@ class NvmlBackend:
                 hint="`migctl status` (or `nvidia-smi mig -lgi`) lists the instances",
                 **err.details,
             ) from err
-        for ci_profile in self._ci_profiles(gpu, gi, gi_profile_id):
-            for ci in self._compute_instances(gpu, gi, ci_profile):
-                with nvml_errors(
-                    f"destroy a compute instance of GPU instance {gi_id}", gpu=gpu, gi_id=gi_id
-                ):
-                    nvml.nvmlComputeInstanceDestroy(ci)
+        cis = self._gi_compute_instances(gpu, gi, gi_profile_id)
+        if cis:
+            pids = self._pids_on_gi(gpu, gi_id, [ci_id for _ci, ci_id, _s in cis], strict=True)
+            if pids:
+                raise GpuBusy(
+                    f"GPU instance {gi_id} on GPU {gpu} has processes "
+                    f"{', '.join(map(str, pids))} on its compute instances; none destroyed",
+                    gpu=gpu,
+                    gi_id=gi_id,
+                    pids=pids,
+                )
+        for ci, ci_id, _slices in cis:
+            with nvml_errors(
+                f"destroy compute instance {ci_id} of GPU instance {gi_id}", gpu=gpu, gi_id=gi_id
+            ):
+                nvml.nvmlComputeInstanceDestroy(ci)
         with nvml_errors(f"destroy GPU instance {gi_id}", gpu=gpu, gi_id=gi_id):
             nvml.nvmlGpuInstanceDestroy(gi)
 
-    def _pids_on_gi(self, gpu: int, gi_id: int) -> list[int]:
+    def _pids_on_gi(
+        self, gpu: int, gi_id: int, ci_ids: list[int] | None = None, *, strict: bool = False
+    ) -> list[int]:
+        """PIDs on the MIG devices of GPU instance ``gi_id`` (compute instances ``ci_ids``,
+        or every one NVML lists).
+
+        ``strict``: NVML errors raise (a destroy must not go ahead on a guess); otherwise
+        what could be read is returned (for messages).
+        """
         pids: set[int] = set()
-        for uuid, (g, _c) in list(self._mig_ids.get(gpu, {}).items()):
-            if g == gi_id:
-                try:
-                    pids.update(p.pid for p in self.processes(gpu, uuid))
-                except MigdError:
-                    continue
+        try:
+            if ci_ids is None:
+                devices = [
+                    device for (g, _c), (_u, device) in self._mig_devices(gpu).items() if g == gi_id
+                ]
+            else:
+                devices = []
+                for ci_id in ci_ids:
+                    found = self._mig_device(gpu, (gi_id, ci_id))
+                    if found is None:
+                        raise GpuError(
+                            f"compute instance {ci_id} of GPU instance {gi_id} on GPU {gpu} "
+                            "has no MIG device, so its processes cannot be checked",
+                            hint="`nvidia-smi -L` should list it; if not, reset the GPU",
+                            gpu=gpu,
+                            gi_id=gi_id,
+                            ci_id=ci_id,
+                        )
+                    devices.append(found[1])
+            for device in devices:
+                pids.update(p.pid for p in self._device_processes(gpu, device, None))
+        except MigdError:
+            if strict:
+                raise
         return sorted(pids)
 
     # -- MIG devices, memory, processes --------------------------------------------------------
 
-    def _mig_handle(self, gpu: int, mig_uuid: str, *, refreshed: bool = False) -> Any:
-        ids = self._mig_ids.get(gpu, {}).get(mig_uuid)
-        if ids is None and not refreshed:
-            self.list_instances(gpu)
-            return self._mig_handle(gpu, mig_uuid, refreshed=True)
-        if ids is None:
+    def _mig_handle(self, gpu: int, mig_uuid: str) -> Any:
+        """The MIG device handle of ``mig_uuid``: the last one seen if NVML still gives it
+        that UUID (handles may be reused for another device), else from a fresh walk.
+
+        Raises:
+            GpuNotFound: no MIG device with that UUID on this GPU.
+        """
+        handle = self._mig_handles.get(gpu, {}).get(mig_uuid)
+        if handle is not None and self._handle_has_uuid(gpu, handle, mig_uuid):
+            return handle
+        devices = dict(self._mig_devices(gpu).values())
+        if mig_uuid not in devices:
             self._no_mig_device(gpu, mig_uuid)
-        gi_id, ci_id = ids
-        nvml = self._n()
-        try:
-            with nvml_errors(
-                "open MIG device",
-                gpu=gpu,
-                mig_uuid=mig_uuid,
-                not_found=InstanceNotFound,
-                invalid_argument=InstanceNotFound,
-            ):
-                gi = nvml.nvmlDeviceGetGpuInstanceById(self._handle(gpu), gi_id)
-                ci = nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
-                device = nvml.nvmlComputeInstanceGetInfo(ci).device
-                actual = _text(nvml.nvmlDeviceGetUUID(device))
-        except InstanceNotFound as err:
-            if refreshed:
-                self._no_mig_device(gpu, mig_uuid, err)
-            actual = None
-        if actual != mig_uuid:  # ids were reused by a newer instance: look again
-            self._mig_ids.get(gpu, {}).pop(mig_uuid, None)
-            if refreshed:
-                self._no_mig_device(gpu, mig_uuid)
-            self.list_instances(gpu)
-            return self._mig_handle(gpu, mig_uuid, refreshed=True)
-        return device
+        return devices[mig_uuid]
 
     @staticmethod
     def _no_mig_device(gpu: int, mig_uuid: str, cause: BaseException | None = None) -> NoReturn:
@@ -1120,24 +1403,37 @@ class NvmlBackend:
             GpuNotFound: no such GPU or MIG device.
         """
         handle = self._mig_handle(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
+        return self._device_processes(gpu, handle, mig_uuid)
+
+    def _device_processes(self, gpu: int, handle: Any, mig_uuid: str | None) -> list[GpuProcess]:
+        """Compute and MPS client processes on one device handle (a GPU or a MIG device)."""
         with nvml_errors("list compute processes", gpu=gpu, mig_uuid=mig_uuid):
-            raw = self._process_list("nvmlDeviceGetComputeRunningProcesses", handle)
+            raw = [
+                (proc, False)
+                for proc in self._process_list("nvmlDeviceGetComputeRunningProcesses", handle)
+            ]
         try:
             with nvml_errors("list MPS client processes", gpu=gpu, mig_uuid=mig_uuid):
-                raw += self._process_list("nvmlDeviceGetMPSComputeRunningProcesses", handle)
+                raw += [
+                    (proc, True)
+                    for proc in self._process_list(
+                        "nvmlDeviceGetMPSComputeRunningProcesses", handle
+                    )
+                ]
         except GpuUnsupported as err:  # pre-Volta, or an old driver: no MPS listing
             self._log_once(f"mps-list:{gpu}", "%s; MPS clients not listed", err, level=logging.INFO)
-        uuid_of = self._uuids_by_ids(gpu, [] if mig_uuid else raw)
+        uuid_of = self._uuids_by_ids(gpu, [] if mig_uuid else [proc for proc, _mps in raw])
         merged: dict[int, GpuProcess] = {}
-        for proc in raw:
+        for proc, listed_as_mps in raw:
             pid = int(proc.pid)
             used = getattr(proc, "usedGpuMemory", None)
             used_mib = None if used is None else _mib_up(int(used))
             uuid = mig_uuid or uuid_of.get(_instance_ids(proc) or (-1, -1))
             previous = merged.get(pid)
+            mps = listed_as_mps or (previous is not None and previous.mps)
             if previous is not None and (previous.used_mib or 0) >= (used_mib or 0):
-                continue  # listed twice (compute and MPS): keep the larger figure
-            merged[pid] = GpuProcess(pid=pid, used_mib=used_mib, gpu=gpu, mig_uuid=uuid)
+                used_mib = previous.used_mib  # listed twice (compute and MPS): the larger
+            merged[pid] = GpuProcess(pid=pid, used_mib=used_mib, gpu=gpu, mig_uuid=uuid, mps=mps)
         return [merged[pid] for pid in sorted(merged)]
 
     def _process_list(self, function: str, handle: Any) -> list[Any]:
@@ -1157,7 +1453,7 @@ class NvmlBackend:
         known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
         if wanted - known.keys():
             try:
-                self.list_instances(gpu)
+                self._mig_devices(gpu)
             except MigdError as err:  # the UUIDs are detail; the processes are still right
                 self._log_once(f"uuids:{gpu}", "%s; MIG UUIDs of processes unknown", err)
             known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}

@@ -50,7 +50,12 @@ class BackendSection(_Section):
         description="node description for kind=simulated: '8xA100-40GB', '2xA100-40GB,1xH100-80GB' "
         "or a path to a TOML node file",
     )
-    sim_time_scale: float = Field(0.0, ge=0, description="1.0 = seed 003 Table 1 NVML latencies")
+    sim_time_scale: float = Field(
+        1.0,
+        ge=0,
+        description="kind=simulated: 1.0 = real NVML create/destroy latencies (seed 003 Table 1, "
+        "or the node description's latency tables); 0 = instant (tests, benchmarks)",
+    )
     sim_state_file: Path | None = Field(
         None,
         description="kind=simulated: keep the simulated GPUs' state in this file so it survives "

@@ -62,7 +62,7 @@ from migd.core.scheduler import (
     SchedulerPolicy,
     Work,
 )
-from migd.core.states import state_space
+from migd.core.states import StateSpace, state_space
 from migd.daemon.auth import Authorizer, Peer
 from migd.daemon.config import ApiSection, MigdConfig, changed_restart_keys
 from migd.daemon.status import build_status, explain_job
@@ -80,7 +80,15 @@ from migd.errors import (
     NotAuthorized,
     ProtocolError,
 )
-from migd.ports import Clock, GpuBackend, GpuInfo, GpuProcess, ProcessTable, SystemClock
+from migd.ports import (
+    Clock,
+    GpuBackend,
+    GpuInfo,
+    GpuProcess,
+    MigInstance,
+    ProcessTable,
+    SystemClock,
+)
 
 T = TypeVar("T")
 log = structlog.get_logger("migd")
@@ -173,6 +181,8 @@ class Daemon:
         self._mps_lost_at_start: tuple[str, ...] = ()  # ... and found dead, at start-up
         self._logged: dict[str, LeaseState] = {}  # lease id -> state last logged
         self._work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
+        self._resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
+        self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
         # Service time per op (decoded request to reply written), last 2048 each, for
         # `migctl status` and the benchmark; see _latency_class.
         self.latency_s: dict[str, collections.deque[float]] = collections.defaultdict(
@@ -340,6 +350,18 @@ class Daemon:
         self.notifier.ready(f"serving {len(managed)} GPU(s): {summary}")
 
     def _manage(self, info: GpuInfo) -> ManagedGpu:
+        if not info.mig_mode_known:
+            # Unknown is not "no MIG": a MIG GPU managed whole would be handed out wrongly.
+            return ManagedGpu(
+                index=info.index,
+                uuid=info.uuid,
+                model=info.model or info.name,
+                name=info.name,
+                memory_total_mib=info.memory_total_mib,
+                mode=GpuMode.OFF,
+                health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
+                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
+            )
         override = self.config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
         mps_in_mig = bool(override and override.mps_in_mig)
@@ -512,33 +534,85 @@ class Daemon:
                     log.warning("mps.reattach_failed", lease_id=lease.lease_id, error=exc.message)
 
     async def _resync_gpu(self, index: int) -> list[str]:
+        """Adopt what the GPU has; leave alone what migd cannot explain.
+
+        An instance with processes on any of its compute instances (and no lease), one
+        made by hand with several compute instances, or one of a profile outside
+        ``policy.profiles`` is UNEXPLAINED: listed by ``migctl status``, never destroyed.
+        For the last, the GPU's state machine is widened by that profile so its slices
+        stay on the books, and the GPU takes no new work while it is there (so migd
+        never places a profile the policy leaves out); its health says why.
+        """
         gpu = self.sched.gpus[index]
         assert gpu.space is not None
+        configured = self._configured_space.setdefault(index, gpu.space)
         try:
             instances = await self.on_gpu(index, self.backend.list_instances, index)
-            busy: set[str] = set()
-            for inst in instances:
-                if inst.uuid:
-                    procs = await self.on_gpu(index, self.backend.processes, index, inst.uuid)
-                    if procs:
-                        busy.add(inst.uuid)
+            in_use = await self.on_gpu(index, self._instances_in_use, index, instances)
         except (MigdError, TimeoutError) as exc:
             gpu.health = f"cannot read instances: {exc}"
+            self._resync_health[index] = gpu.health
             return [gpu.health]
+        # Nothing below waits: the books and the health change in one step.
+        if gpu.health == self._resync_health.pop(index, None):
+            gpu.health = "ok"  # an earlier resync's verdict; judged afresh below
+        health_before = gpu.health
         observed: list[tuple[Profile, int, int | None, str | None, int]] = []
         notes: list[str] = []
+        untouchable: dict[int, str] = {}  # start -> why migd must leave it alone
+        foreign: list[Profile] = []
+        unknown: list[str] = []  # profiles the geometry itself lacks: cannot be booked
+        busy: set[str] = set()
         for inst in instances:
-            try:
-                profile = gpu.space.member(inst.profile_id)
-            except MigdError:
-                notes.append(
-                    f"instance gi {inst.gi_id} has profile {inst.profile_id} migd cannot use"
+            if len(inst.compute_instances) > 1:
+                untouchable[inst.start] = (
+                    f"{len(inst.compute_instances)} compute instances (made by hand); "
+                    "migd never destroys it"
                 )
-                continue
+            try:
+                profile = configured.member(inst.profile_id)
+            except MigdError:
+                try:
+                    profile = configured.geometry.by_id(inst.profile_id)
+                except MigdError:
+                    unknown.append(f"GPU instance {inst.gi_id} (profile id {inst.profile_id})")
+                    continue
+                untouchable[inst.start] = (
+                    f"profile {profile.name} is not in policy.profiles; migd never touches it"
+                )
+                foreign.append(profile)
+            if inst.uuid is not None and (inst.gi_id in in_use or inst.start in untouchable):
+                busy.add(inst.uuid)
             observed.append((profile, inst.start, inst.gi_id, inst.uuid, inst.memory_total_mib))
+        # The state machine must describe what is there; a GPU with a profile outside the
+        # policy is unavailable meanwhile, so nothing of that profile is ever placed.
+        gpu.space = (
+            state_space(configured.geometry, [p.name for p in (*configured.profiles, *foreign)])
+            if foreign
+            else configured
+        )
         now, _ = self.now()
         own = self.db.own_instances(gpu.uuid)
         notes += self.sched.resync(index, observed, busy, now)
+        for managed in gpu.instances:
+            why = untouchable.get(managed.start)
+            if why and managed.lease_id is None and managed.status is InstanceStatus.READY:
+                if managed.origin is not Origin.UNEXPLAINED or managed.note != why:
+                    notes.append(f"{managed}: unexplained ({why})")
+                managed.origin, managed.note = Origin.UNEXPLAINED, why
+        if foreign:
+            gpu.health = (
+                "instances of profiles outside policy.profiles ("
+                + ", ".join(sorted({p.name for p in foreign}))
+                + "): no new work on this GPU until they are gone or policy.profiles lists them"
+            )
+        if unknown:
+            gpu.health = (
+                f"{', '.join(unknown)} of a profile migd's geometry does not have: no new work "
+                "on this GPU until it is gone"
+            )
+        if gpu.health != health_before:
+            self._resync_health[index] = gpu.health
         present = {m.start for m in gpu.instances}
         for managed in gpu.instances:
             if managed.start in own and managed.origin is Origin.ADOPTED:
@@ -550,6 +624,15 @@ class Daemon:
             notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
         self.dispatch(teardown)
         return notes
+
+    def _instances_in_use(self, index: int, instances: list[MigInstance]) -> set[int]:
+        """GPU instance ids with processes on any of their compute instances (GPU thread)."""
+        in_use: set[int] = set()
+        for inst in instances:
+            uuids = [ci.uuid for ci in inst.compute_instances] or ([inst.uuid] if inst.uuid else [])
+            if any(self.backend.processes(index, uuid) for uuid in uuids):
+                in_use.add(inst.gi_id)
+        return in_use
 
     # -- the socket -------------------------------------------------------------------------
 
@@ -1303,9 +1386,12 @@ class Daemon:
                 await self._reap(now, mono)
                 if self.mps is not None:
                     self._kick_mps_housekeeping()
-                # Instances that had processes without a lease are adopted once they empty.
+                # Instances that had processes without a lease are adopted once they empty;
+                # a GPU an earlier resync found wanting is judged again.
                 for gpu in list(self.sched.gpus.values()):
-                    if any(i.origin is Origin.UNEXPLAINED for i in gpu.instances):
+                    if gpu.index in self._resync_health or any(
+                        i.origin is Origin.UNEXPLAINED for i in gpu.instances
+                    ):
                         for note in await self._resync_gpu(gpu.index):
                             log.info("resync", gpu=gpu.index, note=note)
                         self._after_change(self.sched.schedule(now, mono))

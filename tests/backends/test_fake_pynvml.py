@@ -10,6 +10,7 @@ import ast
 import ctypes
 import inspect
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pynvml
@@ -215,3 +216,270 @@ def test_string_fields_read_back_as_str_like_pynvml(fake: FakePynvml) -> None:
     info = fake.nvmlDeviceGetGpuInstanceProfileInfo(device, 0)
     assert info.name == "MIG 1g.5gb"
     assert isinstance(fake.nvmlDeviceGetPciInfo(device).busId, str)
+
+
+# -- return values, MIG device handles, argument checks --------------------------------------
+
+
+def _pynvml_functions() -> dict[str, ast.FunctionDef]:
+    tree = ast.parse(inspect.getsource(pynvml))
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def _returns(name: str, functions: dict[str, ast.FunctionDef]) -> set[str]:
+    """What a pynvml function returns, from its source: ``success`` (NVML_SUCCESS),
+    ``scalar`` (a ``.value``), ``list``, ``tuple``, ``None``, or the ctypes type names a
+    returned variable was built from."""
+    function = functions[name]
+    built: dict[str, set[str]] = {}
+    for node in ast.walk(function):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
+            value = node.value
+            kind = (
+                value.func.id
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                else "list"
+                if isinstance(value, ast.List | ast.ListComp)
+                else "other"
+            )
+            built.setdefault(node.targets[0].id, set()).add(kind)
+    kinds: set[str] = set()
+    for node in ast.walk(function):
+        if not isinstance(node, ast.Return):
+            continue
+        value = node.value
+        if value is None or (isinstance(value, ast.Constant) and value.value is None):
+            kinds.add("None")
+        elif isinstance(value, ast.Name) and value.id == "NVML_SUCCESS":
+            kinds.add("success")
+        elif isinstance(value, ast.Attribute) and value.attr == "value":
+            kinds.add("scalar")
+        elif isinstance(value, ast.Tuple):
+            kinds.add("tuple")
+        elif isinstance(value, ast.List | ast.ListComp):
+            kinds.add("list")
+        elif isinstance(value, ast.Name) and value.id in built:
+            kinds |= built[value.id]
+        elif (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id in functions
+        ):
+            kinds |= _returns(value.func.id, functions)  # a wrapper of a versioned call
+        else:
+            kinds.add(ast.unparse(value))
+    return kinds
+
+
+def _matches(result: object, kinds: set[str]) -> bool:
+    checks = {
+        "None": lambda r: r is None,
+        "success": lambda r: r == pynvml.NVML_SUCCESS and type(r) is int,
+        "scalar": lambda r: isinstance(r, int | str | bytes | float),
+        "list": lambda r: isinstance(r, list),
+        "tuple": lambda r: isinstance(r, tuple),
+    }
+    for kind in kinds:
+        check = checks.get(kind)
+        if check is not None and check(result):
+            return True
+        real = getattr(pynvml, kind, None) or getattr(ctypes, kind, None)
+        if isinstance(real, type) and type(result).__name__ == real.__name__:
+            return True
+    return False
+
+
+def _a_node_with_instances() -> tuple[FakePynvml, dict[str, object]]:
+    nvml = FakePynvml(SimNode.from_description("1xA100-40GB"))
+    nvml.nvmlInit()
+    device = nvml.nvmlDeviceGetHandleByIndex(0)
+    placement = nvml.c_nvmlGpuInstancePlacement_t(4, 4)
+    gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, 9, ctypes.byref(placement))
+    ci = nvml.nvmlGpuInstanceCreateComputeInstance(gi, 2)
+    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(device, 0)
+    nvml.node.attach(77, nvml.nvmlDeviceGetUUID(mig))
+    count = ctypes.c_uint(0)
+    return nvml, {"device": device, "gi": gi, "ci": ci, "mig": mig, "count": count}
+
+
+def _call_args(name: str, nvml: FakePynvml, h: dict[str, object]) -> tuple[object, ...]:
+    """Valid arguments for one call on the node of :func:`_a_node_with_instances`."""
+    device, gi, ci, mig, count = h["device"], h["gi"], h["ci"], h["mig"], h["count"]
+    ref = ctypes.byref(count)  # type: ignore[arg-type]
+
+    def new_gi(profile_id: int, start: int, size: int) -> object:
+        placement = nvml.c_nvmlGpuInstancePlacement_t(start, size)
+        return nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+            device, profile_id, ctypes.byref(placement)
+        )
+
+    table: dict[str, Callable[[], tuple[object, ...]]] = {
+        "nvmlInitWithFlags": lambda: (0,),
+        "nvmlDeviceGetHandleByIndex": lambda: (0,),
+        "nvmlDeviceGetGpuInstanceProfileInfo": lambda: (device, 2),
+        "nvmlDeviceGetGpuInstancePossiblePlacements": lambda: (device, 9, None, ref),
+        "nvmlDeviceCreateGpuInstanceWithPlacement": lambda: (
+            device,
+            14,
+            ctypes.byref(nvml.c_nvmlGpuInstancePlacement_t(0, 2)),
+        ),
+        "nvmlDeviceGetGpuInstances": lambda: (device, 9, (nvml.c_nvmlGpuInstance_t * 2)(), ref),
+        "nvmlDeviceGetGpuInstanceById": lambda: (device, 1),
+        "nvmlGpuInstanceGetComputeInstanceProfileInfo": lambda: (gi, 2, 0),
+        "nvmlGpuInstanceCreateComputeInstance": lambda: (new_gi(19, 0, 1), 0),
+        "nvmlGpuInstanceGetComputeInstances": lambda: (
+            gi,
+            2,
+            (nvml.c_nvmlComputeInstance_t * 1)(),
+            ref,
+        ),
+        "nvmlGpuInstanceGetComputeInstanceById": lambda: (gi, 0),
+        "nvmlGpuInstanceDestroy": lambda: (new_gi(19, 1, 1),),
+        "nvmlComputeInstanceDestroy": lambda: (ci,),
+        "nvmlDeviceGetMigDeviceHandleByIndex": lambda: (device, 0),
+        "nvmlDeviceGetGpuInstanceRemainingCapacity": lambda: (device, 19),
+        "nvmlDeviceGetGpuInstanceProfileInfoById": lambda: (device, 19),
+        "nvmlDeviceGetGpuInstanceId": lambda: (mig,),
+        "nvmlDeviceGetComputeInstanceId": lambda: (mig,),
+        "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": lambda: (mig,),
+        "nvmlComputeInstanceGetInfo": lambda: (ci,),
+        "nvmlGpuInstanceGetInfo": lambda: (gi,),
+    }
+    if name in table:
+        return table[name]()
+    params = inspect.signature(getattr(pynvml, name)).parameters
+    return tuple(device for p in params.values() if p.default is inspect.Parameter.empty)
+
+
+def test_functions_return_what_pynvml_returns() -> None:
+    functions = _pynvml_functions()
+    checked = 0
+    for name in FAKE_FUNCTIONS:
+        nvml, handles = _a_node_with_instances()
+        if name == "nvmlComputeInstanceDestroy":
+            nvml.node.detach(77)
+        kinds = _returns(name, functions)
+        result = getattr(nvml, name)(*_call_args(name, nvml, handles))
+        assert _matches(result, kinds), f"{name} returned {result!r}; pynvml returns {kinds}"
+        checked += 1
+    assert checked == len(FAKE_FUNCTIONS) >= 35
+
+
+def test_mig_device_handles_by_index_with_holes_like_nvml(fake: FakePynvml) -> None:
+    device = fake.nvmlDeviceGetHandleByIndex(0)
+    made = []
+    for start in (0, 2, 4):
+        placement = fake.c_nvmlGpuInstancePlacement_t(start, 2)
+        gi = fake.nvmlDeviceCreateGpuInstanceWithPlacement(device, 14, ctypes.byref(placement))
+        made.append((gi, fake.nvmlGpuInstanceCreateComputeInstance(gi, 1)))
+    fake.nvmlComputeInstanceDestroy(made[1][1])
+    fake.nvmlGpuInstanceDestroy(made[1][0])
+    assert fake.nvmlDeviceGetMaxMigDeviceCount(device) == 7
+    found = {}
+    for index in range(7):
+        try:
+            mig = fake.nvmlDeviceGetMigDeviceHandleByIndex(device, index)
+        except api.NVMLError_NotFound:  # an empty slot
+            continue
+        assert fake.nvmlDeviceIsMigDeviceHandle(mig).value == 1
+        parent = fake.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
+        assert fake.nvmlDeviceGetUUID(parent) == fake.nvmlDeviceGetUUID(device)
+        ids = (fake.nvmlDeviceGetGpuInstanceId(mig), fake.nvmlDeviceGetComputeInstanceId(mig))
+        found[index] = (ids, fake.nvmlDeviceGetUUID(mig))
+    views = fake.node.instances(0)
+    assert sorted(found.values()) == sorted(((v.gi_id, 0), v.uuids[0]) for v in views)
+    assert sorted(found) == [0, 2]  # the destroyed one left a hole at index 1
+    with pytest.raises(api.NVMLError_InvalidArgument):  # past the end
+        fake.nvmlDeviceGetMigDeviceHandleByIndex(device, 7)
+    assert fake.nvmlDeviceIsMigDeviceHandle(device).value == 0
+    with pytest.raises(api.NVMLError_NotSupported):  # a parent has no GI id
+        fake.nvmlDeviceGetGpuInstanceId(device)
+    with pytest.raises(api.NVMLError_InvalidArgument):
+        fake.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(device)
+
+
+def test_remaining_capacity_and_profile_info_by_id(fake: FakePynvml) -> None:
+    device = fake.nvmlDeviceGetHandleByIndex(0)
+    assert fake.nvmlDeviceGetGpuInstanceRemainingCapacity(device, 19) == 7
+    placement = fake.c_nvmlGpuInstancePlacement_t(4, 4)
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(device, 9, ctypes.byref(placement))
+    assert fake.nvmlDeviceGetGpuInstanceRemainingCapacity(device, 19) == 4  # units 0-3
+    assert fake.nvmlDeviceGetGpuInstanceRemainingCapacity(device, 9) == 1
+    assert fake.nvmlDeviceGetGpuInstanceRemainingCapacity(device, 0) == 0  # 7g: no room
+    assert fake.node.placements(0) == {(9, 4)}  # asking changed nothing
+    by_id = fake.nvmlDeviceGetGpuInstanceProfileInfoById(device, 9)
+    by_index = fake.nvmlDeviceGetGpuInstanceProfileInfo(device, 2)
+    assert _layout_values(by_id) == _layout_values(by_index)
+    with pytest.raises(api.NVMLError_NotSupported):
+        fake.nvmlDeviceGetGpuInstanceRemainingCapacity(device, 1234)
+
+
+def _layout_values(struct: ctypes.Structure) -> list[object]:
+    return [getattr(struct, name) for name, *_ in struct._fields_]
+
+
+def test_null_arrays_are_invalid_where_nvml_h_does_not_allow_them(fake: FakePynvml) -> None:
+    device = fake.nvmlDeviceGetHandleByIndex(0)
+    placement = fake.c_nvmlGpuInstancePlacement_t(4, 4)
+    gi = fake.nvmlDeviceCreateGpuInstanceWithPlacement(device, 9, ctypes.byref(placement))
+    fake.nvmlGpuInstanceCreateComputeInstance(gi, 2)
+    count = ctypes.c_uint(99)
+    with pytest.raises(api.NVMLError_InvalidArgument):
+        fake.nvmlDeviceGetGpuInstances(device, 9, None, ctypes.byref(count))
+    with pytest.raises(api.NVMLError_InvalidArgument):
+        fake.nvmlGpuInstanceGetComputeInstances(gi, 2, None, ctypes.byref(count))
+    assert count.value == 99  # nothing written
+    fake.nvmlDeviceGetGpuInstancePossiblePlacements(device, 9, None, ctypes.byref(count))
+    assert count.value == 2  # documented: NULL asks for the count
+
+
+@pytest.fixture
+def libc_abs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pynvml calling a real C function without ``argtypes``, as it calls NVML's.
+
+    Only arguments ctypes refuses to convert are passed, so nothing is ever called.
+    """
+    function = ctypes.CDLL(None).abs
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer", lambda name: function)
+
+
+@pytest.mark.usefixtures("libc_abs")
+def test_arguments_ctypes_refuses_are_refused_the_same_way(fake: FakePynvml) -> None:
+    device = fake.nvmlDeviceGetHandleByIndex(0)
+    count = ctypes.c_uint(0)
+    array = (fake.c_nvmlGpuInstance_t * 2)()
+    bad_calls = [
+        ("nvmlDeviceGetGpuInstances", (device, 9, [None, None], ctypes.byref(count))),
+        ("nvmlDeviceGetGpuInstances", (device, 9.0, array, ctypes.byref(count))),
+        ("nvmlDeviceGetGpuInstanceById", (device, 1.0)),
+        (
+            "nvmlDeviceGetGpuInstancePossiblePlacements",
+            (device, 9, [0] * 7, ctypes.byref(count)),
+        ),
+        ("nvmlDeviceGetGpuInstanceProfileInfo", (device, 2.0)),
+    ]
+    for name, args in bad_calls:
+        with pytest.raises(ctypes.ArgumentError) as real:
+            getattr(pynvml, name)(*args)
+        with pytest.raises(ctypes.ArgumentError) as ours:
+            getattr(fake, name)(*args)
+        assert str(ours.value) == str(real.value), name
+    assert fake.node.call_counts["nvmlDeviceGetGpuInstances"] == 0  # refused before NVML
+    with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(device, 0.0)
+    with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
+        fake.nvmlDeviceGetMigDeviceHandleByIndex(device, 0.0)
+
+
+def test_an_array_of_the_wrong_type_would_corrupt_memory_and_is_refused(
+    fake: FakePynvml,
+) -> None:
+    device = fake.nvmlDeviceGetHandleByIndex(0)
+    count = ctypes.c_uint(0)
+    wrong = (ctypes.c_uint * 8)()
+    with pytest.raises(TypeError, match="corrupt memory"):
+        fake.nvmlDeviceGetGpuInstancePossiblePlacements(device, 9, wrong, ctypes.byref(count))

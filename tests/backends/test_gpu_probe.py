@@ -65,7 +65,9 @@ def test_probe_changes_nothing_and_records_everything(gpu_probe: ModuleType) -> 
     assert len(a100["mig"]["profiles"]) == 7
     assert all(p["placements"] for p in a100["mig"]["profiles"])
     assert v100["mig_current"] is None and "mig" not in v100
-    assert v100["processes"] == [{"pid": 78, "used_mib": 100, "mig_uuid": None}]
+    assert v100["processes"] == [
+        {"pid": 78, "used_mib": 100, "mig_uuid": None, "mps": False, "name": None}
+    ]
     assert a100["errors"] == {} and v100["errors"] == {}
 
 
@@ -149,3 +151,53 @@ def test_probe_cli_on_a_simulated_node(tmp_path: Path) -> None:
     assert record["synthetic"] is True and record["simulated"] == "2xA30-24GB"
     assert [g["index"] for g in record["gpus"]] == [1]
     assert SimNode.from_probe(out).gpu(0).uuid == record["gpus"][0]["uuid"]
+
+
+def test_the_probe_cannot_call_anything_that_changes_a_gpu(gpu_probe: ModuleType) -> None:
+    node = SimNode.from_description("1xA100-40GB")
+    nvml = gpu_probe.ReadOnlyNvml(FakePynvml(node))
+    nvml.nvmlInit()
+    device = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetMigMode(device) == [1, 1]  # queries pass
+    for call in (*WRITE_CALLS, "nvmlDeviceSetMigMode", "nvmlDeviceResetGpuLockedClocks"):
+        assert not gpu_probe.ReadOnlyNvml.allowed(call), call
+    with pytest.raises(PermissionError, match="read-only"):
+        nvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, 9, None)
+    assert node.call_counts["nvmlDeviceCreateGpuInstanceWithPlacement"] == 0
+    used = [n for n in dir(nvml) if n.startswith("nvml") and callable(getattr(FakePynvml, n, None))]
+    refused = {n for n in used if not gpu_probe.ReadOnlyNvml.allowed(n)}
+    assert refused == set(WRITE_CALLS)  # every other call of the simulated pynvml is a query
+
+
+def test_a_probe_records_what_rebuilding_the_node_needs(
+    gpu_probe: ModuleType, tmp_path: Path
+) -> None:
+    text = """
+[[gpu]]
+model = "A100-40GB"
+mig_idle_used_mib = 11
+instances = [
+  {profile = "3g.20gb", start = 4, compute_instances = [
+    {slices = 1, uuid = "MIG-00000000-0000-4000-8000-0000000000a1"}, {slices = 2}]},
+  ["1g.5gb", 0],
+]
+processes = [
+  {pid = 90, device = "MIG-00000000-0000-4000-8000-0000000000a1", used_mib = 300},
+  {pid = 91, device = "1g.5gb@0", used_mib = 200, mps_pinned_limit_mib = 1000},
+]
+[[gpu]]
+model = "V100-32GB"
+idle_used_mib = 7
+"""
+    original = SimNode.from_description(text)
+    record = gpu_probe.probe(NvmlBackend(FakePynvml(original)), simulated="test")
+    split = next(i for i in record["gpus"][0]["mig"]["instances"] if i["start"] == 4)
+    assert [c["slices"] for c in split["compute_instances"]] == [1, 2]
+    assert [p["mps"] for p in record["gpus"][0]["processes"]] == [False, True]
+    (tmp_path / "probe.json").write_text(json.dumps(record))
+    rebuilt = SimNode.from_probe(tmp_path / "probe.json")
+    assert [v.uuids for v in rebuilt.instances(0)] == [v.uuids for v in original.instances(0)]
+    assert rebuilt.gpus[0].spec.mig_idle_used_mib == 11
+    assert rebuilt.gpus[1].spec.idle_used_mib == 7
+    again = gpu_probe.probe(NvmlBackend(FakePynvml(rebuilt)), simulated="test")
+    assert again["gpus"] == record["gpus"]  # memory figures included

@@ -236,6 +236,73 @@ def test_unknown_model_needs_nvml_data(sim: Sim) -> None:
         NvmlBackend(FakePynvml(node)).geometry(0)
 
 
+def test_one_profile_without_placements_falls_back_alone(
+    sim: Sim, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend, node = sim("1xA100-40GB")
+    first = backend.profile_infos(0)[0]  # the enumeration's first profile (1g.5gb)
+    node.fail_next("nvmlDeviceGetGpuInstancePossiblePlacements", api.NVML_ERROR_NOT_SUPPORTED)
+    with caplog.at_level(logging.WARNING):
+        geometry = backend.geometry(0)
+    assert geometry.source == "nvml"  # the other profiles still came from NVML
+    builtin = catalog.geometry("A100-40GB")
+    assert geometry.by_id(first.profile_id).starts == builtin.by_id(first.profile_id).starts
+    assert "no placements from NVML for profile" in caplog.text
+    assert "built-in A100-40GB table" in caplog.text
+
+
+def test_a_profile_without_placements_or_table_entry_is_left_out(sim: Sim) -> None:
+    geo = catalog.geometry("A30-24GB")
+    spec = SimGpuSpec(
+        name="NVIDIA Future 24GB",
+        pci_device_id=0x999910DE,
+        memory_total_mib=24576,
+        geometry=replace(geo, model="Future"),
+    )
+    backend, node = sim(SimNode([spec]))
+    first = backend.profile_infos(0)[0]
+    node.fail_next("nvmlDeviceGetGpuInstancePossiblePlacements", api.NVML_ERROR_NOT_SUPPORTED)
+    geometry = backend.geometry(0)
+    assert first.profile_id not in {p.profile_id for p in geometry.profiles}
+    assert len(geometry.profiles) == len(geo.profiles) - 1
+
+
+def test_engine_counts_are_nvmls_and_a_difference_is_logged(
+    sim: Sim, caplog: pytest.LogCaptureFixture
+) -> None:
+    builtin = catalog.geometry("A100-40GB")
+    media = builtin.profile("1g.5gb+me")
+    assert media.engines is not None
+    reported = {**media.engines, "dec": media.engines["dec"] + 1}  # a driver that differs
+    profiles = tuple(replace(p, engines=reported) if p is media else p for p in builtin.profiles)
+    spec = replace(
+        SimGpuSpec.for_model("A100-40GB"),
+        geometry=replace(builtin, profiles=profiles, _by_id={}, _by_name={}),
+    )
+    backend, _ = sim(SimNode([spec]))
+    with caplog.at_level(logging.WARNING):
+        geometry = backend.geometry(0)
+    assert geometry.profile("1g.5gb+me").engines == reported
+    assert geometry.profile("3g.20gb").engines == builtin.profile("3g.20gb").engines
+    assert "engine counts differ" in caplog.text and "1g.5gb+me" in caplog.text
+
+
+def test_unreadable_mig_mode_is_unknown_not_no_mig(sim: Sim) -> None:
+    backend, node = sim("1xA100-40GB")
+    node.fail_next("nvmlDeviceGetMigMode", api.NVML_ERROR_UNKNOWN, times=3)
+    (info,) = backend.discover()
+    assert (info.mig_current, info.mig_pending) == (None, None)
+    assert not info.mig_mode_known
+    assert info.mig_mode_error is not None and "NVML_ERROR_UNKNOWN" in info.mig_mode_error
+    with pytest.raises(GpuError, match="MIG mode of GPU 0 cannot be read") as caught:
+        backend.geometry(0)
+    assert not isinstance(caught.value, GpuUnsupported)  # not "this GPU has no MIG"
+    with pytest.raises(GpuError, match="cannot be read"):
+        backend.list_instances(0)
+    (info,) = backend.discover()  # readable again
+    assert (info.mig_current, info.mig_mode_known) == (True, True)
+
+
 # -- create / destroy every placement ---------------------------------------------------------
 
 
@@ -417,14 +484,48 @@ def test_partial_cleanup_is_finished_by_the_next_destroy(sim: Sim) -> None:
     assert node.placements(0) == frozenset()
 
 
-def test_instances_made_by_hand_with_several_compute_instances(sim: Sim) -> None:
+def _by_hand_3g_with_two_cis(node: SimNode) -> tuple[int, list[str]]:
+    """An admin's 3g.20gb@4 split into two 1-slice compute instances: (GI id, MIG UUIDs)."""
+    gi = node.create_gpu_instance(0, 9, 4, 4)
+    cis = [
+        node.create_compute_instance(gi.serial, api.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
+        for _ in range(2)
+    ]
+    return gi.gi_id, [ci.uuid for ci in cis]
+
+
+def test_instances_made_by_hand_with_several_compute_instances_are_listed_whole(
+    sim: Sim,
+) -> None:
     backend, node = sim("1xA100-40GB")
-    gi = node.create_gpu_instance(0, 9, 0, 4)  # an admin's 3g with two 1-slice CIs
-    first = node.create_compute_instance(gi.serial, api.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
-    node.create_compute_instance(gi.serial, api.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
+    gi_id, uuids = _by_hand_3g_with_two_cis(node)
     (listed,) = backend.list_instances(0)
-    assert (listed.gi_id, listed.ci_id, listed.uuid) == (gi.gi_id, first.ci_id, first.uuid)
-    backend.destroy_instance(0, gi.gi_id)
+    assert [(c.ci_id, c.uuid, c.slices) for c in listed.compute_instances] == [
+        (0, uuids[0], 1),
+        (1, uuids[1], 1),
+    ]
+    assert (listed.gi_id, listed.ci_id, listed.uuid) == (gi_id, 0, uuids[0])  # the first
+    for uuid in uuids:  # each MIG device can be queried
+        assert backend.memory(0, uuid).total_mib == listed.memory_total_mib
+    backend.destroy_instance(0, gi_id)
+    assert node.placements(0) == frozenset()
+
+
+def test_a_process_on_any_compute_instance_keeps_every_one_of_them(
+    sim: Sim, sleeps: SleepRecorder
+) -> None:
+    # The process runs on the *second* compute instance: a destroy that went CI by CI
+    # would remove the first, then stop, leaving the in-use instance half destroyed.
+    backend, node = sim("1xA100-40GB", destroy_retries=1)
+    gi_id, uuids = _by_hand_3g_with_two_cis(node)
+    node.attach(4242, uuids[1])
+    with pytest.raises(GpuBusy, match="processes 4242") as caught:
+        backend.destroy_instance(0, gi_id)
+    assert caught.value.details["pids"] == [4242]
+    assert [v.uuids for v in node.instances(0)] == [tuple(uuids)]  # nothing destroyed
+    assert node.call_counts["nvmlComputeInstanceDestroy"] == 0
+    node.detach(4242)
+    backend.destroy_instance(0, gi_id)
     assert node.placements(0) == frozenset()
 
 
@@ -495,6 +596,64 @@ def test_nvml_errors_passes_other_exceptions_through() -> None:
         raise GpuBusy("already translated")
     with pytest.raises(InstanceNotFound), nvml_errors("x", not_found=InstanceNotFound):
         raise api.NVMLError(api.NVML_ERROR_NOT_FOUND)
+
+
+# -- MIG device UUIDs ---------------------------------------------------------------------------
+
+
+def test_the_compute_instance_info_names_the_parent_gpu_as_nvml_h_documents(sim: Sim) -> None:
+    # nvml.h: nvmlComputeInstanceInfo_t.device is "Parent device". Its UUID is the GPU's,
+    # so the MIG UUID must come from the MIG device handles instead.
+    backend, node = sim("1xA100-40GB")
+    made = backend.create_instance(0, 9, 4)
+    nvml = backend.nvml
+    gpu = nvml.nvmlDeviceGetHandleByIndex(0)
+    gi = nvml.nvmlDeviceGetGpuInstanceById(gpu, made.gi_id)
+    assert made.ci_id is not None
+    ci = nvml.nvmlGpuInstanceGetComputeInstanceById(gi, made.ci_id)
+    parent_uuid = nvml.nvmlDeviceGetUUID(gpu)
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlComputeInstanceGetInfo(ci).device) == parent_uuid
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlGpuInstanceGetInfo(gi).device) == parent_uuid
+    (view,) = node.instances(0)
+    assert made.uuid == view.uuids[0] != parent_uuid
+    assert made.uuid is not None and made.uuid.startswith("MIG-")
+    assert backend.list_instances(0) == [made]
+
+
+@pytest.mark.parametrize("ci_info_device", ["parent", "mig"])
+def test_mig_uuids_are_right_whatever_the_driver_puts_in_the_ci_info(
+    ci_info_device: str,
+) -> None:
+    node = SimNode.from_description("1xA100-40GB")
+    backend = NvmlBackend(FakePynvml(node, ci_info_device=ci_info_device))  # type: ignore[arg-type]
+    made = [backend.create_instance(0, 14, start) for start in (0, 2, 4)]
+    backend.destroy_instance(0, made[1].gi_id)  # leaves an empty MIG device slot
+    made[1] = backend.create_instance(0, 19, 2)
+    truth = {v.gi_id: v.uuids for v in node.instances(0)}
+    assert {m.gi_id: (m.uuid,) for m in made} == truth
+    assert {m.gi_id: (m.uuid,) for m in backend.list_instances(0)} == truth
+    walked = node.call_counts["nvmlDeviceGetMigDeviceHandleByIndex"]
+    if ci_info_device == "mig":  # NVML confirmed the handle: no walk on create
+        node.call_counts.clear()
+        backend.create_instance(0, 19, 3)
+        assert node.call_counts["nvmlDeviceGetMigDeviceHandleByIndex"] == 0
+    else:
+        assert walked > 0
+
+
+def test_a_mig_device_handle_that_names_another_device_is_not_trusted(sim: Sim) -> None:
+    backend, node = sim("1xA100-40GB")
+    made = backend.create_instance(0, 9, 0)
+    assert made.uuid is not None
+    # The cached handle goes stale (the instance is re-created behind our back): the
+    # backend looks again rather than reading the wrong device.
+    other = NvmlBackend(FakePynvml(node))
+    other.destroy_instance(0, made.gi_id)
+    again = other.create_instance(0, 9, 0)
+    node.attach(5, again.uuid or "")
+    assert [p.pid for p in backend.processes(0, again.uuid)] == [5]
+    with pytest.raises(GpuNotFound):
+        backend.processes(0, made.uuid)
 
 
 # -- memory, processes, heartbeat -------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 import uuid
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from migd.backends.simulated import SimNode
+from migd.backends.simulated import FakePynvml, SimNode
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated.hardware import board, known_models
 from migd.core import catalog
@@ -98,6 +99,65 @@ def test_toml_with_an_impossible_layout_is_refused() -> None:
         SimNode.from_description(text)
 
 
+def test_toml_describes_instances_made_by_hand() -> None:
+    text = """
+[[gpu]]
+model = "A100-40GB"
+instances = [
+  {profile = "3g.20gb", start = 4, compute_instances = [
+    {slices = 1, uuid = "MIG-00000000-0000-4000-8000-000000000001"}, {slices = 2}]},
+  {profile = "2g.10gb", start = 0, compute_instances = []},
+]
+processes = [{pid = 7, device = "MIG-00000000-0000-4000-8000-000000000001"}]
+"""
+    node = SimNode.from_description(text)
+    split, empty = sorted(node.instances(0), key=lambda v: -v.start)
+    assert split.ci_ids == (0, 1) and split.uuids[0] == "MIG-00000000-0000-4000-8000-000000000001"
+    assert empty.ci_ids == ()  # a GPU instance without a compute instance
+    proc = node.process(7)
+    assert proc is not None and proc.device_uuid == split.uuids[0]
+
+
+@pytest.mark.parametrize(
+    ("instances", "fragment"),
+    [
+        (
+            '[{profile = "1g.5gb", start = 0, uuid = "MIG-1"}, '
+            '{profile = "1g.5gb", start = 1, uuid = "MIG-1"}]',
+            "MIG UUID MIG-1 is given twice",
+        ),
+        (
+            '[{profile = "3g.20gb", start = 4, compute_instances = [{slices = 1, uuid = "MIG-2"},'
+            ' {slices = 1, uuid = "MIG-2"}]}]',
+            "MIG UUID MIG-2 is given twice",
+        ),
+        ('[{profile = "1g.5gb", start = 0, uuid = "GPU-3"}]', "not a MIG UUID"),
+        (
+            '[{profile = "3g.20gb", start = 4, compute_instances = [{slices = 2}, {slices = 2}]}]',
+            "need more than its 3 compute slices",
+        ),
+        ('[{profile = "1g.5gb", start = 0, compute_instances = [{uuid = "MIG-4"}]}]', "slices"),
+    ],
+)
+def test_toml_instances_that_cannot_exist_are_refused(instances: str, fragment: str) -> None:
+    text = f'[[gpu]]\nmodel = "A100-40GB"\ninstances = {instances}\n'
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        SimNode.from_description(text)
+
+
+def test_a_mig_uuid_given_on_two_gpus_is_refused() -> None:
+    text = """
+[[gpu]]
+model = "A100-40GB"
+instances = [{profile = "1g.5gb", start = 0, uuid = "MIG-5"}]
+[[gpu]]
+model = "A100-40GB"
+instances = [{profile = "1g.5gb", start = 0, uuid = "MIG-5"}]
+"""
+    with pytest.raises(ConfigError, match="given twice"):
+        SimNode.from_description(text)
+
+
 def test_uuids_are_stable_per_seed_and_well_formed() -> None:
     first = SimNode.from_description("4xA100-40GB", seed=3)
     again = SimNode.from_description("4xA100-40GB", seed=3)
@@ -158,6 +218,66 @@ def test_latency_follows_seed_003_table_scaled() -> None:
     instant = SimNode.from_description("1xH100-80GB", sleep=waits.append)
     instant.create_gpu_instance(0, 0, 0, 8)
     assert len(waits) == 2  # time_scale 0 (default): no waiting at all
+
+
+def test_latency_table_comes_from_the_description() -> None:
+    text = """
+time_scale = 0.5
+latency = {1 = [1.0, 2.0], 7 = [3.0, 4.0]}
+[[gpu]]
+model = "A100-40GB"
+[[gpu]]
+model = "A100-40GB"
+latency = {7 = [10.0, 20.0]}
+"""
+    waits: list[float] = []
+    node = SimNode.from_description(text, sleep=waits.append)
+    small = node.create_gpu_instance(0, 19, 0, 1)  # 1 slice
+    node.destroy_gpu_instance(small.serial)
+    middle = node.create_gpu_instance(0, 9, 4, 4)  # 3 slices: the next larger row (7)
+    node.destroy_gpu_instance(middle.serial)
+    node.create_gpu_instance(1, 19, 0, 1)  # GPU 1's own table: 1 slice -> the 7 row
+    assert waits == [0.5, 1.0, 1.5, 2.0, 5.0]
+    with pytest.raises(ConfigError, match="bad latency entry"):
+        SimNode.from_description('latency = {1 = [-1, 0]}\n[[gpu]]\nmodel = "A100-40GB"\n')
+
+
+def test_a_slow_create_holds_off_only_mig_changes_of_its_own_gpu() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def slow(seconds: float) -> None:  # stands in for the simulated NVML latency
+        started.set()
+        assert release.wait(10)
+
+    node = SimNode.from_description("2xA100-40GB", time_scale=1.0, sleep=slow)
+    nvml = FakePynvml(node)
+    nvml.nvmlInit()
+    device = nvml.nvmlDeviceGetHandleByIndex(0)
+    placement = nvml.c_nvmlGpuInstancePlacement_t(4, 4)
+    creating = threading.Thread(
+        target=nvml.nvmlDeviceCreateGpuInstanceWithPlacement,
+        args=(device, 9, ctypes.byref(placement)),
+    )
+    creating.start()
+    assert started.wait(10)
+    # NVML reads of the same GPU answer at once, with the state before the create.
+    count = ctypes.c_uint(99)
+    array = (nvml.c_nvmlGpuInstance_t * 2)()
+    reader = threading.Thread(
+        target=nvml.nvmlDeviceGetGpuInstances, args=(device, 9, array, ctypes.byref(count))
+    )
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive() and count.value == 0
+    # A second MIG change of the same GPU waits for the first, as the driver makes it.
+    second = threading.Thread(target=node.create_gpu_instance, args=(0, 19, 0, 1))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and node.placements(0) == frozenset()
+    release.set()
+    creating.join(10)
+    second.join(10)
+    assert node.placements(0) == {(9, 4), (19, 0)}
 
 
 def test_injected_faults_fire_the_requested_number_of_times_and_gpu() -> None:

@@ -8,6 +8,7 @@ from sim_support import Sim, SleepRecorder
 from migd.backends.nvml import NvmlBackend, nvml_errors
 from migd.backends.simulated import FakePynvml, SimCudaError, SimOutOfMemory
 from migd.backends.simulated import nvml_api as api
+from migd.backends.simulated.hardware import IDLE_USED_MIB, MIG_IDLE_USED_MIB
 from migd.core import catalog
 from migd.errors import GpuBusy, GpuNotFound, GpuUnsupported
 from migd.ports import MemoryInfo
@@ -18,9 +19,11 @@ def test_oom_exactly_past_the_mig_device_memory(sim: Sim) -> None:
     made = backend.create_instance(0, 19, 3)  # 1g.5gb
     assert made.uuid is not None
     size_mib = catalog.geometry("A100-40GB").by_id(19).memory_mib
+    reserved = MIG_IDLE_USED_MIB  # what the driver holds on an idle MIG device
+    assert backend.memory(0, made.uuid) == MemoryInfo(total_mib=size_mib, used_mib=reserved)
     node.attach(100, made.uuid)
     node.attach(101, made.uuid)  # two processes share the instance's memory
-    node.alloc(100, size_mib - 10)
+    node.alloc(100, size_mib - reserved - 10)
     node.alloc(101, 10)  # exactly full: fits
     with pytest.raises(SimOutOfMemory, match=r"^CUDA error: out of memory") as caught:
         node.alloc(101, 1)
@@ -40,16 +43,18 @@ def test_oom_at_the_mps_pinned_limit_per_client(sim: Sim) -> None:
     with pytest.raises(SimOutOfMemory, match="MPS pinned-memory limit"):
         node.alloc(200, 1)
     node.alloc(201, 1000)  # the limit is per client, not per instance
-    assert backend.memory(0, made.uuid).used_mib == 2000
+    assert backend.memory(0, made.uuid).used_mib == 2000 + MIG_IDLE_USED_MIB
 
 
 def test_oom_past_a_whole_non_mig_gpu(sim: Sim) -> None:
     backend, node = sim("1xV100-32GB")
-    total = backend.memory(0).total_mib
+    idle = backend.memory(0)
+    assert idle.used_mib == IDLE_USED_MIB  # the driver's own, before any process
     node.attach(300, node.gpu(0).uuid)
-    node.alloc(300, total)
+    node.alloc(300, idle.free_mib)
     with pytest.raises(SimOutOfMemory):
         node.alloc(300, 1)
+    assert backend.memory(0).free_mib == 0
 
 
 def test_cuda_cannot_use_the_parent_of_a_mig_gpu_or_unknown_devices(sim: Sim) -> None:
@@ -78,7 +83,7 @@ def test_processes_are_visible_with_their_memory(sim: Sim) -> None:
     ]
     assert [p.pid for p in backend.processes(0, a.uuid)] == [10]
     assert [p.pid for p in backend.processes(0, b.uuid)] == [11]
-    assert backend.memory(0).used_mib == 1800
+    assert backend.memory(0).used_mib == 1800 + 2 * MIG_IDLE_USED_MIB  # two instances
     node.detach(10)
     assert [p.pid for p in backend.processes(0)] == [11]
 

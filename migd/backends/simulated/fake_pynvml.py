@@ -14,7 +14,20 @@ stand-in raises ``TypeError``/``ValueError`` that names the mistake:
   (``nvmlDeviceCreateGpuInstanceWithPlacement``: pynvml sets no ``argtypes`` and
   forwards the argument as is; reference §5.2 shows by-value segfaulting);
 * a count passed by value instead of ``byref``;
-* a caller array shorter than what NVML writes into it.
+* a caller array shorter than what NVML writes into it, or of another element type.
+
+Where ctypes itself refuses an argument (pynvml sets no ``argtypes``, so ctypes
+converts only ints, ``None``, bytes and ctypes objects), this stand-in raises the
+same ``ctypes.ArgumentError``: a Python list as a caller array, a float as a
+profile id. A NULL array where NVML does not document NULL as a size query
+(``nvmlDeviceGetGpuInstances``, ``nvmlGpuInstanceGetComputeInstances``) is
+NVML's INVALID_ARGUMENT, as in ``nvml.h``.
+
+``nvmlComputeInstanceInfo_t.device`` is the *parent* GPU's handle, as ``nvml.h``
+documents the field ("Parent device"); a MIG device's handle comes from
+``nvmlDeviceGetMigDeviceHandleByIndex``. ``FakePynvml(node, ci_info_device="mig")``
+models a driver that fills in the MIG device's handle there instead, so code can be
+tested against both readings.
 
 Error codes follow ``nvml.h`` (NVIDIA/go-nvml ``2f9e261``, ``gen/nvml/nvml.h``),
 cited where the node raises them (:mod:`migd.backends.simulated.node`).
@@ -25,7 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated.node import (
@@ -36,6 +49,7 @@ from migd.backends.simulated.node import (
     SimNode,
     SimProcess,
 )
+from migd.core.geometry import Profile
 
 # pynvml functions that nvml.h marks "Requires privileged user" / root.
 PRIVILEGED_CALLS = frozenset(
@@ -79,12 +93,52 @@ def _deref(ref: Any, what: str, call: str) -> Any:
     )
 
 
+def _not_convertible(position: int) -> ctypes.ArgumentError:
+    # What ctypes raises for an argument of a foreign function without ``argtypes`` that it
+    # cannot convert (a float, a list, ...).
+    return ctypes.ArgumentError(
+        f"argument {position}: TypeError: Don't know how to convert parameter {position}"
+    )
+
+
+def _c_uint(position: int, value: Any) -> int:
+    """An integer argument pynvml hands to NVML unconverted: what ctypes would accept."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, ctypes._SimpleCData) and isinstance(value.value, int):
+        return int(value.value)
+    raise _not_convertible(position)
+
+
+def _c_array(call: str, position: int, value: Any, element: Any) -> Any:
+    """A caller-allocated ctypes array (or a reference to one) of ``element``."""
+    if isinstance(value, _CArgObject):
+        value = value._obj  # type: ignore[attr-defined]
+    elif isinstance(value, ctypes._Pointer):
+        value = value.contents
+    if not isinstance(value, ctypes.Array):
+        if isinstance(value, ctypes._SimpleCData | ctypes.Structure | ctypes.Union):
+            raise TypeError(
+                f"{call}: argument {position} must be an array of {element.__name__}, got "
+                f"{type(value).__name__}: NVML would write past it"
+            )
+        raise _not_convertible(position)
+    if value._type_ is not element:
+        raise TypeError(
+            f"{call}: argument {position} is an array of {value._type_.__name__}, NVML writes "
+            f"{element.__name__}: real NVML would corrupt memory"
+        )
+    return value
+
+
 def _serialised(cls: type[FakePynvml]) -> type[FakePynvml]:
-    """Run every ``nvml*`` function under the node lock, as one driver call.
+    """Run every ``nvml*`` read under the node lock, as one driver call.
 
     A call reads several pieces of node state (a GPU instance, then its compute
     instances, ...); holding the lock makes each call see one consistent node, as a
     real driver call does, whichever threads and clients call at the same time.
+    Writes (:data:`WRITE_CALLS`) take the lock themselves, only around their reads and
+    their commit: a simulated create latency must not stall every other NVML call.
     """
 
     def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,7 +150,7 @@ def _serialised(cls: type[FakePynvml]) -> type[FakePynvml]:
         return locked
 
     for name, value in list(vars(cls).items()):
-        if name.startswith("nvml") and callable(value):
+        if name.startswith("nvml") and callable(value) and name not in WRITE_CALLS:
             setattr(cls, name, wrap(value))
     return cls
 
@@ -109,8 +163,17 @@ class FakePynvml:
     ``nvmlShutdown``); several may share a node.
     """
 
-    def __init__(self, node: SimNode, *, legacy_driver: bool = False) -> None:
+    def __init__(
+        self,
+        node: SimNode,
+        *,
+        legacy_driver: bool = False,
+        ci_info_device: Literal["parent", "mig"] = "parent",
+    ) -> None:
         self.node = node
+        # What nvmlComputeInstanceGetInfo puts in ``device``: the parent GPU (nvml.h), or
+        # the MIG device (what some drivers are reported to do).
+        self.ci_info_device = ci_info_device
         # True: a driver older than the newest versioned entry points pynvml prefers
         # (the _v3 process queries, the ...ProfileInfoV calls): pynvml then raises
         # NVMLLibraryMismatchError or NVMLError_FunctionNotFound.
@@ -143,17 +206,19 @@ class FakePynvml:
         self.node.check_call(call, gpu, privileged=call in PRIVILEGED_CALLS)
 
     def _handle(self, pointer_type: Any, key: tuple[Any, ...]) -> Any:
-        token = self._token_of.get(key)
-        if token is None:
-            self._next_token += 0x10
-            token = self._next_token
-            self._token_of[key] = token
-            self._key_of[token] = key
+        with self.node.lock:
+            token = self._token_of.get(key)
+            if token is None:
+                self._next_token += 0x10
+                token = self._next_token
+                self._token_of[key] = token
+                self._key_of[token] = key
         return ctypes.cast(ctypes.c_void_p(token), pointer_type)
 
     def _key(self, handle: Any, kinds: tuple[str, ...]) -> tuple[Any, ...]:
         token = api.pointer_token(handle)
-        key = self._key_of.get(token) if token is not None else None
+        with self.node.lock:
+            key = self._key_of.get(token) if token is not None else None
         if key is None or key[0] not in kinds:
             # nvml.h: NVML_ERROR_INVALID_ARGUMENT "if device is invalid".
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
@@ -177,7 +242,8 @@ class FakePynvml:
     def _gi(self, call: str, handle: Any) -> tuple[SimGpu, SimGpuInstance]:
         key = self._key(handle, ("gi",))
         self._enter(call, key[1])
-        return self.node.lookup_gi(key[2])
+        with self.node.lock:
+            return self.node.lookup_gi(key[2])
 
     def _gi_handle(self, gpu: SimGpu, gi: SimGpuInstance) -> Any:
         return self._handle(api.c_nvmlGpuInstance_t, ("gi", gpu.index, gi.serial))
@@ -189,11 +255,30 @@ class FakePynvml:
         return self._handle(api.c_nvmlDevice_t, ("mig", gpu.index, ci.serial))
 
     @staticmethod
-    def _fill(call: str, array: Any, count_ref: Any, items: list[Any]) -> None:
+    def _fill(
+        call: str,
+        array: Any,
+        count_ref: Any,
+        items: list[Any],
+        *,
+        element: Any,
+        position: int,
+        null_counts: bool = False,
+    ) -> None:
+        """Fill a caller-allocated array and write the count, as NVML does.
+
+        ``null_counts``: NULL asks for the count only (nvml.h says so for possible
+        placements); elsewhere NULL is INVALID_ARGUMENT.
+        """
         count = _deref(count_ref, "count", call)
         if array is None:
+            if not null_counts:
+                # nvml.h: INVALID_ARGUMENT "If ... gpuInstances / computeInstances ... are
+                # invalid"; only the placement query documents NULL as a size query.
+                raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
             count.value = len(items)
             return
+        array = _c_array(call, position, array, element)
         if len(array) < len(items):
             raise ValueError(
                 f"{call}: the caller's array has {len(array)} entries but NVML writes "
@@ -233,6 +318,8 @@ class FakePynvml:
         return self.node.gpu_count
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        if not isinstance(index, int):
+            raise TypeError(f"'{type(index).__name__}' object cannot be interpreted as an integer")
         if not 0 <= index < self.node.gpu_count:
             self._enter("nvmlDeviceGetHandleByIndex")
             # nvml.h: INVALID_ARGUMENT "if index is invalid".
@@ -263,7 +350,9 @@ class FakePynvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         gpu, gi, _ci = self._device_or_mig("nvmlDeviceGetMemoryInfo", handle)
-        total, used = self.node.memory_mib(gpu.index, gi.serial if gi is not None else None)
+        gi_serial = gi.serial if gi is not None else None
+        total, used = self.node.memory_mib(gpu.index, gi_serial)
+        used += self.node.reserved_mib(gpu.index, gi_serial)
         if not version:
             info: Any = api.c_nvmlMemory_t()
         else:
@@ -293,6 +382,7 @@ class FakePynvml:
     def nvmlDeviceGetGpuInstanceProfileInfo(
         self, device: Any, profile: int, version: int = 2
     ) -> Any:
+        profile = _c_uint(2, profile)
         gpu = self._device("nvmlDeviceGetGpuInstanceProfileInfo", device)
         if version not in (1, 2) or (version == 2 and self.legacy_driver):
             # pynvml: an unknown version, or a library without ...ProfileInfoV.
@@ -305,6 +395,10 @@ class FakePynvml:
         if found is None:
             # nvml.h: NOT_SUPPORTED "If ... profile isn't supported".
             raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
+        return self._profile_info(found, version)
+
+    @staticmethod
+    def _profile_info(found: Profile, version: int) -> Any:
         info: Any = (
             api.c_nvmlGpuInstanceProfileInfo_v2_t()
             if version == 2
@@ -330,6 +424,9 @@ class FakePynvml:
         self, device: Any, profileId: int, placementsRef: Any, countRef: Any
     ) -> int:
         call = "nvmlDeviceGetGpuInstancePossiblePlacements"
+        profileId = _c_uint(2, profileId)
+        if placementsRef is not None:  # ctypes converts (or refuses) before NVML runs
+            placementsRef = _c_array(call, 3, placementsRef, api.c_nvmlGpuInstancePlacement_t)
         gpu = self._device(call, device)
         if gpu.geometry is None:
             raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
@@ -344,7 +441,15 @@ class FakePynvml:
             placement.start = start
             placement.size = profile.memory_slices
             items.append(placement)
-        self._fill(call, placementsRef, countRef, items)
+        self._fill(
+            call,
+            placementsRef,
+            countRef,
+            items,
+            element=api.c_nvmlGpuInstancePlacement_t,
+            position=3,
+            null_counts=True,
+        )
         return api.NVML_SUCCESS
 
     # -- GPU instances ------------------------------------------------------------------------
@@ -353,6 +458,7 @@ class FakePynvml:
         self, device: Any, profileId: int, placement: Any
     ) -> Any:
         call = "nvmlDeviceCreateGpuInstanceWithPlacement"
+        profileId = _c_uint(2, profileId)
         requested = _deref(placement, "placement", call)  # before anything: it would crash
         gpu = self._device(call, device)
         gi = self.node.create_gpu_instance(
@@ -364,6 +470,9 @@ class FakePynvml:
         self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any
     ) -> int:
         call = "nvmlDeviceGetGpuInstances"
+        profileId = _c_uint(2, profileId)
+        if gpuInstancesRef is not None:
+            gpuInstancesRef = _c_array(call, 3, gpuInstancesRef, api.c_nvmlGpuInstance_t)
         gpu = self._device(call, device)
         geometry = self.node.require_mig(gpu)
         if not any(p.profile_id == profileId for p in geometry.profiles):
@@ -373,10 +482,13 @@ class FakePynvml:
             for gi in sorted(gpu.instances.values(), key=lambda g: g.gi_id)
             if gi.profile.profile_id == profileId
         ]
-        self._fill(call, gpuInstancesRef, countRef, handles)
+        self._fill(
+            call, gpuInstancesRef, countRef, handles, element=api.c_nvmlGpuInstance_t, position=3
+        )
         return api.NVML_SUCCESS
 
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
+        gpuInstanceId = _c_uint(2, gpuInstanceId)
         gpu = self._device("nvmlDeviceGetGpuInstanceById", device)
         self.node.require_mig(gpu)
         gi = gpu.instances.get(gpuInstanceId)
@@ -406,6 +518,7 @@ class FakePynvml:
         self, device: Any, profile: int, engProfile: int, version: int = 2
     ) -> Any:
         # pynvml names the first parameter "device", but it is the GPU instance handle.
+        profile, engProfile = _c_uint(2, profile), _c_uint(3, engProfile)
         _gpu, gi = self._gi("nvmlGpuInstanceGetComputeInstanceProfileInfo", device)
         if version not in (1, 2) or (version == 2 and self.legacy_driver):
             raise api.NVMLError(api.NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -430,6 +543,7 @@ class FakePynvml:
         return info
 
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
+        profileId = _c_uint(2, profileId)
         gpu, gi = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
         ci = self.node.create_compute_instance(gi.serial, profileId)
         return self._ci_handle(gpu, ci)
@@ -438,6 +552,11 @@ class FakePynvml:
         self, gpuInstance: Any, profileId: int, computeInstancesRef: Any, countRef: Any
     ) -> int:
         call = "nvmlGpuInstanceGetComputeInstances"
+        profileId = _c_uint(2, profileId)
+        if computeInstancesRef is not None:
+            computeInstancesRef = _c_array(
+                call, 3, computeInstancesRef, api.c_nvmlComputeInstance_t
+            )
         gpu, gi = self._gi(call, gpuInstance)
         self.node.ci_profile(gi, profileId)  # INVALID_ARGUMENT / NOT_SUPPORTED as NVML
         handles = [
@@ -445,12 +564,20 @@ class FakePynvml:
             for ci in sorted(gi.cis.values(), key=lambda c: c.ci_id)
             if ci.profile_index == profileId
         ]
-        self._fill(call, computeInstancesRef, countRef, handles)
+        self._fill(
+            call,
+            computeInstancesRef,
+            countRef,
+            handles,
+            element=api.c_nvmlComputeInstance_t,
+            position=3,
+        )
         return api.NVML_SUCCESS
 
     def nvmlGpuInstanceGetComputeInstanceById(
         self, gpuInstance: Any, computeInstanceId: int
     ) -> Any:
+        computeInstanceId = _c_uint(2, computeInstanceId)
         gpu, gi = self._gi("nvmlGpuInstanceGetComputeInstanceById", gpuInstance)
         ci = gi.cis.get(computeInstanceId)
         if ci is None:
@@ -463,7 +590,12 @@ class FakePynvml:
         self._enter("nvmlComputeInstanceGetInfo", key[1])
         gpu, gi, ci = self.node.lookup_ci(key[2])
         info = api.c_nvmlComputeInstanceInfo_t()
-        info.device = self._mig_handle(gpu, ci)
+        # nvml.h: "nvmlDevice_t device; //!< Parent device".
+        info.device = (
+            self._mig_handle(gpu, ci)
+            if self.ci_info_device == "mig"
+            else self._handle(api.c_nvmlDevice_t, ("gpu", gpu.index))
+        )
         info.gpuInstance = self._gi_handle(gpu, gi)
         info.id = ci.ci_id
         info.profileId = ci.profile_index
@@ -476,6 +608,82 @@ class FakePynvml:
         self._enter("nvmlComputeInstanceDestroy", key[1])
         self.node.destroy_compute_instance(key[2])
         return api.NVML_SUCCESS
+
+    # -- MIG device handles --------------------------------------------------------------------
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        key = self._key(device, ("gpu", "mig"))
+        self._enter("nvmlDeviceGetMaxMigDeviceCount", key[1])
+        if key[0] == "mig":
+            return 0  # a MIG device has no MIG devices under it
+        # nvml.h: "Returns zero if MIG is not supported or enabled."
+        return self.node.max_mig_devices(key[1])
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        if not isinstance(index, int):  # pynvml: c_uint(index)
+            raise TypeError(f"'{type(index).__name__}' object cannot be interpreted as an integer")
+        gpu = self._device("nvmlDeviceGetMigDeviceHandleByIndex", device)
+        if not 0 <= index < self.node.max_mig_devices(gpu.index):
+            # nvml.h: INVALID_ARGUMENT "if device, index or migDevice reference is invalid".
+            raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+        found = self.node.mig_devices(gpu.index).get(index)
+        if found is None:
+            # nvml.h: NOT_FOUND "if no valid MIG device was found at index".
+            raise api.NVMLError(api.NVML_ERROR_NOT_FOUND)
+        return self._mig_handle(gpu, found[1])
+
+    def _mig_only(
+        self, call: str, device: Any
+    ) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
+        gpu, gi, ci = self._device_or_mig(call, device)
+        if gi is None or ci is None:
+            # nvml.h: NOT_SUPPORTED "if this query is not supported by the device" (a parent).
+            raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
+        return gpu, gi, ci
+
+    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+        _gpu, gi, _ci = self._mig_only("nvmlDeviceGetGpuInstanceId", device)
+        return gi.gi_id
+
+    def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
+        _gpu, _gi, ci = self._mig_only("nvmlDeviceGetComputeInstanceId", device)
+        return ci.ci_id
+
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> Any:
+        _gpu, gi, _ci = self._device_or_mig("nvmlDeviceIsMigDeviceHandle", device)
+        # pynvml returns the ctypes c_uint itself here, not its value.
+        return ctypes.c_uint(int(gi is not None))
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
+        gpu, _gi, _ci = self._device_or_mig(
+            "nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice
+        )
+        if _gi is None:
+            # nvml.h: INVALID_ARGUMENT "if migDevice or device is invalid".
+            raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+        return self._handle(api.c_nvmlDevice_t, ("gpu", gpu.index))
+
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: Any, profileId: int) -> int:
+        profileId = _c_uint(2, profileId)
+        gpu = self._device("nvmlDeviceGetGpuInstanceRemainingCapacity", device)
+        geometry = self.node.require_mig(gpu)
+        profile = next((p for p in geometry.profiles if p.profile_id == profileId), None)
+        if profile is None:
+            # nvml.h: NOT_SUPPORTED "If device doesn't have MIG mode enabled or profileId
+            # isn't supported".
+            raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
+        return self.node.remaining_capacity(gpu.index, profile)
+
+    def nvmlDeviceGetGpuInstanceProfileInfoById(self, device: Any, profileId: int) -> Any:
+        profileId = _c_uint(2, profileId)
+        gpu = self._device("nvmlDeviceGetGpuInstanceProfileInfoById", device)
+        if self.legacy_driver:  # ...ByIdV is as new as ...ProfileInfoV
+            raise api.NVMLError(api.NVML_ERROR_FUNCTION_NOT_FOUND)
+        geometry = self.node.require_mig(gpu)
+        found = next((p for p in geometry.profiles if p.profile_id == profileId), None)
+        if found is None:
+            raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
+        return self._profile_info(found, 2)
 
     # -- processes ------------------------------------------------------------------------------
 

@@ -7,6 +7,13 @@ only adds the identity facts NVML reports besides the geometry, so that
 The values are representative (names as ``nvidia-smi -L`` prints them, PCI IDs
 from the catalog or the public PCI ID list); total memory of MIG models is the
 nominal size in GiB, not a measured ``nvmlDeviceGetMemoryInfo`` value.
+
+An idle GPU is not at 0 MiB used: the driver reserves a little on each device.
+``nvidia-smi`` shows 3 MiB used on an idle A100-SXM4-40GB (facebookresearch/vissl
+issue 422) and 13 MiB on an idle MIG device of an A100-80GB (XuehaiPan/nvitop pull
+request 8). No per-model measurements are published, so every model uses these two
+figures until a probe (``scripts/gpu_probe.py``) records its own; a node
+description may set them per GPU (``idle_used_mib``, ``mig_idle_used_mib``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ class BoardFacts:
     memory_total_mib: int
     compute_capability: tuple[int, int]
     geometry: Geometry | None  # None: the GPU has no MIG
+    idle_used_mib: int = 0  # used on the idle whole GPU (MIG off)
+    mig_idle_used_mib: int = 0  # used on each idle GPU instance
 
 
 _MIG_NAMES: dict[str, str] = {
@@ -68,6 +77,10 @@ _NON_MIG: dict[str, tuple[str, int, int, tuple[int, int]]] = {
 
 _GB_RE = re.compile(r"-(\d+)GB$", re.IGNORECASE)
 
+# What nvidia-smi shows used on an idle device (see the module docstring for sources).
+IDLE_USED_MIB = 3
+MIG_IDLE_USED_MIB = 13
+
 
 def known_models() -> list[str]:
     """Every model a description may name: the MIG catalog plus the non-MIG table."""
@@ -84,7 +97,7 @@ def board(model: str) -> BoardFacts:
     key = folded.get(model.strip().lower())
     if key is not None:
         name, pci, mib, cc = _NON_MIG[key]
-        return BoardFacts(None, name, pci, mib, cc, None)
+        return BoardFacts(None, name, pci, mib, cc, None, IDLE_USED_MIB, 0)
     try:
         geo = catalog.geometry(model)
     except UnknownModel:
@@ -102,4 +115,6 @@ def board(model: str) -> BoardFacts:
         memory_total_mib=max(nominal_mib, geo.memory_mib),
         compute_capability=_compute_capability(geo.model),
         geometry=geo,
+        idle_used_mib=IDLE_USED_MIB,
+        mig_idle_used_mib=MIG_IDLE_USED_MIB,
     )

@@ -24,13 +24,14 @@ process's context; see :meth:`SimNode.snapshot`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
 import uuid as uuid_module
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ class SimComputeInstance:
     profile_index: int  # NVML_COMPUTE_INSTANCE_PROFILE_*
     slices: int
     uuid: str  # the MIG device UUID
+    # Index of its MIG device under the parent (nvmlDeviceGetMigDeviceHandleByIndex): the
+    # lowest free slot when the compute instance was made, so destroys leave holes.
+    mig_index: int = 0
 
 
 @dataclass(eq=False)
@@ -181,8 +185,10 @@ class SimNode:
     Args:
         gpus: the GPUs, in NVML index order.
         seed: seeds GPU UUIDs (stable per index) and MIG UUIDs (new per creation).
-        time_scale: multiplies seed 003 Table 1 create/destroy latencies
-            (:mod:`migd.core.costs`); 0 (the default) makes every operation instant.
+        time_scale: multiplies the create/destroy latencies (each GPU's ``latency``,
+            default seed 003 Table 1, :mod:`migd.core.costs`); 0 (the default, for tests)
+            makes every operation instant; 1.0 is real time. The wait happens outside the
+            node lock: other NVML calls go on, MIG changes of the same GPU wait their turn.
         root: whether NVML callers are privileged (``set_root`` changes it later).
         driver_version, cuda_version: what ``nvmlSystemGetDriverVersion`` /
             ``nvmlSystemGetCudaDriverVersion`` report (``"12.4"`` or ``12040``).
@@ -224,7 +230,12 @@ class SimNode:
         self._sleep = sleep
         self._initial_root = root
         self._lock = threading.RLock()
-        self._costs = [CostModel.for_model(s.model or "H100") for s in self._specs]
+        self._write_done = threading.Condition(self._lock)
+        self._writing_gpus: set[int] = set()  # GPUs with a MIG change in progress
+        self._costs = [
+            CostModel(dict(s.latency)) if s.latency else CostModel.for_model(s.model or "H100")
+            for s in self._specs
+        ]
         self.call_counts: Counter[str] = Counter()
         self._serials = 0
         self.state_file = Path(state_file) if state_file is not None else None
@@ -341,8 +352,42 @@ class SimNode:
                 )
             if inst.gi_id is not None and inst.gi_id in gpu.instances:
                 raise ConfigError(f"GPU instance id {inst.gi_id} given twice", where=where)
+            computes = (
+                ((profile.compute_slices, inst.uuid),)
+                if inst.compute_instances is None
+                else inst.compute_instances
+            )
+            given = [mig for _slices, mig in computes if mig is not None]
+            for n, mig in enumerate(given):
+                if not mig.startswith("MIG-"):
+                    raise ConfigError(f"{mig!r} is not a MIG UUID (MIG-...)", where=where)
+                if (
+                    mig in self._by_uuid
+                    or mig in given[:n]
+                    or any(g.uuid == mig for g in self.gpus)
+                ):
+                    raise ConfigError(f"MIG UUID {mig} is given twice", where=where)
+            if sum(slices for slices, _ in computes) > profile.compute_slices:
+                raise ConfigError(
+                    f"the compute instances of {profile.name}@{inst.start} need more than its "
+                    f"{profile.compute_slices} compute slices",
+                    where=where,
+                )
             gi = self._add_gi(gpu, profile, inst.start, gi_id=inst.gi_id)
-            self._add_ci(gpu, gi, _full_ci_index(profile), uuid=inst.uuid)
+            for slices, uuid in computes:
+                index = next((i for i, n in CI_PROFILE_SLICES.items() if n == slices), None)
+                if index is None:
+                    raise ConfigError(
+                        f"no compute instance profile has {slices} slices", where=where
+                    )
+                try:
+                    self.ci_profile(gi, index)
+                except api.NVMLError as exc:
+                    raise ConfigError(
+                        f"{profile.name} cannot hold a {slices}-slice compute instance",
+                        where=where,
+                    ) from exc
+                self._add_ci(gpu, gi, index, uuid=uuid)
         for proc in gpu.spec.processes:
             device = self._spec_device_uuid(gpu, proc, where)
             self.attach(proc.pid, device, proc.mps_pinned_limit_mib, mps=proc.mps)
@@ -362,8 +407,8 @@ class SimNode:
             )
         profile = gpu.geometry.profile(profile_ref)
         for gi in gpu.instances.values():
-            if gi.profile.profile_id == profile.profile_id and gi.start == int(start):
-                return next(iter(gi.cis.values())).uuid
+            if gi.profile.profile_id == profile.profile_id and gi.start == int(start) and gi.cis:
+                return gi.cis[min(gi.cis)].uuid
         raise ConfigError(f"no instance {proc.device} for pid {proc.pid}", where=where)
 
     # -- inspection ---------------------------------------------------------------------------
@@ -418,6 +463,46 @@ class SimNode:
                 profile is not None
                 and self._refusal(gpu, profile, start, profile.memory_slices) is None
             )
+
+    def remaining_capacity(self, index: int, profile: Profile) -> int:
+        """How many more instances of ``profile`` the driver would accept now, all together.
+
+        Used for ``nvmlDeviceGetGpuInstanceRemainingCapacity``: instances are added at the
+        profile's legal starts in order until the driver's rules refuse (the published
+        placements are aligned, so first-fit packs as many as any order would).
+        """
+        with self._lock:
+            gpu = self.gpus[index]
+            added: list[SimGpuInstance] = []
+            try:
+                for start in profile.starts:
+                    if self._refusal(gpu, profile, start, profile.memory_slices) is None:
+                        # A placeholder the rules count; removed below, never persisted.
+                        placeholder = SimGpuInstance(
+                            -1 - len(added), -1 - len(added), profile, start
+                        )
+                        gpu.instances[placeholder.gi_id] = placeholder
+                        added.append(placeholder)
+            finally:
+                for placeholder in added:
+                    del gpu.instances[placeholder.gi_id]
+            return len(added)
+
+    def mig_devices(self, index: int) -> dict[int, tuple[SimGpuInstance, SimComputeInstance]]:
+        """GPU ``index``'s MIG devices by their index under the parent (holes are empty slots)."""
+        with self._lock:
+            return {
+                ci.mig_index: (gi, ci)
+                for gi in self.gpus[index].instances.values()
+                for ci in gi.cis.values()
+            }
+
+    def max_mig_devices(self, index: int) -> int:
+        """``nvmlDeviceGetMaxMigDeviceCount``: one per compute slice at most; 0 without MIG."""
+        gpu = self.gpus[index]
+        if gpu.geometry is None or not gpu.mig_current:
+            return 0
+        return gpu.geometry.compute_slices
 
     def process(self, pid: int) -> SimProcess | None:
         with self._lock:
@@ -502,21 +587,27 @@ class SimNode:
             NVMLError: NOT_SUPPORTED (MIG off), INVALID_ARGUMENT (unknown profile, illegal
                 start or size), INSUFFICIENT_RESOURCES (overlap, instance limit, shared cap).
         """
-        with self._lock:
-            gpu = self.gpus[index]
-            geometry = self.require_mig(gpu)
-            profile = next((p for p in geometry.profiles if p.profile_id == profile_id), None)
-            if profile is None:
-                # nvml.h: INVALID_ARGUMENT "If device, profile, profileId, placement or
-                # gpuInstance are invalid".
-                raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
-            refusal = self._refusal(gpu, profile, start, size)
-            if refusal is not None:
-                raise api.NVMLError(refusal)
+        with self._writing(index):
+            with self._lock:
+                gpu = self.gpus[index]
+                geometry = self.require_mig(gpu)
+                profile = next((p for p in geometry.profiles if p.profile_id == profile_id), None)
+                if profile is None:
+                    # nvml.h: INVALID_ARGUMENT "If device, profile, profileId, placement or
+                    # gpuInstance are invalid".
+                    raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+                refusal = self._refusal(gpu, profile, start, size)
+                if refusal is not None:
+                    raise api.NVMLError(refusal)
             self._pause(self._costs[index].create_s(profile.compute_slices))
-            gi = self._add_gi(gpu, profile, start)
-            self._persist()
-            return gi
+            with self._lock:
+                # Only this GPU's MIG writes are held off; check again what they cannot see.
+                refusal = self._refusal(gpu, profile, start, size) if gpu.mig_current else None
+                if not gpu.mig_current or refusal is not None:
+                    raise api.NVMLError(refusal or api.NVML_ERROR_NOT_SUPPORTED)
+                gi = self._add_gi(gpu, profile, start)
+                self._persist()
+                return gi
 
     def _refusal(self, gpu: SimGpu, profile: Profile, start: int, size: int) -> int | None:
         """Why the driver refuses ``profile`` at ``start`` now (an NVML code), or None."""
@@ -575,16 +666,22 @@ class SimNode:
             NVMLError: INVALID_ARGUMENT (stale handle), IN_USE.
         """
         with self._lock:
-            gpu, gi = self.lookup_gi(gi_serial)
-            self.require_mig(gpu)
-            if gi.cis:
-                # nvml.h: IN_USE "if processes (e.g. CUDA application) or compute instances
-                # are active on the GPU instance".
-                raise api.NVMLError(api.NVML_ERROR_IN_USE)
+            gpu, _gi = self.lookup_gi(gi_serial)
+        with self._writing(gpu.index):
+            with self._lock:
+                gpu, gi = self.lookup_gi(gi_serial)  # it may have gone while we waited
+                self.require_mig(gpu)
+                if gi.cis:
+                    # nvml.h: IN_USE "if processes (e.g. CUDA application) or compute
+                    # instances are active on the GPU instance".
+                    raise api.NVMLError(api.NVML_ERROR_IN_USE)
             self._pause(self._costs[gpu.index].destroy_s(gi.profile.compute_slices))
-            del gpu.instances[gi.gi_id]
-            del self._gi_by_serial[gi.serial]
-            self._persist()
+            with self._lock:
+                if self._gi_by_serial.get(gi.serial) is None:  # reset() meanwhile
+                    raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
+                del gpu.instances[gi.gi_id]
+                del self._gi_by_serial[gi.serial]
+                self._persist()
 
     def lookup_gi(self, gi_serial: int) -> tuple[SimGpu, SimGpuInstance]:
         """A live GPU instance by handle serial (INVALID_ARGUMENT for a stale handle)."""
@@ -622,6 +719,8 @@ class SimNode:
             NVMLError: NOT_SUPPORTED, INSUFFICIENT_RESOURCES (compute slices used up).
         """
         with self._lock:
+            gpu, _gi = self.lookup_gi(gi_serial)
+        with self._writing(gpu.index), self._lock:
             gpu, gi = self.lookup_gi(gi_serial)
             slices, _count = self.ci_profile(gi, profile_index)
             if sum(ci.slices for ci in gi.cis.values()) + slices > gi.profile.compute_slices:
@@ -639,12 +738,14 @@ class SimNode:
         ci_id: int | None = None,
     ) -> SimComputeInstance:
         self._serials += 1
+        taken = {c.mig_index: c for g in gpu.instances.values() for c in g.cis.values()}
         ci = SimComputeInstance(
             serial=self._serials,
             ci_id=_lowest_free(gi.cis, 0) if ci_id is None else ci_id,
             profile_index=profile_index,
             slices=CI_PROFILE_SLICES[profile_index],
             uuid=uuid or f"MIG-{uuid_module.UUID(int=self._rng.getrandbits(128), version=4)}",
+            mig_index=_lowest_free(taken, 0),
         )
         gi.cis[ci.ci_id] = ci
         self._ci_by_serial[ci.serial] = (gpu, gi, ci)
@@ -658,6 +759,8 @@ class SimNode:
             NVMLError: INVALID_ARGUMENT (stale handle), IN_USE.
         """
         with self._lock:
+            gpu, _gi, _ci = self.lookup_ci(ci_serial)
+        with self._writing(gpu.index), self._lock:
             _gpu, gi, ci = self.lookup_ci(ci_serial)
             if any(p.ci_serial == ci.serial for p in self._processes.values()):
                 # nvml.h: IN_USE "if processes (e.g. CUDA application) are active on the
@@ -668,15 +771,38 @@ class SimNode:
             del self._by_uuid[ci.uuid]
             self._persist()
 
+    @contextlib.contextmanager
+    def _writing(self, index: int) -> Iterator[None]:
+        """Hold off other MIG changes of GPU ``index`` (the driver serialises them).
+
+        Only writers of the same GPU wait; reads of every GPU, and writes of the others,
+        go on, as NVML's do while an instance is being created.
+        """
+        with self._write_done:
+            while index in self._writing_gpus:
+                self._write_done.wait()  # releases the node lock while waiting
+            self._writing_gpus.add(index)
+        try:
+            yield
+        finally:
+            with self._write_done:
+                self._writing_gpus.discard(index)
+                self._write_done.notify_all()
+
     def _pause(self, seconds: float) -> None:
+        """Wait out an NVML latency. Called without the node lock: readers see the state
+        before the operation until it completes at once, as with a real driver call."""
         if self.time_scale > 0 and seconds > 0:
-            # Sleeping under the node lock serialises operations as the driver does.
             self._sleep(seconds * self.time_scale)
 
     # -- memory and processes -----------------------------------------------------------------
 
     def memory_mib(self, index: int, gi_serial: int | None = None) -> tuple[int, int]:
-        """(total, used) MiB of the whole GPU or of one GPU instance's memory."""
+        """(total, used by processes) MiB of the whole GPU or of one GPU instance.
+
+        NVML reports :meth:`reserved_mib` on top (``nvmlDeviceGetMemoryInfo``), and a
+        CUDA allocation must fit beside both.
+        """
         with self._lock:
             gpu = self.gpus[index]
             if gi_serial is None:
@@ -685,6 +811,18 @@ class SimNode:
             _, gi = self.lookup_gi(gi_serial)
             used = sum(p.used_mib for p in self._processes.values() if p.gi_serial == gi_serial)
             return gi.profile.memory_mib, used
+
+    def reserved_mib(self, index: int, gi_serial: int | None = None) -> int:
+        """MiB the driver holds on an idle device: ``idle_used_mib`` on a whole GPU,
+        ``mig_idle_used_mib`` per GPU instance (a MIG parent adds up its instances')."""
+        with self._lock:
+            gpu = self.gpus[index]
+            spec = gpu.spec
+            if gi_serial is not None:
+                return spec.mig_idle_used_mib
+            if gpu.mig_current:
+                return spec.mig_idle_used_mib * len(gpu.instances)
+            return spec.idle_used_mib
 
     def processes_on(self, index: int, ci_serial: int | None = None) -> list[SimProcess]:
         """Processes on GPU ``index`` (all of them) or on one MIG device."""
@@ -767,6 +905,7 @@ class SimNode:
                     limit="MPS pinned-memory limit",
                 )
             total, used = self.memory_mib(proc.gpu, proc.gi_serial)
+            used += self.reserved_mib(proc.gpu, proc.gi_serial)
             if used + mib > total:
                 raise SimOutOfMemory(
                     pid=pid,
@@ -1071,13 +1210,6 @@ def _lowest_free(used: dict[int, Any], first: int) -> int:
     while candidate in used:
         candidate += 1
     return candidate
-
-
-def _full_ci_index(profile: Profile) -> int:
-    for index, slices in CI_PROFILE_SLICES.items():
-        if slices == profile.compute_slices:
-            return index
-    raise MigdError(f"no compute instance profile has {profile.compute_slices} slices")
 
 
 def _cuda_version_int(version: int | str) -> int:

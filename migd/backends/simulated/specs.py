@@ -9,6 +9,10 @@ Three sources, one result (a list of :class:`SimGpuSpec` plus node options):
 
       seed = 7                      # node options: seed, time_scale, root,
       time_scale = 0.0              # driver_version, cuda_version
+      latency = {1 = [0.16, 0.20], 7 = [0.24, 0.22]}   # optional, every GPU: seconds
+                                    # to [create, destroy] by compute slices (a size not
+                                    # listed takes the next larger); default seed 003
+                                    # Table 1; a [[gpu]] table may give its own
       [[gpu]]
       model = "A100-40GB"
       count = 1                     # optional, default 1
@@ -17,6 +21,10 @@ Three sources, one result (a list of :class:`SimGpuSpec` plus node options):
       instances = [["3g.20gb", 4], {profile = "1g.5gb", start = 0}]
       processes = [{pid = 4242, device = "3g.20gb@4", used_mib = 1024,
                     mps_pinned_limit_mib = 2048}]
+
+  An instance table may also give ``uuid`` (its MIG UUID), ``gi_id`` and, for an
+  instance made by hand, ``compute_instances = [{slices = 1, uuid = "MIG-..."}, ...]``
+  (``[]``: a GPU instance without a compute instance). MIG UUIDs must be unique.
 
 * a probe recorded on real hardware by ``scripts/gpu_probe.py`` (JSON), so the
   simulator can be made to agree with what a real GPU reported.
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from migd.backends.simulated.hardware import board
+from migd.backends.simulated.hardware import IDLE_USED_MIB, MIG_IDLE_USED_MIB, board
 from migd.core import catalog
 from migd.core.geometry import Geometry, NvmlProfileInfo
 from migd.errors import ConfigError
@@ -41,12 +49,18 @@ PROBE_SCHEMA = "migd-gpu-probe/1"
 
 @dataclass(frozen=True, slots=True)
 class SimInstanceSpec:
-    """A GPU instance (with its full compute instance) that exists when the node starts."""
+    """A GPU instance that exists when the node starts, with its compute instance(s).
+
+    ``compute_instances`` is ``None`` for one full-size compute instance (MIG UUID
+    ``uuid``), as migd makes them; otherwise ``(compute slices, MIG UUID or None)`` per
+    compute instance, as an admin may make them by hand (``()``: none at all).
+    """
 
     profile: str | int  # profile name or ID
     start: int
     uuid: str | None = None  # MIG UUID to use (a recorded one); generated when None
     gi_id: int | None = None  # GPU instance id to use (a recorded one); next free when None
+    compute_instances: tuple[tuple[int, str | None], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +94,11 @@ class SimGpuSpec:
     processes: tuple[SimProcessSpec, ...] = ()
     uuid: str | None = None  # generated from the node seed when None
     pci_bus_id: str | None = None
+    # Seconds to create / destroy a GPU instance by compute slices, before ``time_scale``;
+    # None: seed 003 Table 1 for the model (:mod:`migd.core.costs`).
+    latency: Mapping[int, tuple[float, float]] | None = field(default=None, hash=False)
+    idle_used_mib: int = 0  # memory NVML reports used on the idle whole GPU (MIG off)
+    mig_idle_used_mib: int = 0  # and on each idle GPU instance (driver reservations)
 
     @classmethod
     def for_model(cls, model: str, **overrides: Any) -> SimGpuSpec:
@@ -97,6 +116,8 @@ class SimGpuSpec:
             model=facts.model,
             compute_capability=facts.compute_capability,
             mig_current=facts.geometry is not None,
+            idle_used_mib=facts.idle_used_mib,
+            mig_idle_used_mib=facts.mig_idle_used_mib,
         )
         return replace(spec, **overrides) if overrides else spec
 
@@ -208,16 +229,18 @@ def parse_toml(text: str, *, where: str = "description") -> NodeSpec:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML: {exc}", where=where) from exc
     options = {k: data[k] for k in _NODE_OPTIONS if k in data}
-    unknown = set(data) - set(_NODE_OPTIONS) - {"gpu"}
+    unknown = set(data) - set(_NODE_OPTIONS) - {"gpu", "latency"}
     if unknown:
         raise ConfigError(
             f"unknown keys {sorted(unknown)}",
             where=where,
-            hint="top-level keys: " + ", ".join((*_NODE_OPTIONS, "gpu")),
+            hint="top-level keys: " + ", ".join((*_NODE_OPTIONS, "latency", "gpu")),
         )
+    latency = _latency(data["latency"], f"{where}: latency") if "latency" in data else None
     gpus: list[SimGpuSpec] = []
     for position, entry in enumerate(data.get("gpu", [])):
-        gpus.extend(_gpu_from_table(entry, f"{where}: gpu[{position}]"))
+        for spec in _gpu_from_table(entry, f"{where}: gpu[{position}]"):
+            gpus.append(spec if spec.latency is not None else replace(spec, latency=latency))
     if not gpus:
         raise ConfigError("no [[gpu]] table", where=where)
     return NodeSpec(tuple(gpus), options)
@@ -234,6 +257,9 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
         "uuid",
         "name",
         "memory_total_mib",
+        "latency",
+        "idle_used_mib",
+        "mig_idle_used_mib",
     }
     unknown = set(entry) - allowed
     if unknown:
@@ -256,12 +282,29 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
         overrides["mig_current"] = bool(entry["mig"])
     if "mig_pending" in entry:
         overrides["mig_pending"] = bool(entry["mig_pending"])
+    if "latency" in entry:
+        overrides["latency"] = _latency(entry["latency"], f"{where}.latency")
+    for key in ("idle_used_mib", "mig_idle_used_mib"):
+        if key in entry:
+            value = entry[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(
+                    f"{key} must be a whole number of MiB >= 0", where=f"{where}.{key}"
+                )
+            overrides[key] = value
     instances: list[SimInstanceSpec] = []
     for i, inst in enumerate(entry.get("instances", [])):
         if isinstance(inst, Mapping):
+            computes = inst.get("compute_instances")
             instances.append(
                 SimInstanceSpec(
-                    inst["profile"], int(inst["start"]), inst.get("uuid"), inst.get("gi_id")
+                    inst["profile"],
+                    int(inst["start"]),
+                    inst.get("uuid"),
+                    inst.get("gi_id"),
+                    None
+                    if computes is None
+                    else _compute_instances(computes, f"{where}.instances[{i}]"),
                 )
             )
         elif isinstance(inst, Sequence) and len(inst) == 2:
@@ -292,6 +335,43 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
     if count > 1 and processes:
         raise ConfigError("processes need count = 1 (PIDs are unique)", where=f"{where}.processes")
     return [spec] * count
+
+
+def _latency(table: Any, where: str) -> dict[int, tuple[float, float]]:
+    """``{1 = [0.16, 0.20], ...}``: compute slices -> (create, destroy) seconds."""
+    hint = "write e.g. latency = {1 = [0.16, 0.20], 7 = [0.24, 0.22]} (seconds)"
+    if not isinstance(table, Mapping) or not table:
+        raise ConfigError(
+            "latency is a table of compute slices = [create_s, destroy_s]", where=where, hint=hint
+        )
+    out: dict[int, tuple[float, float]] = {}
+    for key, value in table.items():
+        if (
+            not str(key).isdigit()
+            or int(key) < 1
+            or not isinstance(value, Sequence)
+            or len(value) != 2
+            or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in value
+            )
+        ):
+            raise ConfigError(f"bad latency entry {key} = {value!r}", where=where, hint=hint)
+        out[int(key)] = (float(value[0]), float(value[1]))
+    return out
+
+
+def _compute_instances(entries: Any, where: str) -> tuple[tuple[int, str | None], ...]:
+    if not isinstance(entries, Sequence) or isinstance(entries, str):
+        raise ConfigError("compute_instances is a list of {slices = N, uuid = ...}", where=where)
+    out: list[tuple[int, str | None]] = []
+    for entry in entries:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("slices"), int):
+            raise ConfigError(
+                "each compute instance is {slices = N} with an optional uuid", where=where
+            )
+        uuid = entry.get("uuid")
+        out.append((int(entry["slices"]), None if uuid is None else str(uuid)))
+    return tuple(out)
 
 
 def parse_probe(
@@ -382,7 +462,18 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
                 hint="re-run scripts/gpu_probe.py as root with MIG enabled",
             )
     instances = tuple(
-        SimInstanceSpec(int(i["profile_id"]), int(i["start"]), i.get("uuid"), i.get("gi_id"))
+        SimInstanceSpec(
+            int(i["profile_id"]),
+            int(i["start"]),
+            i.get("uuid"),
+            i.get("gi_id"),
+            None
+            if i.get("compute_instances") is None
+            else tuple(
+                (int(c["slices"]), str(c["uuid"]) if c.get("uuid") else None)
+                for c in i["compute_instances"]
+            ),
+        )
         for i in mig.get("instances") or []
     )
     processes: tuple[SimProcessSpec, ...] = ()
@@ -397,7 +488,7 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
             for p in gpu.get("processes") or []
         )
     cc = gpu.get("compute_capability")
-    return SimGpuSpec(
+    spec = SimGpuSpec(
         name=str(gpu["name"]),
         pci_device_id=int(gpu["pci_device_id"]),
         memory_total_mib=int(gpu["memory_total_mib"]),
@@ -411,3 +502,36 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
         uuid=str(gpu["uuid"]) if gpu.get("uuid") else None,
         pci_bus_id=str(gpu["pci_bus_id"]) if gpu.get("pci_bus_id") else None,
     )
+    found = _idle_used(gpu, mig)
+    return replace(
+        spec,
+        idle_used_mib=found.get("idle_used_mib", IDLE_USED_MIB),
+        mig_idle_used_mib=found.get("mig_idle_used_mib", MIG_IDLE_USED_MIB),
+    )
+
+
+def _idle_used(gpu: Mapping[str, Any], mig: Mapping[str, Any]) -> dict[str, int]:
+    """What the driver held on the recorded GPU beyond its processes' memory.
+
+    A whole GPU (MIG off): its used memory less its processes'. MIG instances: the
+    least any instance held beyond its processes'. Where the record cannot say, the
+    model's defaults stay (:mod:`migd.backends.simulated.hardware`).
+    """
+    by_device: dict[str | None, int] = {}
+    for proc in gpu.get("processes") or []:
+        by_device[proc.get("mig_uuid")] = by_device.get(proc.get("mig_uuid"), 0) + int(
+            proc.get("used_mib") or 0
+        )
+    out: dict[str, int] = {}
+    used = gpu.get("memory_used_mib")
+    if gpu.get("mig_current") is not True and isinstance(used, int):
+        out["idle_used_mib"] = max(0, used - sum(by_device.values()))
+    held = [
+        int(i["memory_used_mib"])
+        - sum(by_device.get(c.get("uuid"), 0) for c in i.get("compute_instances") or [i])
+        for i in mig.get("instances") or []
+        if isinstance(i.get("memory_used_mib"), int)
+    ]
+    if held:
+        out["mig_idle_used_mib"] = max(0, min(held))
+    return out
