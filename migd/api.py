@@ -60,6 +60,7 @@ class ReleaseJobRequest(_Request):
     op: Literal["release_job"]
     job_id: JOB_ID
     reason: Annotated[str, Field(max_length=1024)] = ""
+    slot: Annotated[str, Field(max_length=256)] = ""  # only leases of this slot, if given
 
 
 class ReportRequest(_Request):
@@ -67,7 +68,7 @@ class ReportRequest(_Request):
 
     op: Literal["report"]
     lease_id: LEASE_ID
-    event: Literal["oom", "exit", "forecast", "restart", "note"]
+    event: Literal["oom", "exit", "forecast", "restart", "note", "mps_unavailable"]
     data: dict[str, Any] = Field(default_factory=dict)
 
 

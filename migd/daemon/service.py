@@ -163,6 +163,9 @@ class Daemon:
         self._clients = 0
         self._watchdog_tripped = ""
         self._saved: dict[str, int] = {}  # lease id -> version last written
+        # Highest GPU memory seen for each active MIG/whole-GPU lease (its own device), so
+        # the wrapper's OOM verdict has a peak even for jobs shorter than its sampling.
+        self.lease_peaks: dict[str, int] = {}
         # Service time per op (decoded request to reply written), last 2048 each, for
         # `migctl status` and the benchmark; see _latency_class.
         self.latency_s: dict[str, collections.deque[float]] = collections.defaultdict(
@@ -253,6 +256,7 @@ class Daemon:
             asyncio.create_task(self._timer_loop(), name="timers"),
             asyncio.create_task(self._watchdog_loop(), name="watchdog"),
             asyncio.create_task(self._sampler_loop(), name="sampler"),
+            asyncio.create_task(self._lease_peak_loop(), name="lease-peaks"),
         ]
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(
@@ -569,16 +573,22 @@ class Daemon:
         self, req: LeaseRequestMsg, peer: Peer, reader: asyncio.StreamReader
     ) -> dict[str, Any]:
         self.auth.require_lease(peer)
+        # The holder is the caller as the kernel names it (SO_PEERCRED, translated into
+        # migd's PID namespace). A client may name another process of its own; a PID
+        # that is not one (e.g. the caller's getpid() inside a PID namespace, as older
+        # wrappers sent) is ignored rather than refused.
         holder = peer.pid
         if req.holder_pid is not None and req.holder_pid != peer.pid:
-            # A client may name the process that holds the lease (migd-run names itself
-            # after a fork), but only one of its own.
-            if self.procs.uid(req.holder_pid) != peer.uid:
-                raise NotAuthorized(
-                    f"holder_pid {req.holder_pid} is not a process of uid {peer.uid}",
-                    hint="omit holder_pid; the caller's pid is used",
+            if self.procs.uid(req.holder_pid) == peer.uid:
+                holder = req.holder_pid
+            else:
+                log.warning(
+                    "lease.holder_pid_ignored",
+                    holder_pid=req.holder_pid,
+                    uid=peer.uid,
+                    using_pid=peer.pid,
+                    reason="not a process of the caller's uid in migd's PID namespace",
                 )
-            holder = req.holder_pid
         policy = self.config.policy
         wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
         wait_s = min(wait_s, policy.max_wait_s)
@@ -697,7 +707,9 @@ class Daemon:
                 self.mps.release, lease.gpu_uuid, lease.lease_id
             )
         self.save(lease)
-        self.record("reclaimed" if reclaim else "released", lease, reason=reason)
+        peak = self.lease_peaks.pop(lease.lease_id, None)
+        event = "reclaimed" if reclaim else "released"
+        self.record(event, lease, reason=reason, peak_used_mib=peak)
         log.info(
             "lease.reclaimed" if reclaim else "lease.released",
             lease_id=lease.lease_id,
@@ -705,11 +717,16 @@ class Daemon:
             reason=reason,
         )
         self._after_change(work)
-        return {"state": lease.state.value}
+        return {"state": lease.state.value, "peak_used_mib": peak}
 
     def handle_release_job(self, req: ReleaseJobRequest, peer: Peer) -> dict[str, Any]:
+        # Job ids are GlobalJobIds (unique across access points); a caller that knows the
+        # slot narrows it further, so a bare ClusterId.ProcId cannot hit another schedd's job.
         leases = [
-            lease for lease in self.sched.active_leases() if lease.request.job_id == req.job_id
+            lease
+            for lease in self.sched.active_leases()
+            if lease.request.job_id == req.job_id
+            and not (req.slot and lease.request.slot and lease.request.slot != req.slot)
         ]
         released = []
         for lease in leases:
@@ -729,9 +746,12 @@ class Daemon:
             procs = await self.on_gpu(gpu, self.backend.processes, gpu, device, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
+        if lease.mode != "mps":
+            self._note_peak(lease.lease_id, memory.used_mib)
         return {
             "state": lease.state.value,
             "limit_mib": lease.memory_limit_mib,
+            "peak_used_mib": self.lease_peaks.get(lease.lease_id),
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
@@ -1093,6 +1113,32 @@ class Daemon:
                 except (MigdError, TimeoutError):
                     gpu.used_mib = None
             await asyncio.sleep(5.0)
+
+    def _note_peak(self, lease_id: str, used_mib: int | None) -> None:
+        lease = self.sched.leases.get(lease_id)
+        if used_mib is None or lease is None or lease.state is not LeaseState.ACTIVE:
+            return
+        if used_mib > self.lease_peaks.get(lease_id, -1):
+            self.lease_peaks[lease_id] = used_mib
+
+    async def _lease_peak_loop(self) -> None:
+        """Each second, the memory of every active MIG or whole-GPU lease (its own device).
+
+        MPS shares are left out: a GPU's memory there belongs to several jobs.
+        """
+        while True:
+            await asyncio.sleep(1.0)
+            for lease_id in [k for k in self.lease_peaks if k not in self.sched.leases]:
+                del self.lease_peaks[lease_id]  # ended some other way than _release
+            for lease in list(self.sched.active_leases()):
+                if lease.gpu is None or lease.mode == "mps" or lease.gpu not in self.workers:
+                    continue
+                device = lease.mig_uuid if lease.mode == "mig" else None
+                with contextlib.suppress(MigdError, TimeoutError):
+                    memory = await self.on_gpu(
+                        lease.gpu, self.backend.memory, lease.gpu, device, timeout_s=10.0
+                    )
+                    self._note_peak(lease.lease_id, memory.used_mib)
 
     async def _watchdog_loop(self) -> None:
         """Feed systemd's watchdog only while every GPU thread answers."""
