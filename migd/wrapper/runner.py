@@ -218,7 +218,12 @@ class JobRunner:
             if exc.exit_code != OOM_EXIT_CODE:
                 # Counted so the access point holds a job migd keeps failing to start,
                 # and only such a job (evictions for other reasons do not count).
-                self._chirp({"MigdStartFailures": self.spec.start_failures + 1})
+                self._chirp(
+                    {
+                        "MigdStartFailures": self.spec.start_failures + 1,
+                        "MigdStartFailureReason": " ".join(exc.message.split())[:500],
+                    }
+                )
             raise
         finally:
             self._restore_handlers()
@@ -236,6 +241,9 @@ class JobRunner:
                 assert size is not None  # only a restart raises it
                 self.say(str(exc))
                 return self._give_up(limit, size.wanted_mib, "nothing bigger became free")
+            if self.spec.start_failures:
+                # migd served it: the access point's loop breaker counts failures in a row.
+                self._chirp({"MigdStartFailures": 0})
             try:
                 attempt = self._supervise(lease)
             except _JobNotStarted as exc:
@@ -251,8 +259,6 @@ class JobRunner:
                 return self._finish(attempt)
             self._classify(attempt, limit)
             oom = attempt.oom
-            if self.spec.start_failures and not (oom and oom.kind == "mps_unavailable"):
-                self._chirp({"MigdStartFailures": 0})  # the loop breaker counts a run of them
             if oom is not None and oom.kind == "mps_unavailable":
                 self._report(lease, "mps_unavailable", attempt, None)
                 raise WrapperFailure(

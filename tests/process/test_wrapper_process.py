@@ -770,8 +770,12 @@ def test_mps_unavailable_is_reported_and_the_job_requeued(
     assert result.returncode == 1, result.stderr
     assert "could not use its MPS share" in error_file.read_text()
     assert "wrapper.mps_unavailable" in [h["event"] for h in history(daemon, "12.0")]
-    # counted as a start migd failed, for the access point's loop breaker
-    assert calls.read_text().splitlines() == ["set_job_attr MigdStartFailures 3"]
+    # counted as a start migd failed, for the access point's loop breaker (the grant had
+    # reset the count of failures in a row)
+    chirped = calls.read_text().splitlines()
+    assert chirped[:2] == ["set_job_attr MigdStartFailures 0", "set_job_attr MigdStartFailures 3"]
+    assert chirped[2].startswith('set_job_attr MigdStartFailureReason "migd: the job could not')
+    assert len(chirped) == 3
     assert active(daemon) == []
 
 
