@@ -812,3 +812,20 @@ def test_stop_while_waiting_for_a_partition_reraises_the_signal(daemon: DaemonPr
         waiting.communicate()
         for lease in held:
             client.release(lease["lease_id"])
+
+
+def test_oom_evidence_beyond_the_node_tries_the_largest_partition_first(
+    daemon: DaemonProcess,
+) -> None:
+    # 3 GiB held for a second (so the peak is known), then a 38 GiB allocation fails on
+    # 1g.5gb: peak + failed allocation (41 GiB) is more than the node's largest partition.
+    # The wrapper tries that largest one rather than giving up, then gives up with 86.
+    daemon.start()
+    result = run(daemon, "--gpu-memory", "3G", "--job-id", "cap.0", "--", *SIMJOB, "--start",
+                 "3G", "--grow", "38G", "--steps", "1", "--start-delay", "1.0")  # fmt: skip
+    assert result.returncode == 86, result.stderr
+    assert "restarting on the largest partition here (40448 MiB" in result.stderr
+    assert "it wants 41984 MiB" in result.stderr
+    assert "7g.40gb (40448 MiB" in result.stderr
+    assert "request_VRAM >= 41984 MiB" in result.stderr  # what it needs, for a bigger node
+    assert active(daemon) == []
