@@ -216,7 +216,9 @@ def test_oom_at_the_largest_partition_is_held_with_a_reason(
     pool = gpu_pool(personal_pool)
     # fits 7g.40gb at first, grows past it: nothing bigger exists on this node
     cluster = pool.submit(simjob(30000, "--start", "30G", "--grow", "6G", "--steps", "3"))
-    ads = pool.wait(cluster, timeout=180, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ads = pool.wait(
+        cluster, timeout=180, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
+    )
     ad = ads[0]
     assert ad["JobStatus"] == 5, ad
     assert "ran out of GPU memory" in ad["HoldReason"]
@@ -234,7 +236,9 @@ def test_request_larger_than_any_partition_is_held_at_once(
 ) -> None:
     pool = gpu_pool(personal_pool)
     cluster = pool.submit(simjob(100_000, "--start", "1G"))
-    ads = pool.wait(cluster, timeout=60, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ads = pool.wait(
+        cluster, timeout=60, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
+    )
     assert "larger than the largest GPU partition" in ads[0]["HoldReason"]
     assert ads[0].get("NumJobStarts", 0) == 0
 
@@ -285,7 +289,9 @@ def test_daemon_down_sends_the_job_back_with_the_reason(
     pool = gpu_pool(personal_pool, "MIGD_START = True\nPERIODIC_EXPR_INTERVAL = 5\n")
     migd.stop()
     cluster = pool.submit(simjob(4000, "--start", "1G"))
-    ads = pool.wait(cluster, timeout=120, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ads = pool.wait(
+        cluster, timeout=120, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
+    )
     ad = ads[0]
     assert "migd is not available" in ad["HoldReason"], ad["HoldReason"]
     assert ad["HoldReasonSubCode"] == 87
