@@ -1128,17 +1128,20 @@ class Daemon:
         """
         while True:
             await asyncio.sleep(1.0)
-            for lease_id in [k for k in self.lease_peaks if k not in self.sched.leases]:
-                del self.lease_peaks[lease_id]  # ended some other way than _release
-            for lease in list(self.sched.active_leases()):
-                if lease.gpu is None or lease.mode == "mps" or lease.gpu not in self.workers:
-                    continue
-                device = lease.mig_uuid if lease.mode == "mig" else None
-                with contextlib.suppress(MigdError, TimeoutError):
-                    memory = await self.on_gpu(
-                        lease.gpu, self.backend.memory, lease.gpu, device, timeout_s=10.0
-                    )
-                    self._note_peak(lease.lease_id, memory.used_mib)
+            try:
+                for lease_id in [k for k in self.lease_peaks if k not in self.sched.leases]:
+                    del self.lease_peaks[lease_id]  # ended some other way than _release
+                for lease in list(self.sched.active_leases()):
+                    if lease.gpu is None or lease.mode == "mps" or lease.gpu not in self.workers:
+                        continue
+                    device = lease.mig_uuid if lease.mode == "mig" else None
+                    with contextlib.suppress(MigdError, TimeoutError):
+                        memory = await self.on_gpu(
+                            lease.gpu, self.backend.memory, lease.gpu, device, timeout_s=10.0
+                        )
+                        self._note_peak(lease.lease_id, memory.used_mib)
+            except Exception as exc:
+                log.exception("lease_peaks.crashed", error=str(exc))
 
     async def _watchdog_loop(self) -> None:
         """Feed systemd's watchdog only while every GPU thread answers."""
