@@ -25,6 +25,14 @@ Per-iteration noise is Gaussian, ``σ = noise_abs + noise_rel · growth``; NVML'
 up over allocated (fragmentation 5-15%, 20 MiB segments) and drops back every 20
 iterations (an ``empty_cache()``-style sawtooth).
 
+For seed 002's own method (the memory *requested* from the caching allocator per
+iteration and the inverse reuse ratio ``q = requested / physical``, each fitted
+linearly, combined as ``requested / q``) the traces also carry allocator request
+statistics: ``q`` grows linearly from ``Q_START`` to ``Q_END`` over the run (the
+paper observes the reuse ratio falling over time; the values are assumptions) with
+``Q_NOISE`` relative noise, and ``requested = physical · q``, so the physical memory
+and the OOM iteration are the same as for the allocated series.
+
 For each case and seed the forecaster sees one sample per iteration, with the
 total iteration count as the horizon, and the script records the first iteration
 at which it fires, the estimate after 10% of the run, and (control) whether it
@@ -57,6 +65,8 @@ GIB = 1024.0
 A100 = geometry("A100-40GB")
 PROFILE_MIB = {p.name: p.memory_mib for p in A100.profiles}
 CONTEXT_MIB = 480.0  # CUDA context + cuBLAS/cuDNN handles under PyTorch 2.x (assumption)
+# Inverse reuse ratio q = requested / physical per iteration (assumptions, see the docstring).
+Q_START, Q_END, Q_NOISE = 1.3, 2.0, 0.02
 
 
 @dataclass(frozen=True)
@@ -175,12 +185,19 @@ class Trace:
     allocated_ctx: list[float]  # allocated + context per iteration (index 0 = iteration 1)
     used: list[float]  # NVML: reserved + context, on an unconstrained GPU
     n_iters: int
+    requested: list[float]  # memory requested from the caching allocator per iteration
+    reuse_ratio: list[float]  # physical / requested (seed 002's reuse ratio)
 
 
-def make_trace(case: Case, shape: Shape, seed: int, noise_scale: float) -> Trace:
+def make_trace(
+    case: Case, shape: Shape, seed: int, noise_scale: float, q_end: float = Q_END
+) -> Trace:
     rng = random.Random(seed)
+    rng_q = random.Random(seed + 7_919_000)  # its own stream: the other series stay as they were
     allocated_ctx: list[float] = []
     used: list[float] = []
+    requested: list[float] = []
+    ratios: list[float] = []
     reserved = 0.0
     for t in range(1, shape.n_iters + 1):
         mean = shape.mean(case, t)
@@ -192,7 +209,11 @@ def make_trace(case: Case, shape: Shape, seed: int, noise_scale: float) -> Trace
         wanted = math.ceil(allocated * rng.uniform(1.05, 1.15) / 20.0) * 20.0
         reserved = wanted if t % 20 == 0 else max(reserved, wanted)
         used.append(reserved + CONTEXT_MIB)
-    return Trace(allocated_ctx, used, shape.n_iters)
+        u = (t - 1) / (shape.n_iters - 1)
+        q = (Q_START + (q_end - Q_START) * u) * (1.0 + rng_q.gauss(0.0, noise_scale * Q_NOISE))
+        requested.append(allocated * q)
+        ratios.append(1.0 / q)
+    return Trace(allocated_ctx, used, shape.n_iters, requested, ratios)
 
 
 def oom_iteration(trace: Trace, limit_mib: float) -> int | None:
@@ -208,6 +229,14 @@ def _feed(fc: Forecaster, trace: Trace, i: int, series: str) -> None:
     used = trace.used[i - 1]
     if series == "used":
         fc.add(i, used_mib=used)
+    elif series == "reuse":  # what a job reports for seed 002's method: no allocated figure
+        fc.add(
+            i,
+            used_mib=used,
+            reserved_mib=used - CONTEXT_MIB,
+            requested_mib=trace.requested[i - 1],
+            reuse_ratio=trace.reuse_ratio[i - 1],
+        )
     else:
         fc.add(
             i,
@@ -488,12 +517,124 @@ def shape_table(seed: int, reps: int, out: Out) -> None:
             )
 
 
+PAPER_BAND = replace(DEFAULT, z=2.576, leverage=False)  # ŷ + z·σ as the paper writes it
+
+
+def paper_method_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out) -> None:
+    out(f"\n## Seed 002's own method: requested memory and inverse reuse ratio ({reps} seeds)\n")
+    out(
+        "The same traces, but the forecaster sees only what the paper's method uses: the "
+        "memory requested from the caching allocator per iteration and the reuse ratio "
+        f"(inverse ratio q from {Q_START:g} to {Q_END:g}, ±{Q_NOISE:.0%}; assumptions), "
+        "each fitted linearly and combined as requested / q + context. *Upper, paper's "
+        "band*: ŷ + 2.576·σ without the leverage term, as the paper writes it. Estimate "
+        "errors are signed means over seeds, against the trace's actual peak.\n"
+    )
+    out(
+        "| case | OOM iter | fires at: reuse (paper's method) | allocated (above) | paper "
+        "| est. at 10%: iter | point err | upper err, our band | upper err, paper's band "
+        "| paper est. err | control false fires (reuse) |"
+    )
+    out("|---|---|---|---|---|---|---|---|---|---|---|")
+    reuse = replace(DEFAULT, series="reuse")
+    paper = replace(PAPER_BAND, series="reuse")
+    sums: dict[str, list[float]] = {"point": [], "upper": [], "paper": []}
+    for ci, c in enumerate(CASES):
+        shape = shapes[c.name]
+        limit = PROFILE_MIB[c.partition]
+        ooms: list[int | None] = []
+        fires: list[int | None] = []
+        fires_alloc: list[int | None] = []
+        errs: dict[str, list[float]] = {"point": [], "upper": [], "paper": []}
+        false: list[bool | None] = []
+        upto = 0
+        for rep in range(reps):
+            trace = make_trace(c, shape, trace_seed(seed, ci, rep), 1.0)
+            oom = oom_iteration(trace, limit)
+            ooms.append(oom)
+            fires.append(first_fire(trace, reuse, limit, "reuse", oom))
+            fires_alloc.append(first_fire(trace, DEFAULT, limit, "allocated", oom))
+            peak = max(trace.allocated_ctx)
+            upto, point, upper = estimate_at(trace, reuse, "reuse", 0.10)
+            _, _, upper_paper = estimate_at(trace, paper, "reuse", 0.10)
+            errs["point"].append(pct(point, peak))
+            errs["upper"].append(pct(upper, peak))
+            errs["paper"].append(pct(upper_paper, peak))
+            false.append(control_fire(trace, reuse, PROFILE_MIB[c.control], "reuse"))
+        for key, values in errs.items():
+            sums[key].append(statistics.fmean(abs(e) for e in values))
+        paper_err = (
+            f"{pct(c.paper_estimate_gib, c.paper_peak_gib):+.1f}%"
+            if c.paper_estimate_gib and c.paper_peak_gib
+            else "n/a"
+        )
+        out(
+            f"| {c.name} | {summarise(ooms)} | {summarise(fires)} | {summarise(fires_alloc)} "
+            f"| {c.paper_fire} | {upto} | {statistics.fmean(errs['point']):+.1f}% "
+            f"| {statistics.fmean(errs['upper']):+.1f}% | {statistics.fmean(errs['paper']):+.1f}% "
+            f"| {paper_err} | {fp_text(false)} |"
+        )
+    out(
+        "\nMean |error| of the estimate at 10% with the paper's method: point "
+        f"**{statistics.fmean(sums['point']):.2f}%**, upper band "
+        f"**{statistics.fmean(sums['upper']):.2f}%**, the paper's band "
+        f"**{statistics.fmean(sums['paper']):.2f}%** (paper: 14.98%).\n"
+    )
+
+
+def reuse_shape_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out) -> None:
+    out(f"\n## Sensitivity: how the reuse ratio changes ({reps} seeds, paper's method)\n")
+    out(
+        "The paper's method fits the requested memory and the inverse reuse ratio q with a "
+        "line each. How much q changes over the run is not published: constant q makes "
+        "requested memory a fixed multiple of physical memory (the method then sees the "
+        "allocated series' shape); a q that grows makes requested memory grow faster than "
+        "physical memory, and the ratio of two lines bends. First fire (median) per case and "
+        "mean |error| of the estimate at 10% over the four cases.\n"
+    )
+    names = " | ".join(c.name for c in CASES)
+    out(f"| q over the run | {names} | point | upper, our band | upper, paper's band |")
+    out("|---|" + "---|" * len(CASES) + "---|---|---|")
+    reuse = replace(DEFAULT, series="reuse")
+    paper = replace(PAPER_BAND, series="reuse")
+    for q_end in (Q_START, Q_END, 3.0):
+        medians = []
+        errs: dict[str, list[float]] = {"point": [], "upper": [], "paper": []}
+        for ci, c in enumerate(CASES):
+            shape = shapes[c.name]
+            limit = PROFILE_MIB[c.partition]
+            fires: list[int | None] = []
+            case_errs: dict[str, list[float]] = {"point": [], "upper": [], "paper": []}
+            for rep in range(reps):
+                trace = make_trace(c, shape, trace_seed(seed, ci, rep), 1.0, q_end=q_end)
+                fires.append(first_fire(trace, reuse, limit, "reuse", oom_iteration(trace, limit)))
+                peak = max(trace.allocated_ctx)
+                _, point, upper = estimate_at(trace, reuse, "reuse", 0.10)
+                _, _, upper_paper = estimate_at(trace, paper, "reuse", 0.10)
+                case_errs["point"].append(abs(pct(point, peak)))
+                case_errs["upper"].append(abs(pct(upper, peak)))
+                case_errs["paper"].append(abs(pct(upper_paper, peak)))
+            medians.append(summarise(fires))
+            for key, values in case_errs.items():
+                errs[key].append(statistics.fmean(values))
+        label = f"{Q_START:g} → {q_end:g}" + (" (constant)" if q_end == Q_START else "")
+        label += " (above)" if q_end == Q_END else ""
+        out(
+            f"| {label} | "
+            + " | ".join(medians)
+            + f" | {statistics.fmean(errs['point']):.1f}% | {statistics.fmean(errs['upper']):.1f}% "
+            f"| {statistics.fmean(errs['paper']):.1f}% |"
+        )
+
+
 def run(seed: int, reps: int, out: Out) -> None:
     started = time.perf_counter()
     shapes = {c.name: solve_shape(c) for c in CASES}
     sensitivity_reps = max(3, reps // 2)
     traces_table(shapes, out)
     main_table(shapes, seed, reps, out)
+    paper_method_table(shapes, seed, reps, out)
+    reuse_shape_table(shapes, seed, sensitivity_reps, out)
     band_table(shapes, seed, sensitivity_reps, out)
     gate_table(shapes, seed, reps, out)
     shape_table(seed, sensitivity_reps, out)

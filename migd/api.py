@@ -64,6 +64,7 @@ class ReleaseJobRequest(_Request):
     op: Literal["release_job"]
     job_id: JOB_ID
     reason: Annotated[str, Field(max_length=1024)] = ""
+    slot: Annotated[str, Field(max_length=256)] = ""  # only leases of this slot, if given
 
 
 class ReportRequest(_Request):

@@ -247,7 +247,17 @@ class DaemonUnavailable(ApiError):
 
 class JobAdError(MigdError):
     code = "job_ad_error"
-    default_hint = "run under HTCondor (USER_JOB_WRAPPER) or give --gpu-memory explicitly"
+    default_hint = (
+        "check the job's submit file (request_VRAM, request_GPUs, +Migd* attributes; "
+        "docs/wrapper.md)"
+    )
+
+
+class ChirpError(MigdError):
+    """``condor_chirp`` could not update the job ad (no IO proxy, timeout, refused)."""
+
+    code = "chirp_error"
+    default_hint = "submit with `+WantIOProxy = true`"
 
 
 ERROR_CLASSES: dict[str, type[MigdError]] = {}

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from migd.errors import JobAdError
+from migd.errors import ChirpError, JobAdError
 
 CHIRP_CANDIDATES = (
     "/usr/lib/condor/libexec/condor_chirp",  # Debian/Ubuntu packages
@@ -57,48 +58,74 @@ def read_ad(path: str | Path, what: str = "job ad") -> dict[str, Any]:
     return out
 
 
-def set_job_attr(name: str, value: str | int, *, timeout_s: float = 30.0) -> str:
-    """``condor_chirp set_job_attr NAME VALUE`` from inside a job (needs ``WantIOProxy``).
+def chirp_value(value: str | int | bool) -> str:
+    """A ClassAd literal for ``condor_chirp set_job_attr`` (strings are quoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    Tries the Python chirp client first, then the ``condor_chirp`` binary.
+
+def set_job_attrs(attrs: Mapping[str, str | int | bool], *, timeout_s: float = 30.0) -> str:
+    """``condor_chirp set_job_attr NAME VALUE`` for each attribute (needs ``WantIOProxy``).
+
+    Tries the Python chirp client first (one connection for all), then the
+    ``condor_chirp`` binary. Never raises anything but :class:`ChirpError`: a hung
+    or missing chirp must not take the wrapper down with it.
 
     Returns:
         How it was done, for the log.
 
     Raises:
-        JobAdError: chirp is not available or the schedd refused the update.
+        ChirpError: chirp is not available, timed out, or the schedd refused the update.
     """
-    text = str(value)
+    texts = {name: chirp_value(value) for name, value in attrs.items()}
+    first_error: Exception | None = None
     if os.environ.get("_CONDOR_CHIRP_CONFIG"):
         try:
             from htcondor2 import htchirp
 
             with htchirp.HTChirp() as chirp:
-                chirp.set_job_attr(name, text)
+                for name, text in texts.items():
+                    chirp.set_job_attr(name, text)
             return "htchirp"
-        except Exception as exc:
-            first_error: Exception | None = exc
-    else:
-        first_error = None
+        except Exception as exc:  # the bindings raise plain OSError/RuntimeError/...
+            first_error = exc
     binary = shutil.which("condor_chirp") or next(
         (c for c in CHIRP_CANDIDATES if Path(c).exists()), None
     )
+    names = ", ".join(texts)
     if binary is None:
-        raise JobAdError(
-            f"cannot update {name}: no chirp ({first_error or 'no _CONDOR_CHIRP_CONFIG'})",
+        raise ChirpError(
+            f"cannot update {names}: no chirp ({first_error or 'no _CONDOR_CHIRP_CONFIG'})",
             hint="submit with `+WantIOProxy = true` so the job can update its request",
         )
-    result = subprocess.run(
-        [binary, "set_job_attr", name, text],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    if result.returncode != 0:
-        why = result.stderr.strip() or f"exit {result.returncode}"
-        raise JobAdError(
-            f"condor_chirp set_job_attr {name} failed: {why}",
-            hint="submit with `+WantIOProxy = true`",
-        )
+    for name, text in texts.items():
+        try:
+            result = subprocess.run(
+                [binary, "set_job_attr", name, text],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ChirpError(
+                f"condor_chirp set_job_attr {name} did not answer within {timeout_s:g} s",
+                hint="the starter or shadow is busy or gone; HTCondor keeps the old value",
+            ) from exc
+        except OSError as exc:
+            raise ChirpError(f"cannot run {binary}: {exc.strerror or exc}") from exc
+        if result.returncode != 0:
+            why = result.stderr.strip() or f"exit {result.returncode}"
+            raise ChirpError(
+                f"condor_chirp set_job_attr {name} failed: {why}",
+                hint="submit with `+WantIOProxy = true`",
+            )
     return binary
+
+
+def set_job_attr(name: str, value: str | int | bool, *, timeout_s: float = 30.0) -> str:
+    """One attribute: :func:`set_job_attrs` ``({name: value})``."""
+    return set_job_attrs({name: value}, timeout_s=timeout_s)

@@ -11,7 +11,10 @@ limit). The answer decides what happens next (reference
     (:data:`SIGNATURES`): restart on a bigger partition.
 ``weak``
     non-zero exit, no signature, but peak usage reached ``weak_fraction`` (97%) of
-    the partition, or only an ambiguous signature: at most one retry bigger.
+    the partition; or only an ambiguous signature; or an OOM message followed by a
+    different fatal error while peak usage was near the limit
+    (``corroborate_fraction``): at most ``OomPolicy.weak_retries`` (1) retry bigger,
+    after which the job's own exit status stands.
 ``mps_unavailable``
     the CUDA client could not attach ("all CUDA-capable devices are busy or
     unavailable", MPS connection errors): not a memory problem; report it, the
@@ -29,7 +32,8 @@ a line that is the error itself: not in an echoed shell command (``+ grep ...``,
 inside a quoted string (except an exception's repr ``Error('...')`` or a logged
 ``key: "value"``), and not when a *different* fatal exception came after it
 without the "During handling of the above exception" chaining (the job survived
-the OOM and died of something else: ``weak`` at most). When several signatures
+the OOM and died of something else: ``weak`` when peak usage was near the limit,
+else ``none``, and ``none`` when the peak is unknown). When several signatures
 match, the last one in the tail decides: Python prints the fatal error last.
 """
 
@@ -38,6 +42,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from migd.errors import ConfigError
 
 OomKind = Literal["strong", "weak", "none", "mps_unavailable"]
 Meaning = Literal["oom", "oom_if_corroborated", "mps_unavailable", "host_memory"]
@@ -250,15 +256,35 @@ class OomPolicy:
             signature counts as a weak OOM (reference §6: ~97%).
         corroborate_fraction: peak usage / limit from which an ambiguous signature
             (``oom_if_corroborated``) counts as strong.
+        weak_retries: how many times a job may be restarted bigger on ``weak``
+            evidence (reference §6: at most one); after that the job's own exit
+            status is passed through.
         external_signals: signals that mean "stopped from outside" (also recognised as
             shell exit codes ``128 + n``).
         signatures: the table to match.
+
+    Raises:
+        ConfigError: a fraction outside (0, 1] or a negative retry count.
     """
 
     weak_fraction: float = 0.97
     corroborate_fraction: float = 0.90
+    weak_retries: int = 1
     external_signals: frozenset[int] = DEFAULT_EXTERNAL_SIGNALS
     signatures: tuple[Signature, ...] = SIGNATURES
+
+    def __post_init__(self) -> None:
+        for name in ("weak_fraction", "corroborate_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ConfigError(
+                    f"must be a fraction in (0, 1], got {value!r}", where=f"oom.{name}"
+                )
+        retries = self.weak_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(
+                f"must be a whole number >= 0, got {retries!r}", where="oom.weak_retries"
+            )
 
 
 @dataclass(frozen=True)
@@ -529,10 +555,18 @@ def classify_exit(
         tried = tried_mib(last.text)
         later = _later_fatal_error(lines, last.line, policy)
         if later is not None:
+            # The job survived the OOM (a batch-size finder, a retry) and died of
+            # something else: a bigger partition helps only if memory was at the limit.
+            near_limit = fraction is not None and fraction >= policy.corroborate_fraction
             return verdict(
-                "weak",
+                "weak" if near_limit else "none",
                 f"{status}: {last.signature.name} was printed, but the job then failed "
-                f"with {later[:120]!r}; {peak_text}",
+                f"with {later[:120]!r}; {peak_text}"
+                + (
+                    f" (>= {policy.corroborate_fraction:.0%})"
+                    if near_limit
+                    else ": not an out-of-memory"
+                ),
                 last,
                 tried,
             )

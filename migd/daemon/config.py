@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from migd.errors import ConfigError
+from migd.wrapper.settings import WrapperSection
 
 DEFAULT_CONFIG_PATH = Path("/etc/migd/migd.toml")
 ENV_PREFIX = "MIGD_"
@@ -155,6 +156,7 @@ class MigdConfig(_Section):
     policy: PolicySection = Field(default_factory=PolicySection)
     reaper: ReaperSection = Field(default_factory=ReaperSection)
     mps: MpsSection = Field(default_factory=MpsSection)
+    wrapper: WrapperSection = Field(default_factory=WrapperSection)  # read by migd-wrapper
     gpu: list[GpuOverride] = Field(default_factory=list)
 
     def override_for(self, index: int, uuid: str) -> GpuOverride | None:

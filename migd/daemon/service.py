@@ -17,6 +17,7 @@ import contextlib
 import gc
 import grp
 import os
+import re
 import secrets
 import signal
 import socket
@@ -91,6 +92,7 @@ from migd.ports import (
 )
 
 T = TypeVar("T")
+_CLUSTER_PROC = re.compile(r"\d+\.\d+")
 log = structlog.get_logger("migd")
 #: GPU health while an MPS daemon on it cannot be brought back (cleared once it serves).
 MPS_UNHEALTHY = "MPS daemon cannot be restarted"
@@ -183,6 +185,9 @@ class Daemon:
         self._work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         self._resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
         self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
+        # Highest GPU memory seen for each active MIG/whole-GPU lease (its own device), so
+        # the wrapper's OOM verdict has a peak even for jobs shorter than its sampling.
+        self.lease_peaks: dict[str, int] = {}
         # Service time per op (decoded request to reply written), last 2048 each, for
         # `migctl status` and the benchmark; see _latency_class.
         self.latency_s: dict[str, collections.deque[float]] = collections.defaultdict(
@@ -333,6 +338,7 @@ class Daemon:
             asyncio.create_task(self._timer_loop(), name="timers"),
             asyncio.create_task(self._watchdog_loop(), name="watchdog"),
             asyncio.create_task(self._sampler_loop(), name="sampler"),
+            asyncio.create_task(self._lease_peak_loop(), name="lease-peaks"),
         ]
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(
@@ -805,14 +811,12 @@ class Daemon:
             return {"leases": [self._lease_view(lease, peer) for lease in leases]}
         if isinstance(req, ExplainRequest):
             self.auth.require_read(peer)
-            return explain_job(self, req.job_id, lambda lease: self._lease_view(lease, peer))
+            job_id = self._job_id(req.job_id)
+            return explain_job(self, job_id, lambda lease: self._lease_view(lease, peer))
         if isinstance(req, HistoryRequest):
             self.auth.require_read(peer)
-            return {
-                "history": [
-                    r.to_dict() for r in self.db.history(limit=req.limit, job_id=req.job_id)
-                ]
-            }
+            job = self._job_id(req.job_id) if req.job_id else None
+            return {"history": [r.to_dict() for r in self.db.history(limit=req.limit, job_id=job)]}
         if isinstance(req, GpuRequest):
             return await self.handle_gpu_op(req, peer)
         if isinstance(req, SimRequest):
@@ -825,6 +829,22 @@ class Daemon:
             view.pop("env", None)  # another user's environment is not theirs to read
         return view
 
+    def _job_id(self, given: str) -> str:
+        """A job as admins name it: its GlobalJobId as the wrapper sends it, or the
+        ``ClusterId.ProcId`` that ``condor_q`` shows when one schedd's job matches."""
+        if "#" in given or not _CLUSTER_PROC.fullmatch(given):
+            return given
+        if self.db.leases_for_job(given):  # leased by a client that sent the short form
+            return given
+        found = self.db.job_ids_ending(given)
+        if len(found) > 1:
+            raise InvalidRequest(
+                f"job {given} names {len(found)} jobs from different access points: "
+                + ", ".join(found[:5]),
+                hint="give the GlobalJobId (condor_q -af GlobalJobId)",
+            )
+        return found[0] if found else given
+
     def _lease_for(self, lease_id: str) -> Lease:
         lease = self.sched.leases.get(lease_id) or self.db.get_lease(lease_id)
         if lease is None:
@@ -835,16 +855,22 @@ class Daemon:
         self, req: LeaseRequestMsg, peer: Peer, reader: asyncio.StreamReader
     ) -> dict[str, Any]:
         self.auth.require_lease(peer)
+        # The holder is the caller as the kernel names it (SO_PEERCRED, translated into
+        # migd's PID namespace). A client may name another process of its own; a PID
+        # that is not one (e.g. the caller's getpid() inside a PID namespace, as older
+        # wrappers sent) is ignored rather than refused.
         holder = peer.pid
         if req.holder_pid is not None and req.holder_pid != peer.pid:
-            # A client may name the process that holds the lease (migd-run names itself
-            # after a fork), but only one of its own.
-            if self.procs.uid(req.holder_pid) != peer.uid:
-                raise NotAuthorized(
-                    f"holder_pid {req.holder_pid} is not a process of uid {peer.uid}",
-                    hint="omit holder_pid; the caller's pid is used",
+            if self.procs.uid(req.holder_pid) == peer.uid:
+                holder = req.holder_pid
+            else:
+                log.warning(
+                    "lease.holder_pid_ignored",
+                    holder_pid=req.holder_pid,
+                    uid=peer.uid,
+                    using_pid=peer.pid,
+                    reason="not a process of the caller's uid in migd's PID namespace",
                 )
-            holder = req.holder_pid
         policy = self.config.policy
         wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
         wait_s = min(wait_s, policy.max_wait_s)
@@ -963,16 +989,25 @@ class Daemon:
             # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
             self.workers[lease.gpu].executor.submit(self.mps.release, mps_device, lease.lease_id)
         self.save(lease)
-        self.record("reclaimed" if reclaim else "released", lease, reason=reason)
+        peak = self.lease_peaks.pop(lease.lease_id, None)
+        # (the state change itself is logged by save(): every lease transition is)
+        self.record(
+            "reclaimed" if reclaim else "released", lease, reason=reason, peak_used_mib=peak
+        )
         self._after_change(work)
-        return {"state": lease.state.value}
+        return {"state": lease.state.value, "peak_used_mib": peak}
 
     def handle_release_job(self, req: ReleaseJobRequest, peer: Peer) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of
         the job, anyone else only their own (a job id alone proves nothing: any user can
         name any job)."""
+        # Job ids are GlobalJobIds (unique across access points); a caller that knows the
+        # slot narrows it further, so a bare ClusterId.ProcId cannot hit another schedd's job.
         leases = [
-            lease for lease in self.sched.active_leases() if lease.request.job_id == req.job_id
+            lease
+            for lease in self.sched.active_leases()
+            if lease.request.job_id == req.job_id
+            and not (req.slot and lease.request.slot and lease.request.slot != req.slot)
         ]
         if not self.auth.may_release_any(peer):
             mine = [lease for lease in leases if lease.owner_uid == peer.uid]
@@ -1003,9 +1038,12 @@ class Daemon:
                 procs = await self.on_gpu(gpu, self._mps_usage, lease, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
+        if lease.mode != "mps":
+            self._note_peak(lease.lease_id, memory.used_mib)
         return {
             "state": lease.state.value,
             "limit_mib": lease.memory_limit_mib,
+            "peak_used_mib": self.lease_peaks.get(lease.lease_id),
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
@@ -1365,9 +1403,11 @@ class Daemon:
                 hint='send {"message": "<the stderr line>"}',
             )
         device = lease.mps_device_uuid
-        if device is None:
-            raise InvalidRequest(f"lease {lease.lease_id} is not an MPS lease")
         self.record("wrapper.mps_client_error", lease, device=device, message=message)
+        if device is None:
+            # Not an MPS lease (a GPU in exclusive compute mode, say): history and log only.
+            log.warning("client_error", lease_id=lease.lease_id, message=message)
+            return {"recorded": True, "device": None}
         log.warning("mps.client_error", lease_id=lease.lease_id, device=device, message=message)
         if self.mps is not None:
             await asyncio.get_running_loop().run_in_executor(
@@ -1481,6 +1521,35 @@ class Daemon:
                 except (MigdError, TimeoutError):
                     gpu.used_mib = None
             await asyncio.sleep(5.0)
+
+    def _note_peak(self, lease_id: str, used_mib: int | None) -> None:
+        lease = self.sched.leases.get(lease_id)
+        if used_mib is None or lease is None or lease.state is not LeaseState.ACTIVE:
+            return
+        if used_mib > self.lease_peaks.get(lease_id, -1):
+            self.lease_peaks[lease_id] = used_mib
+
+    async def _lease_peak_loop(self) -> None:
+        """Each second, the memory of every active MIG or whole-GPU lease (its own device).
+
+        MPS shares are left out: a GPU's memory there belongs to several jobs.
+        """
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                for lease_id in [k for k in self.lease_peaks if k not in self.sched.leases]:
+                    del self.lease_peaks[lease_id]  # ended some other way than _release
+                for lease in list(self.sched.active_leases()):
+                    if lease.gpu is None or lease.mode == "mps" or lease.gpu not in self.workers:
+                        continue
+                    device = lease.mig_uuid if lease.mode == "mig" else None
+                    with contextlib.suppress(MigdError, TimeoutError):
+                        memory = await self.on_gpu(
+                            lease.gpu, self.backend.memory, lease.gpu, device, timeout_s=10.0
+                        )
+                        self._note_peak(lease.lease_id, memory.used_mib)
+            except Exception as exc:
+                log.exception("lease_peaks.crashed", error=str(exc))
 
     async def _watchdog_loop(self) -> None:
         """Feed systemd's watchdog only while every GPU thread is sound.

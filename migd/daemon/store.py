@@ -278,6 +278,16 @@ class StateStore:
         ).fetchall()
         return [lease_from_json(r[0]) for r in rows]
 
+    def job_ids_ending(self, cluster_proc: str) -> list[str]:
+        """The GlobalJobIds (``schedd#cluster.proc#qdate``) of ``cluster_proc``, newest
+        first: admins name jobs as ``condor_q`` shows them."""
+        rows = self._db.execute(
+            "SELECT job_id, MAX(created_s) AS t FROM leases WHERE job_id LIKE ? "
+            "GROUP BY job_id ORDER BY t DESC",
+            (f"%#{cluster_proc}#%",),
+        ).fetchall()
+        return [r[0] for r in rows]
+
     def recent_leases(self, limit: int = 100) -> list[Lease]:
         rows = self._db.execute(
             "SELECT data FROM leases ORDER BY updated_s DESC LIMIT ?", (limit,)

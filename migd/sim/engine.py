@@ -18,7 +18,8 @@ simulated time instead of NVML:
 
 Jobs run at the speed :mod:`migd.sim.jobs` assigns to their share of the GPU.
 A job whose memory grows past its limit dies in that iteration and is
-resubmitted on :func:`migd.core.planner.next_larger`; with the forecast on,
+resubmitted with :func:`migd.core.restart.restart_size`, the wrapper's own rule; with
+the forecast on,
 :class:`migd.core.forecast.Forecaster` is fed one sample per iteration and the
 job restarts as soon as it fires.
 
@@ -47,12 +48,11 @@ from migd.core.planner import (
     DestroyOp,
     Op,
     PartitionRequest,
-    next_larger,
     plan_on_node,
     profile_for,
-    right_size,
 )
 from migd.core.queueing import QueuedRequest, RequestQueue
+from migd.core.restart import restart_size
 from migd.core.scheduler import (
     GpuMode,
     InstanceStatus,
@@ -799,30 +799,23 @@ class Simulation:
         self._push(self.now, "arrive", retry)
 
     def _next_size(self, run: _Run, node: _Node) -> int | None:
-        """Memory to ask for on restart: the next larger profile (seed 002), or ``None``."""
-        peak = run.needed_mib if run.stop == "forecast" else 0
-        profiles = self.space.profiles
+        """Memory to ask for on restart, by the wrapper's rule; ``None``: nothing bigger."""
+        needed = run.needed_mib if run.stop == "forecast" else None
         if run.mode == "mig":
-            assert run.profile is not None
-            current = self.space.member(run.profile)
-            bigger: Profile | None = next_larger(profiles, current, peak_mib=peak)
-            if bigger is None and peak:
-                # The forecast asks for more than the largest profile: try the largest.
-                bigger = max(
-                    (p for p in profiles if p.memory_mib > current.memory_mib),
-                    key=lambda p: (p.memory_mib, p.compute_slices),
-                    default=None,
-                )
-            return None if bigger is None else bigger.memory_mib
-        if run.mode == "exclusive":
-            return None  # it had the whole GPU
-        # MPS: the limit was the request; grow it in the model's MIG bucket sizes
-        bucket = right_size(profiles, run.limit_mib)
-        larger = next_larger(profiles, bucket, peak_mib=peak) if bucket else None
-        if larger is None:
-            return None
-        cap = self.geo.memory_mib - node.scheduler.policy.mps_reserve_mib
-        return min(max(larger.memory_mib, peak), cap) if run.limit_mib < cap else None
+            sizes = [p.memory_mib for p in self.space.profiles]
+            largest = max(sizes)
+        elif run.mode == "exclusive":
+            sizes, largest = [], run.limit_mib  # it had the whole GPU
+        else:
+            sizes, largest = [], self.geo.memory_mib - node.scheduler.policy.mps_reserve_mib
+        size = restart_size(
+            run.limit_mib,
+            ladder=run.mode == "mig",
+            largest_mib=largest,
+            needed_mib=needed,
+            sizes=sizes,
+        )
+        return size.request_mib
 
     def _on_idle(self, node_index: int) -> None:
         node = self.nodes[node_index]

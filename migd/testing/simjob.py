@@ -56,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--step-s", type=float, default=0.05, help="seconds per step")
     parser.add_argument("--exit", type=int, default=0, help="exit code when done")
+    parser.add_argument(
+        "--start-delay",
+        type=float,
+        default=0.0,
+        help="seconds of start-up after the first allocation",
+    )
     parser.add_argument("--print-env", action="store_true")
     parser.add_argument("--socket", default=None)
     args = parser.parse_args(argv)
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"RuntimeError: {reply['cuda_error']}", file=sys.stderr, flush=True)
                     return 1
                 total += want
+            if step == 0 and args.start_delay > 0:
+                time.sleep(args.start_delay)  # loading a model: memory held, no iterations yet
             if memstats:
                 row = {"step": step, "allocated_mib": total, "used_mib": total}
                 with Path(memstats).open("a") as f:

@@ -18,6 +18,16 @@ MigdWaitSeconds    how long to wait for a partition                      daemon'
 WantIOProxy        lets the wrapper update RequestVRAM through chirp      false
 ================== ===================================================== ============
 
+Attributes the wrapper itself writes through chirp (and reads back on the next
+run): ``MigdOomExit`` (this exit 86 is migd's out-of-memory exit, not the job's
+own), ``MigdOomExits`` (how many there were), ``MigdLastVRAM`` (the partition the
+job last ran out of, MiB), ``MigdStartFailures`` (how often in a row migd could not
+start the job) and ``MigdStartFailureReason`` (why, the last time).
+``condor_config/20-migd-access-point.config`` decides on them.
+
+The lease is named after the job's ``GlobalJobId`` (``schedd#cluster.proc#qdate``),
+unique across access points; ``ClusterId.ProcId`` alone repeats between schedds.
+
 From the machine (slot) ad: ``Name`` (the slot), ``VRAM`` (the slot's
 provisioned GPU memory, used when the job ad has no RequestVRAM) and, when the
 node sets ``MigdPinToAssignedGPU = true`` (one partitionable slot per GPU),
@@ -54,6 +64,9 @@ class JobSpec:
     under_condor: bool = False
     want_chirp: bool = False
     gpu_job: bool = True
+    oom_exits: int = 0  # MigdOomExits: earlier out-of-memory exits (86) of this job
+    oom_marker: bool = False  # MigdOomExit is still set from the last run
+    start_failures: int = 0  # MigdStartFailures: runs migd could not start
 
 
 def _number(ad: Mapping[str, Any], key: str, default: float | None) -> float | None:
@@ -88,14 +101,14 @@ def physical_gpu(share_id: str) -> str:
 
 
 def job_id_of(job_ad: Mapping[str, Any]) -> str:
-    """``ClusterId.ProcId`` (what ``condor_q`` shows), else the GlobalJobId."""
+    """The ``GlobalJobId`` (unique across access points), else ``ClusterId.ProcId``."""
+    global_id = job_ad.get("GlobalJobId")
+    if isinstance(global_id, str) and global_id.strip():
+        return global_id.strip()
     cluster, proc = job_ad.get("ClusterId"), job_ad.get("ProcId")
     if isinstance(cluster, int) and isinstance(proc, int):
         return f"{cluster}.{proc}"
-    global_id = job_ad.get("GlobalJobId")
-    if isinstance(global_id, str) and global_id:
-        return global_id.replace("#", ":")
-    raise JobAdError("the job ad has neither ClusterId/ProcId nor GlobalJobId")
+    raise JobAdError("the job ad has neither GlobalJobId nor ClusterId/ProcId")
 
 
 def spec_from_ads(
@@ -150,6 +163,9 @@ def spec_from_ads(
         wait_s=wait,
         under_condor=True,
         want_chirp=_flag(job_ad, "WantIOProxy"),
+        oom_exits=int(_number(job_ad, "MigdOomExits", 0.0) or 0),
+        oom_marker=_flag(job_ad, "MigdOomExit"),
+        start_failures=int(_number(job_ad, "MigdStartFailures", 0.0) or 0),
     )
 
 

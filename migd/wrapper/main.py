@@ -11,15 +11,17 @@ job's environment; the request comes from ``$_CONDOR_JOB_AD`` and
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import sys
 from pathlib import Path
 
 from migd.client import MigdClient
-from migd.errors import JobAdError, MigdError
+from migd.errors import ConfigError, JobAdError, MigdError
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
 from migd.wrapper.runner import JobRunner, RunnerOptions, StopRequested, WrapperFailure
+from migd.wrapper.settings import WrapperSettings, load_settings
 
 WRAPPER_ERROR_ENV = "_CONDOR_WRAPPER_ERROR_FILE"
 
@@ -43,27 +45,49 @@ def _fail(message: str, exit_code: int = 1) -> int:
     return exit_code
 
 
-def _run(spec: JobSpec, socket_path: str | None) -> int:
+def _options(settings: WrapperSettings) -> RunnerOptions:
+    section = settings.section
+    return RunnerOptions(
+        sample_interval_s=section.sample_interval_s,
+        term_grace_s=section.term_grace_s,
+        forecast=settings.forecast,
+        oom=settings.oom,
+        restart_wait_s=section.restart_wait_s,
+        debug=settings.debug,
+        decision_log_interval_s=section.decision_log_interval_s,
+        time_warmup_s=section.forecast_time_warmup_s,
+    )
+
+
+def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None) -> int:
     if not spec.gpu_job:
         # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job).
         os.execvp(spec.command[0], list(spec.command))
-    from migd.backends.condor import set_job_attr
+    from migd.backends.condor import set_job_attrs
 
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        hint = f" (hint: {exc.hint})" if exc.hint else ""
+        return _fail(f"migd-wrapper: bad setting: {exc.message}{hint}")
     runner = JobRunner(
         spec,
         MigdClient(socket_path, timeout_s=30.0),
-        options=RunnerOptions(
-            sample_interval_s=float(os.environ.get("MIGD_SAMPLE_INTERVAL_S", "2.0"))
-        ),
-        set_job_attr=set_job_attr,
+        options=_options(settings),
+        set_job_attrs=functools.partial(set_job_attrs, timeout_s=settings.section.chirp_timeout_s),
     )
+    for note in [*(notes or []), *settings.notes]:
+        runner.debug(note)
+    if settings.sources:
+        runner.debug(f"settings from {', '.join(settings.sources)}")
     try:
         return runner.run()
     except WrapperFailure as exc:
         return _fail(exc.message, exc.exit_code)
     except StopRequested as exc:
-        print(f"[migd] stopped by {exc} before the job started", file=sys.stderr)
-        return 128 + exc.signum
+        print(f"[migd] stopped by {exc} before the job started", file=sys.stderr, flush=True)
+        runner.reraise(exc.signum)  # so HTCondor sees the signal, as it would from the job
+        return 128 + exc.signum  # pragma: no cover - reraise does not return
 
 
 def wrapper_main(argv: list[str] | None = None) -> int:
@@ -77,14 +101,18 @@ def wrapper_main(argv: list[str] | None = None) -> int:
         )
     from migd.backends.condor import read_ad
 
+    notes = []
     try:
         job_ad = read_ad(job_ad_path, "job ad")
         machine_path = os.environ.get("_CONDOR_MACHINE_AD")
         machine_ad = read_ad(machine_path, "machine ad") if machine_path else None
+        if machine_ad is None:
+            # Documented: without it there is no slot name, VRAM fallback or GPU pinning.
+            notes.append("no $_CONDOR_MACHINE_AD: no slot name, VRAM fallback or GPU pinning")
         spec = spec_from_ads(command, job_ad, machine_ad)
     except JobAdError as exc:
         return _fail(f"migd-wrapper: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
-    return _run(spec, os.environ.get("MIGD_API_SOCKET"))
+    return _run(spec, os.environ.get("MIGD_API_SOCKET"), notes)
 
 
 def run_main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,11 @@
 
 HTCondor runs it on every way a job leaves the slot (``exit``, ``remove``,
 ``hold``, ``evict``; argv[1]) with the job ad on stdin, as the job's user. It
-asks migd to release every lease of that job. It must never delay or fail the
-starter: whatever happens it exits 0 within a few seconds (the starter waits at
-most ``<Keyword>_HOOK_JOB_EXIT_TIMEOUT``, 30 s by default). migd's reaper is the
-third line, for when even this does not run.
+asks migd to release every lease of that job in that slot: leases are named after
+the ``GlobalJobId``, because ``ClusterId.ProcId`` repeats across access points.
+It must never delay or fail the starter: whatever happens it exits 0 within a
+few seconds (the starter waits at most ``<Keyword>_HOOK_JOB_EXIT_TIMEOUT``, 30 s
+by default). migd's reaper is the third line, for when even this does not run.
 """
 
 from __future__ import annotations
@@ -17,19 +18,30 @@ import sys
 from migd.client import MigdClient
 from migd.errors import MigdError
 
-_ATTR = re.compile(r"^\s*(ClusterId|ProcId|GlobalJobId)\s*=\s*(.+?)\s*$", re.MULTILINE)
+_ATTR = re.compile(r"^\s*(ClusterId|ProcId|GlobalJobId|RemoteHost)\s*=\s*(.+?)\s*$", re.MULTILINE)
 
 
 def job_id_from_ad_text(text: str) -> str | None:
-    """``ClusterId.ProcId`` from a job ad in the old ClassAd text form, else GlobalJobId.
+    """The job's ``GlobalJobId`` (what the wrapper names its leases after), else
+    ``ClusterId.ProcId``, from a job ad in the old ClassAd text form.
 
     A tiny parser on purpose: the hook must work even where the bindings fail to load.
     """
-    found = {m.group(1): m.group(2).strip().strip('"') for m in _ATTR.finditer(text)}
+    found = _attrs(text)
+    if found.get("GlobalJobId"):
+        return found["GlobalJobId"]
     if found.get("ClusterId", "").isdigit() and found.get("ProcId", "").isdigit():
         return f"{found['ClusterId']}.{found['ProcId']}"
-    global_id = found.get("GlobalJobId")
-    return global_id.replace("#", ":") if global_id else None
+    return None
+
+
+def slot_from_ad_text(text: str) -> str:
+    """The slot the job ran in (``RemoteHost = "slot1_1@node"``), or ``""``."""
+    return _attrs(text).get("RemoteHost", "")
+
+
+def _attrs(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2).strip().strip('"') for m in _ATTR.finditer(text)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     try:
+        # The slot narrows it: the same job id on another slot is another run's lease.
         result = MigdClient(os.environ.get("MIGD_API_SOCKET"), timeout_s=10.0).call(
-            "release_job", job_id=job_id, reason=f"JOB_EXIT hook ({how})"
+            "release_job",
+            job_id=job_id,
+            slot=slot_from_ad_text(text),
+            reason=f"JOB_EXIT hook ({how})",
         )
     except MigdError as exc:
         print(f"migd-release-hook: {exc.message}", file=sys.stderr)

@@ -9,26 +9,31 @@ path; if we are SIGKILLed, the JOB_EXIT hook and then migd's reaper release it.
 
 Exit codes of our own (documented in docs/wrapper.md):
 
-* 86 (``OOM_EXIT_CODE``): the job ran out of GPU memory and no bigger partition
-  is available on this node; ``RequestVRAM`` was raised through chirp so
-  HTCondor can re-match it (``condor_config/20-migd-schedd.conf`` holds it at
-  the largest size).
+* 86 (``OOM_EXIT_CODE``): the job ran out of GPU memory and nothing bigger is
+  available on this node (or the restarts are used up); ``RequestVRAM`` was
+  raised and ``MigdOomExit`` set through chirp so HTCondor can re-match it
+  (``condor_config/20-migd-access-point.config`` requeues it, and holds it at the
+  largest size).
 * 1 with ``$_CONDOR_WRAPPER_ERROR_FILE`` written: migd could not serve the job
-  (daemon down, request impossible); HTCondor shows the reason.
+  (daemon down, request impossible, MPS share unusable); HTCondor shows the
+  reason and runs the job again.
+* 127 (126): the job's executable does not exist (cannot be executed); the job
+  failed, not migd.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -36,6 +41,7 @@ from typing import IO, Any
 from migd.client import MigdClient
 from migd.core.forecast import Forecaster, ForecastPolicy, MemorySample, Verdict
 from migd.core.oom import OomPolicy, OomVerdict, TailBuffer, classify_exit
+from migd.core.restart import RestartSize, restart_size
 from migd.errors import (
     DaemonUnavailable,
     LeaseTimeout,
@@ -56,7 +62,14 @@ FORWARDED_SIGNALS = (
 )
 # Signals that mean "HTCondor is stopping this job": never restart after those.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+# Signals whose disposition cannot be changed: re-raise them without signal.signal().
+UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 ENV_TWINS = ("APPTAINERENV_", "SINGULARITYENV_")
+# The first samples come sooner than sample_interval_s, so a job that fails within
+# seconds still has a measured peak.
+EARLY_SAMPLES_S = (0.25, 0.5, 1.0)
+
+AttrSetter = Callable[[Mapping[str, str | int | bool]], str]
 
 
 class WrapperFailure(Exception):
@@ -69,11 +82,22 @@ class WrapperFailure(Exception):
 
 
 class StopRequested(Exception):
-    """A stop signal arrived while no job was running (e.g. while waiting for a lease)."""
+    """A stop signal arrived while waiting for a lease (no job was running)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class _NoBigger(Exception):
+    """A restart found nothing bigger on this node (the daemon refused or timed out)."""
+
+
+class _JobNotStarted(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -84,7 +108,9 @@ class Attempt:
     peak_used_mib: int | None = None
     oom: OomVerdict | None = None
     forecast: Verdict | None = None
+    forecast_step: float | None = None  # the step the forecast had seen when it fired
     stopped: bool = False  # a stop signal came from outside
+    tail: bytes = b""
 
 
 @dataclass
@@ -95,6 +121,11 @@ class RunnerOptions:
     forecast: ForecastPolicy = field(default_factory=ForecastPolicy)
     oom: OomPolicy = field(default_factory=OomPolicy)
     restart_wait_s: float = 600.0
+    debug: bool = False
+    decision_log_interval_s: float = 60.0
+    # NVML samples keyed by seconds (a job that reports no iterations) start this late:
+    # start-up (context, model loading) is a steep climb that says nothing about growth.
+    time_warmup_s: float = 30.0
 
 
 class JobRunner:
@@ -104,17 +135,19 @@ class JobRunner:
         client: MigdClient,
         *,
         options: RunnerOptions | None = None,
-        set_job_attr: Callable[[str, str | int], str] | None = None,
+        set_job_attrs: AttrSetter | None = None,
         err: IO[bytes] | None = None,
     ) -> None:
         self.spec = spec
         self.client = client
         self.options = options or RunnerOptions()
-        self.set_job_attr = set_job_attr
+        self.set_job_attrs = set_job_attrs
         self.err = err or sys.stderr.buffer
         self.child: subprocess.Popen[bytes] | None = None
         self.stop_signal: int | None = None
+        self._interruptible = False  # a stop signal may abort the current lease wait
         self._old_handlers: dict[int, Any] = {}
+        self._chirped: dict[str, str | int | bool] = {}
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -123,6 +156,10 @@ class JobRunner:
         with contextlib.suppress(OSError, ValueError):
             self.err.write(f"[migd] {message}\n".encode())
             self.err.flush()
+
+    def debug(self, message: str) -> None:
+        if self.options.debug:
+            self.say(f"debug: {message}")
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -134,7 +171,10 @@ class JobRunner:
         if child is not None and child.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signum)
-        elif signum in STOP_SIGNALS:
+        elif signum in STOP_SIGNALS and self._interruptible:
+            # Only a wait for a lease is cut short; anywhere else (releasing, between
+            # attempts) the run notices stop_signal and ends by re-raising it.
+            self._interruptible = False
             raise StopRequested(signum)
 
     def _install_handlers(self) -> None:
@@ -144,6 +184,20 @@ class JobRunner:
     def _restore_handlers(self) -> None:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    def reraise(self, signum: int) -> None:
+        """Die of ``signum`` so HTCondor records ExitBySignal like the job's."""
+        self._restore_handlers()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        with contextlib.suppress(OSError, ValueError):
+            self.err.flush()
+        if signum not in UNCATCHABLE:
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        time.sleep(1.0)  # the signal is delivered before this returns
+        raise SystemExit(128 + signum)
 
     # -- the whole run ----------------------------------------------------------------------
 
@@ -152,29 +206,73 @@ class JobRunner:
 
         Raises:
             WrapperFailure: migd could not give the job a partition.
-            StopRequested: HTCondor stopped us before the job ran.
+            StopRequested: HTCondor stopped us while we waited for a partition.
         """
         self._install_handlers()
         try:
+            if self.spec.oom_marker:
+                # This run is not the out-of-memory exit the marker speaks of.
+                self._chirp({"MigdOomExit": False})
             return self._run()
+        except WrapperFailure as exc:
+            if exc.exit_code != OOM_EXIT_CODE:
+                # Counted so the access point holds a job migd keeps failing to start,
+                # and only such a job (evictions for other reasons do not count).
+                self._chirp(
+                    {
+                        "MigdStartFailures": self.spec.start_failures + 1,
+                        "MigdStartFailureReason": " ".join(exc.message.split())[:500],
+                    }
+                )
+            raise
         finally:
             self._restore_handlers()
 
     def _run(self) -> int:
         spec = self.spec
         memory = spec.memory_mib
-        restarts = 0
+        restarts = weak_restarts = 0
+        size: RestartSize | None = None
+        limit = memory
         while True:
-            lease = self._acquire(memory, first=restarts == 0)
+            try:
+                lease = self._acquire(memory, first=size is None)
+            except _NoBigger as exc:
+                assert size is not None  # only a restart raises it
+                self.say(str(exc))
+                return self._give_up(limit, size.wanted_mib, "nothing bigger became free")
+            if self.spec.start_failures:
+                # migd served it: the access point's loop breaker counts failures in a row.
+                self._chirp({"MigdStartFailures": 0})
             try:
                 attempt = self._supervise(lease)
+            except _JobNotStarted as exc:
+                self.say(exc.message)
+                return exc.exit_code
             finally:
-                self._release(lease, "job attempt ended")
+                released = self._release(lease, "job attempt ended")
+            daemon_peak = released.get("peak_used_mib")
+            if isinstance(daemon_peak, int) and daemon_peak > (attempt.peak_used_mib or 0):
+                attempt.peak_used_mib = daemon_peak
             limit = int(lease.get("memory_limit_mib") or memory)
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)
-            reason = None
-            fallback: int | None = None
+            self._classify(attempt, limit)
+            oom = attempt.oom
+            if oom is not None and oom.kind == "mps_unavailable":
+                # The matched stderr line goes to the MPS manager, which restarts a daemon
+                # whose server stopped taking clients (docs/api.md, MPS leases).
+                self._report(
+                    lease,
+                    "mps_client_error",
+                    attempt,
+                    None,
+                    message=oom.matched or f"{oom.signature}: {oom.reason}",
+                )
+                raise WrapperFailure(
+                    f"migd: the job could not use its MPS share on GPU {lease.get('gpu')} "
+                    f"({oom.signature}: {oom.reason}); migd was told, HTCondor runs it again"
+                )
             if attempt.forecast is not None:
                 fc = attempt.forecast
                 reason = (
@@ -184,56 +282,96 @@ class JobRunner:
                 )
                 # Size on the point forecast (seed 002: "the slice that meets the memory
                 # requirement"): early in a run the upper band is several times the real
-                # peak. If the forecast still asks too much, the next profile up is tried.
-                want = max(limit + 1, self.options.forecast.needed_mib(fc.predicted_peak_mib))
-                fallback = limit + 1
-            elif attempt.oom is not None and attempt.oom.is_oom:
-                reason = (
-                    f"the job ran out of GPU memory on {self._where(lease)} ({attempt.oom.reason})"
-                )
-                want = self._bigger(limit, attempt)
+                # peak. If that was too little, the OOM path takes over.
+                needed: float | None = self.options.forecast.needed_mib(fc.predicted_peak_mib)
+                event = "forecast"
+            elif oom is not None and oom.is_oom:
+                if oom.kind == "weak":
+                    if weak_restarts >= self.options.oom.weak_retries:
+                        self.say(
+                            f"the job failed again on weak out-of-memory evidence ({oom.reason}); "
+                            f"{self.options.oom.weak_retries} bigger retry allowed: passing "
+                            "its exit status through"
+                        )
+                        return self._finish(attempt)
+                    weak_restarts += 1
+                reason = f"the job ran out of GPU memory on {self._where(lease)} ({oom.reason})"
+                needed = None
+                if oom.tried_mib and attempt.peak_used_mib:
+                    needed = attempt.peak_used_mib + oom.tried_mib
+                event = "oom"
             else:
+                if oom is not None:
+                    self.debug(f"exit classified as {oom.kind}: {oom.reason}")
                 return self._finish(attempt)
+            size = self._restart_size(lease, limit, needed)
             restarts += 1
-            self._report(lease, "oom" if attempt.forecast is None else "forecast", attempt, want)
+            self._report(lease, event, attempt, size)
+            if size.request_mib is None:
+                self.say(f"{reason}; {size.reason}")
+                return self._give_up(limit, size.wanted_mib, "nothing bigger on this node")
             if restarts > spec.max_restarts:
                 self.say(f"{reason}; no restarts left ({spec.max_restarts} allowed)")
-                return self._give_up(want, "restart limit reached")
+                return self._give_up(limit, size.wanted_mib, "restart limit reached")
             self.say(
-                f"{reason}; restarting on a bigger partition "
-                f"(>= {want} MiB, restart {restarts} of {spec.max_restarts})"
+                f"{reason}; restarting on "
+                + ("the largest partition here" if size.capped else "a bigger partition")
+                + f" ({size.reason}; restart {restarts} of {spec.max_restarts})"
             )
-            self._chirp_request(want)
-            memory = want
-            if fallback is not None and fallback < want:
-                memory = self._fits_here(want, fallback)
+            self._chirp({"RequestVRAM": size.request_mib})
+            memory = size.request_mib
 
-    def _fits_here(self, want: int, fallback: int) -> int:
-        """``want`` if this node has a partition that big, else ``fallback``."""
+    def _classify(self, attempt: Attempt, limit: int) -> None:
+        if attempt.forecast is not None:
+            return
+        attempt.oom = classify_exit(
+            attempt.exit_code,
+            attempt.signum,
+            attempt.tail,
+            attempt.peak_used_mib,
+            limit,
+            policy=self.options.oom,
+        )
+
+    def _restart_size(self, lease: dict[str, Any], limit: int, needed: float | None) -> RestartSize:
+        return restart_size(
+            limit,
+            ladder=lease.get("mode") == "mig",
+            largest_mib=self._largest_here(),
+            needed_mib=needed,
+            growth_factor=self.spec.growth_factor,
+        )
+
+    def _largest_here(self) -> int | None:
+        """The largest partition this node could give the job (``None``: unknown)."""
         try:
             status = self.client.status()
-        except MigdError:
-            return want
-        largest = max(
-            (
-                max(p["memory_mib"] for p in gpu.get("instances", []) or [{"memory_mib": 0}])
-                for gpu in status.get("gpus", [])
-            ),
-            default=0,
-        )
-        largest = max(
-            [largest]
-            + [int(g.get("full_profile_mib") or 0) for g in status.get("gpus", [])]
-            + [
-                int(g.get("memory_total_mib") or 0)
-                for g in status.get("gpus", [])
-                if g.get("mode") != "mig"
-            ]
-        )
-        if want <= largest:
-            return want
-        self.say(f"no partition of {want} MiB on this node; trying the next size up instead")
-        return fallback
+        except MigdError as exc:
+            self.debug(f"no node status for restart sizing: {exc.message}")
+            return None
+        pinned = self.spec.gpus
+        best: int | None = None
+        for gpu in status.get("gpus", []):
+            mode = gpu.get("mode")
+            if self.spec.mode not in ("auto", mode):
+                continue
+            if gpu.get("healthy") is False:
+                continue
+            if pinned and not any(
+                str(gpu.get("uuid", "")).startswith(p) or p == str(gpu.get("index")) for p in pinned
+            ):
+                continue
+            if mode == "mig":
+                size = gpu.get("full_profile_mib")
+            elif mode == "mps":
+                size = (gpu.get("mps") or {}).get("capacity_mib") or gpu.get("memory_total_mib")
+            elif mode == "exclusive":
+                size = gpu.get("memory_total_mib")
+            else:
+                continue
+            if isinstance(size, int) and size > (best or 0):
+                best = size
+        return best
 
     def _where(self, lease: dict[str, Any]) -> str:
         if lease.get("profile"):
@@ -242,57 +380,54 @@ class JobRunner:
             )
         return f"an MPS share of {lease.get('memory_limit_mib')} MiB on GPU {lease.get('gpu')}"
 
-    def _bigger(self, limit: int, attempt: Attempt) -> int:
-        want = limit + 1  # migd right-sizes this to the next MIG profile up
-        growth = self.spec.growth_factor
-        if growth <= 0 and attempt.lease.get("mode") != "mig":
-            growth = 2.0  # an MPS share or a whole GPU has no profile ladder: double it
-        if growth > 0:
-            want = max(want, math.ceil(limit * growth))
-        oom = attempt.oom
-        if oom is not None and oom.tried_mib and attempt.peak_used_mib:
-            want = max(want, math.ceil(attempt.peak_used_mib + oom.tried_mib))
-        return want
-
     def _finish(self, attempt: Attempt) -> int:
         if attempt.signum is not None:
-            self._reraise(attempt.signum)
+            self.reraise(attempt.signum)
+        if self.stop_signal is not None and attempt.exit_code is None:
+            self.reraise(self.stop_signal)  # stopped before the job ran
         return attempt.exit_code if attempt.exit_code is not None else 1
 
-    def _reraise(self, signum: int) -> None:
-        """Die of the job's signal so HTCondor records ExitBySignal like the job's."""
-        self._restore_handlers()
-        sys.stdout.flush()
-        with contextlib.suppress(OSError, ValueError):
-            self.err.flush()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        time.sleep(1.0)  # the signal is delivered before this returns
-        raise SystemExit(128 + signum)
-
-    def _give_up(self, want: int, why: str) -> int:
-        self._chirp_request(want)
+    def _give_up(self, limit: int, wanted: int, why: str) -> int:
+        self._chirp(
+            {
+                "RequestVRAM": wanted,
+                "MigdLastVRAM": limit,
+                "MigdOomExits": self.spec.oom_exits + 1,
+                "MigdOomExit": True,
+            }
+        )
         self.say(
             f"giving up on this node ({why}); exiting with {OOM_EXIT_CODE} so HTCondor can "
-            f"run the job again with request_VRAM >= {want} MiB"
+            f"run the job again with request_VRAM >= {wanted} MiB"
         )
         return OOM_EXIT_CODE
 
-    def _chirp_request(self, want: int) -> None:
-        if not (self.spec.under_condor and self.spec.want_chirp and self.set_job_attr):
+    def _chirp(self, attrs: Mapping[str, str | int | bool]) -> None:
+        """Update the job ad (only under HTCondor with an IO proxy); never raises."""
+        if not (self.spec.under_condor and self.spec.want_chirp and self.set_job_attrs):
+            return
+        todo = {k: v for k, v in attrs.items() if self._chirped.get(k) != v}
+        if not todo:
             return
         try:
-            how = self.set_job_attr("RequestVRAM", want)
-            self.say(f"updated the job's RequestVRAM to {want} MiB ({how})")
+            how = self.set_job_attrs(todo)
         except MigdError as exc:
-            self.say(f"could not update RequestVRAM: {exc.message}")
+            self.say(f"could not update {', '.join(todo)}: {exc.message}")
+            return
+        self._chirped.update(todo)
+        if "RequestVRAM" in todo:
+            self.say(f"updated the job's RequestVRAM to {todo['RequestVRAM']} MiB ({how})")
+        self.debug(f"job ad: {', '.join(f'{k} = {v}' for k, v in todo.items())} ({how})")
 
     # -- lease ------------------------------------------------------------------------------
 
     def _acquire(self, memory: int, *, first: bool) -> dict[str, Any]:
         spec = self.spec
         wait = spec.wait_s if first else (spec.wait_s or self.options.restart_wait_s)
+        self._interruptible = True
         try:
+            if self.stop_signal is not None:
+                raise StopRequested(self.stop_signal)
             lease: dict[str, Any] = self.client.lease(
                 job_id=spec.job_id,
                 slot=spec.slot or None,
@@ -301,24 +436,25 @@ class JobRunner:
                 mode=spec.mode,
                 gpus=list(spec.gpus) if spec.gpus else None,
                 wait_s=wait,
-                holder_pid=os.getpid(),
             )
         except RequestTooLarge as exc:
             if first:
                 raise WrapperFailure(
                     f"migd: {exc.message} (hint: {exc.hint})", exit_code=1
                 ) from exc
-            raise WrapperFailure(self._no_bigger(memory, exc.message), OOM_EXIT_CODE) from exc
+            raise _NoBigger(f"no partition of >= {memory} MiB on this node: {exc.message}") from exc
         except (LeaseTimeout, NoCapacity) as exc:
             if first:
                 raise WrapperFailure(f"migd: no GPU partition became free: {exc.message}") from exc
-            raise WrapperFailure(self._no_bigger(memory, exc.message), OOM_EXIT_CODE) from exc
+            raise _NoBigger(f"no partition of >= {memory} MiB became free: {exc.message}") from exc
         except DaemonUnavailable as exc:
             raise WrapperFailure(
                 f"migd is not available: {exc.message} (hint: {exc.hint})"
             ) from exc
         except MigdError as exc:
             raise WrapperFailure(f"migd refused the job: {exc.message}") from exc
+        finally:
+            self._interruptible = False
         decision = lease.get("decision") or {}
         self.say(
             f"lease {lease['lease_id']}: {self._where(lease)}"
@@ -326,24 +462,34 @@ class JobRunner:
         )
         return lease
 
-    def _no_bigger(self, memory: int, why: str) -> str:
-        self._chirp_request(memory)
-        self.say(f"no partition of >= {memory} MiB on this node: {why}")
-        return f"migd: the job needs >= {memory} MiB of GPU memory; not available on this node"
-
-    def _release(self, lease: dict[str, Any], reason: str) -> None:
+    def _release(self, lease: dict[str, Any], reason: str) -> dict[str, Any]:
         try:
-            self.client.release(lease["lease_id"], reason=reason)
+            result: dict[str, Any] = self.client.release(lease["lease_id"], reason=reason)
+            return result
         except MigdError as exc:
             # The JOB_EXIT hook and migd's reaper release it if we cannot.
             self.say(f"could not release lease {lease['lease_id']}: {exc.message}")
+            return {}
 
-    def _report(self, lease: dict[str, Any], event: str, attempt: Attempt, want: int) -> None:
-        data: dict[str, Any] = {"next_request_mib": want, "peak_used_mib": attempt.peak_used_mib}
+    def _report(
+        self,
+        lease: dict[str, Any],
+        event: str,
+        attempt: Attempt,
+        size: RestartSize | None,
+        message: str | None = None,
+    ) -> None:
+        data: dict[str, Any] = {"peak_used_mib": attempt.peak_used_mib}
+        if message is not None:
+            data["message"] = message
+        if size is not None:
+            data["next_request_mib"] = size.request_mib
+            data["wanted_mib"] = size.wanted_mib
         if attempt.oom is not None:
             data["oom"] = attempt.oom.to_dict()
         if attempt.forecast is not None:
             data["forecast"] = attempt.forecast.to_dict()
+            data["forecast"]["step"] = attempt.forecast_step
         with contextlib.suppress(MigdError):
             self.client.call("report", lease_id=lease["lease_id"], event=event, data=data)
 
@@ -367,8 +513,26 @@ class JobRunner:
                 env[prefix + key] = value
         return env
 
+    def _start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        try:
+            return subprocess.Popen(
+                list(self.spec.command), env=env, stderr=subprocess.PIPE, process_group=0
+            )
+        except OSError as exc:
+            # The job's own problem (a typo in `executable`, no +x): fail it like a shell
+            # would, not as a migd failure that HTCondor would retry forever.
+            code = 127 if exc.errno == errno.ENOENT else 126
+            raise _JobNotStarted(
+                f"cannot start the job {self.spec.command[0]!r}: {exc.strerror or exc}; "
+                f"exiting with {code}",
+                code,
+            ) from exc
+
     def _supervise(self, lease: dict[str, Any]) -> Attempt:
         attempt = Attempt(lease)
+        if self.stop_signal is not None:
+            attempt.stopped = True  # stopped between the grant and the start
+            return attempt
         limit = lease.get("memory_limit_mib")
         memstats = None
         if self.spec.early_restart:
@@ -378,46 +542,65 @@ class JobRunner:
             memstats = base / f".migd-memstats-{os.getpid()}-{lease['lease_id']}.jsonl"
             with contextlib.suppress(OSError):
                 memstats.unlink()
-        env = self._environment(lease, memstats)
         tail = TailBuffer()
-        try:
-            self.child = subprocess.Popen(
-                list(self.spec.command), env=env, stderr=subprocess.PIPE, process_group=0
-            )
-        except OSError as exc:
-            raise WrapperFailure(f"cannot start the job {self.spec.command[0]}: {exc}") from exc
-        child = self.child
+        child = self.child = self._start(self._environment(lease, memstats))
         assert child.stderr is not None
         pump = threading.Thread(target=self._pump, args=(child.stderr, tail), daemon=True)
         pump.start()
-        forecaster = Forecaster(self.options.forecast) if self.spec.early_restart else None
+        # Two series, never mixed: NVML samples keyed by seconds since the start while
+        # the job reports nothing, then, from its first MIGD_MEMSTATS_FILE line, a fresh
+        # forecaster keyed by the job's own iterations.
+        by_time = None
+        if self.spec.early_restart:
+            by_time = Forecaster(
+                dataclasses.replace(self.options.forecast, warmup_steps=self.options.time_warmup_s)
+            )
+        by_step: Forecaster | None = None
         started = time.monotonic()
+        last_logged = -float("inf")
         memstats_offset = 0
-        job_reports = False  # the job writes allocator statistics to MIGD_MEMSTATS_FILE
+        samples = 0
         while True:
+            interval = self.options.sample_interval_s
+            if samples < len(EARLY_SAMPLES_S):
+                interval = min(interval, EARLY_SAMPLES_S[samples])
             try:
-                returncode = child.wait(timeout=self.options.sample_interval_s)
+                returncode = child.wait(timeout=interval)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            usage = self._usage(lease)
+            samples += 1
+            usage = self._usage(lease, child.pid)
             if usage is not None:
                 attempt.peak_used_mib = max(attempt.peak_used_mib or 0, usage)
-            if forecaster is None or not limit or self.stop_signal is not None:
+            if by_time is None or not limit or self.stop_signal is not None:
                 continue
-            new_offset = self._feed_memstats(forecaster, memstats, memstats_offset)
-            job_reports = job_reports or new_offset > 0
-            memstats_offset = new_offset
-            if not job_reports and usage is not None:
-                # The job reports nothing: forecast NVML's view per second of run time.
-                forecaster.add(time.monotonic() - started, used_mib=usage)
+            if by_step is None and self._memstats_ready(memstats, memstats_offset):
+                by_step = Forecaster(self.options.forecast)
+                self.debug("the job reports allocator statistics: forecasting per iteration")
+            if by_step is not None:
+                memstats_offset = self._feed_memstats(by_step, memstats, memstats_offset)
+                forecaster = by_step
+            else:
+                if usage is not None:
+                    by_time.add(time.monotonic() - started, used_mib=usage)
+                forecaster = by_time
             verdict = forecaster.verdict(float(limit), self.spec.horizon)
             if verdict.fire:
                 attempt.forecast = verdict
+                attempt.forecast_step = forecaster.last_step
                 self.say(f"forecast: {verdict.reason}")
                 self._terminate(child)
                 returncode = child.wait()
                 break
+            now = time.monotonic()
+            if self.options.debug and now - last_logged >= self.options.decision_log_interval_s:
+                last_logged = now
+                self.debug(
+                    f"forecast at step {forecaster.last_step}: {verdict.reason} "
+                    f"(slope {verdict.slope:.2f} MiB/step, sigma {verdict.sigma:.0f} MiB, "
+                    f"n {verdict.n})"
+                )
         pump.join(timeout=5)
         self.child = None
         if memstats is not None:
@@ -428,15 +611,7 @@ class JobRunner:
         else:
             attempt.exit_code = returncode
         attempt.stopped = self.stop_signal is not None
-        if attempt.forecast is None and not attempt.stopped:
-            attempt.oom = classify_exit(
-                attempt.exit_code,
-                attempt.signum,
-                tail.data,
-                attempt.peak_used_mib,
-                int(limit) if limit else None,
-                policy=self.options.oom,
-            )
+        attempt.tail = tail.data
         return attempt
 
     def _pump(self, stream: IO[bytes], tail: TailBuffer) -> None:
@@ -450,17 +625,35 @@ class JobRunner:
                 out.write(chunk)
                 out.flush()
 
-    def _usage(self, lease: dict[str, Any]) -> int | None:
+    def _usage(self, lease: dict[str, Any], job_pgid: int) -> int | None:
+        """The job's GPU memory now (MiB), or ``None`` when it cannot be told apart."""
         try:
             usage = self.client.call("usage", lease_id=lease["lease_id"], timeout_s=10.0)
         except MigdError:
             return None
+        peak = usage.get("peak_used_mib")  # migd's own samples of this lease
         procs = usage.get("processes") or []
-        known = [p["used_mib"] for p in procs if p.get("used_mib") is not None]
-        if known:
-            return int(sum(known))
-        used = usage.get("device_used_mib")
-        return int(used) if used is not None and lease.get("mode") == "mig" else None
+        if lease.get("mode") == "mps":
+            # migd lists every client of the GPU: count only this job's process group.
+            # (PIDs migd sees from outside a PID namespace are not ours to look up.)
+            known = []
+            for proc in procs:
+                with contextlib.suppress(OSError):
+                    if proc.get("used_mib") is not None and os.getpgid(proc["pid"]) == job_pgid:
+                        known.append(int(proc["used_mib"]))
+            now = sum(known) if known else None
+        else:  # a MIG instance or a whole GPU: all of it is the job's
+            used = usage.get("device_used_mib")
+            now = int(used) if used is not None else None
+        values = [v for v in (now, peak) if isinstance(v, int)]
+        return max(values) if values else None
+
+    @staticmethod
+    def _memstats_ready(path: Path | None, offset: int) -> bool:
+        try:
+            return path is not None and path.stat().st_size > offset
+        except OSError:
+            return False
 
     def _feed_memstats(self, forecaster: Forecaster, path: Path | None, offset: int) -> int:
         """Read the job's allocator statistics (one JSON object per line) since ``offset``."""

@@ -9,6 +9,8 @@ intervals; jobs are submitted by a non-root user and run fake CUDA programs
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +44,7 @@ class Migd:
     def __init__(self, chroot: CondorChroot) -> None:
         self.chroot = chroot
         self.proc: subprocess.Popen[bytes] | None = None
+        self.reaper_interval_s = 1.0
 
     def start(self) -> None:
         self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
@@ -61,7 +64,7 @@ class Migd:
                 "--set",
                 'api.lease_users=["*"]',
                 "--set",
-                "reaper.interval_s=1",
+                f"reaper.interval_s={self.reaper_interval_s}",
                 "--set",
                 "policy.idle_policy=keep",
             ]
@@ -91,6 +94,16 @@ class Migd:
     def leases(self, all_leases: bool = False) -> list[dict[str, Any]]:
         args = ["leases", "--json"] + (["--all"] if all_leases else [])
         return list(self.ctl(*args)["leases"])
+
+    def history(self, job_id: str) -> list[dict[str, Any]]:
+        return list(self.ctl("history", "--job", job_id, "--json")["history"])
+
+    def job_leases(self, job_id: str) -> list[dict[str, Any]]:
+        """Every lease of the job (ended ones too), oldest first."""
+        return sorted(
+            (x for x in self.leases(all_leases=True) if x["job_id"] == job_id),
+            key=lambda x: float(x["created_s"]),
+        )
 
     def log(self) -> str:
         return self.chroot.path("/var/log/migd-test.log").read_text()
@@ -168,7 +181,9 @@ def test_gpu_job_runs_on_a_right_sized_mig_instance(
     assert env["APPTAINERENV_CUDA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"]
     assert env["MIGD_GPU_MEMORY_LIMIT_MIB"] == "4864"  # 1g.5gb, the tightest fit
     assert "lease" in pool.job_error(cluster)
-    history = migd.ctl("history", "--job", f"{cluster}.0", "--json")["history"]
+    # leases are named after the GlobalJobId (unique across access points)
+    assert ad["GlobalJobId"].split("#")[1] == f"{cluster}.0"
+    history = migd.history(ad["GlobalJobId"])
     assert {"submitted", "granted", "released"} <= {h["event"] for h in history}
     assert migd.leases() == []
 
@@ -185,15 +200,8 @@ def test_oom_on_a_small_instance_restarts_on_a_bigger_one(
     assert "CUDA out of memory" in err
     assert "restarting on a bigger partition" in err
     assert ad["RequestVRAM"] > 4864  # raised through chirp for any later run
-    grants = [
-        h
-        for h in migd.ctl("history", "--job", f"{cluster}.0", "--json")["history"]
-        if h["event"] == "granted" or h["event"] == "submitted"
-    ]
-    leases = sorted(
-        (lease for lease in migd.leases(all_leases=True) if lease["job_id"] == f"{cluster}.0"),
-        key=lambda lease: lease["created_s"],
-    )
+    grants = [h for h in migd.history(ad["GlobalJobId"]) if h["event"] in ("granted", "submitted")]
+    leases = migd.job_leases(ad["GlobalJobId"])
     # First the tightest fit, then the next memory size up: 1g.10gb, or 2g.10gb where
     # compute upsizing finds the second compute slice of that memory pair free.
     assert len(leases) >= 2 and leases[0]["profile"] == "1g.5gb", leases
@@ -208,12 +216,18 @@ def test_oom_at_the_largest_partition_is_held_with_a_reason(
     pool = gpu_pool(personal_pool)
     # fits 7g.40gb at first, grows past it: nothing bigger exists on this node
     cluster = pool.submit(simjob(30000, "--start", "30G", "--grow", "6G", "--steps", "3"))
-    ads = pool.wait(cluster, timeout=180, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ads = pool.wait(
+        cluster, timeout=180, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
+    )
     ad = ads[0]
     assert ad["JobStatus"] == 5, ad
     assert "ran out of GPU memory" in ad["HoldReason"]
     assert ad["HoldReasonSubCode"] == 86
     assert ad["RequestVRAM"] > A100_FULL_MIB
+    # the reason names what the job ran out of, not the size it asked for next
+    assert (
+        f"with {A100_FULL_MIB} MiB and needs at least {ad['RequestVRAM']} MiB" in (ad["HoldReason"])
+    )
     assert migd.leases() == []
 
 
@@ -222,7 +236,9 @@ def test_request_larger_than_any_partition_is_held_at_once(
 ) -> None:
     pool = gpu_pool(personal_pool)
     cluster = pool.submit(simjob(100_000, "--start", "1G"))
-    ads = pool.wait(cluster, timeout=60, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ads = pool.wait(
+        cluster, timeout=60, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
+    )
     assert "larger than the largest GPU partition" in ads[0]["HoldReason"]
     assert ads[0].get("NumJobStarts", 0) == 0
 
@@ -249,7 +265,7 @@ def test_many_jobs_share_the_gpus_and_nothing_leaks(
     assert migd.leases() == []
     status = migd.ctl("status", "--json")
     assert not any(i["busy"] for g in status["gpus"] for i in g["instances"])
-    ended = [x for x in migd.leases(all_leases=True) if x["job_id"].startswith(f"{cluster}.")]
+    ended = [x for x in migd.leases(all_leases=True) if f"#{cluster}." in x["job_id"]]
     assert {x["state"] for x in ended} == {"released"}
 
 
@@ -258,10 +274,10 @@ def test_condor_rm_releases_the_lease(
 ) -> None:
     pool = gpu_pool(personal_pool)
     cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
-    migd.wait_for(lambda: [x for x in migd.leases() if x["job_id"] == f"{cluster}.0"], "lease")
+    migd.wait_for(lambda: [x for x in migd.leases() if f"#{cluster}.0#" in x["job_id"]], "lease")
     pool.rm(cluster)
     migd.wait_for(lambda: migd.leases() == [], "the lease to be released", timeout_s=30)
-    [lease] = [x for x in migd.leases(all_leases=True) if x["job_id"] == f"{cluster}.0"]
+    [lease] = [x for x in migd.leases(all_leases=True) if f"#{cluster}.0#" in x["job_id"]]
     assert lease["state"] == "released"
 
 
@@ -269,11 +285,97 @@ def test_daemon_down_sends_the_job_back_with_the_reason(
     migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     # Without the START guard (first line of defence) the wrapper's error file is the second.
-    pool = gpu_pool(personal_pool, "MIGD_START = True\n")
+    # (the schedd checks periodic holds every PERIODIC_EXPR_INTERVAL, 60 s by default)
+    pool = gpu_pool(personal_pool, "MIGD_START = True\nPERIODIC_EXPR_INTERVAL = 5\n")
     migd.stop()
     cluster = pool.submit(simjob(4000, "--start", "1G"))
-    ads = pool.wait(cluster, timeout=120, until=lambda ads: ads and ads[0].get("JobStatus") == 5)
+    ads = pool.wait(
+        cluster, timeout=120, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
+    )
     ad = ads[0]
     assert "migd is not available" in ad["HoldReason"], ad["HoldReason"]
     assert ad["HoldReasonSubCode"] == 87
     assert ad["NumJobStarts"] >= 10 and ad.get("NumJobCompletions", 0) == 0
+    # counted by the wrapper through chirp: only starts migd failed hold a job
+    assert ad["MigdStartFailures"] >= 10
+
+
+def test_oom_exit_requeues_the_job_and_it_reruns_bigger(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    """Exit 86 through the real wrapper and the shipped access-point policy (no restart in
+    the slot: MigdMaxRestarts = 0), then a re-match with the RequestVRAM it chirped; and a
+    job that exits 86 by itself keeps its own exit policy."""
+    pool = gpu_pool(personal_pool)
+    grows = pool.submit(
+        simjob(4000, "--start", "3G", "--grow", "1G", "--steps", "4", **{"+MigdMaxRestarts": "0"})
+    )
+    own = pool.submit(simjob(1000, "--start", "1G", "--exit", "86"))
+    [ad] = pool.wait(grows, timeout=240)
+    err = pool.job_error(grows)
+    assert ad["ExitCode"] == 0, err
+    assert ad["NumJobStarts"] == 2 and ad["MigdOomExits"] == 1, ad
+    assert ad["MigdOomExit"] is False  # cleared by the second run
+    assert ad["RequestVRAM"] == 4865 and ad["MigdLastVRAM"] == 4864
+    # (the error file holds the last run only) the first run's verdict is in migd's history
+    [oom] = [h for h in migd.history(ad["GlobalJobId"]) if h["event"] == "wrapper.oom"]
+    assert oom["data"]["wanted_mib"] == 4865 and oom["data"]["oom"]["kind"] == "strong"
+    first, second = migd.job_leases(ad["GlobalJobId"])
+    assert first["profile"] == "1g.5gb"
+    assert int(second["memory_limit_mib"]) >= 9984  # the next size up, on the rerun
+    [own_ad] = pool.wait(own, timeout=120)
+    assert own_ad["ExitCode"] == 86 and own_ad["JobStatus"] == 4  # done, as it asked
+    assert own_ad["NumJobStarts"] == 1 and own_ad.get("MigdOomExit") is None
+    assert migd.leases() == []
+
+
+def test_early_restart_through_htcondor(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    grows = ["--start", "1G", "--grow", "50M", "--steps", "150", "--step-s", "0.03"]
+    submit = {
+        "+MigdEarlyRestart": "true",
+        "+MigdHorizon": "150",
+        # the wrapper runs with the job's environment: a per-job setting
+        "environment": '"MIGD_WRAPPER_SAMPLE_INTERVAL_S=0.2"',
+    }
+    cluster = pool.submit(simjob(3000, *grows, **submit))
+    [ad] = pool.wait(cluster, timeout=180)
+    err = pool.job_error(cluster)
+    assert ad["ExitCode"] == 0, err
+    assert "forecast: will not fit" in err and "CUDA out of memory" not in err
+    history = migd.history(ad["GlobalJobId"])
+    [fired] = [h for h in history if h["event"] == "wrapper.forecast"]
+    assert fired["data"]["forecast"]["series"] == "allocated"
+    first, second = migd.job_leases(ad["GlobalJobId"])
+    assert first["profile"] == "1g.5gb" and int(second["memory_limit_mib"]) > 4864
+
+
+def test_job_exit_hook_releases_the_lease_of_a_sigkilled_wrapper(
+    installed: CondorChroot, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    """The wrapper cannot release what it holds when it is SIGKILLed; the reaper is off
+    here, so only the JOB_EXIT hook can have released the lease."""
+    daemon = Migd(installed)
+    daemon.reaper_interval_s = 3600.0
+    daemon.start()
+    try:
+        pool = gpu_pool(personal_pool)
+        cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
+        [lease] = daemon.wait_for(
+            lambda: [x for x in daemon.leases() if f"#{cluster}.0#" in x["job_id"]], "the lease"
+        )
+        wrapper_pid = int(lease["owner_pid"])
+        cmdline = Path(f"/proc/{wrapper_pid}/cmdline").read_bytes()
+        assert b"migd-wrapper" in cmdline, cmdline
+        os.kill(wrapper_pid, signal.SIGKILL)
+        pool.wait(cluster, timeout=120)
+        daemon.wait_for(lambda: daemon.leases() == [], "the hook to release it", timeout_s=30)
+        [ended] = [x for x in daemon.leases(all_leases=True) if x["lease_id"] == lease["lease_id"]]
+        assert ended["state"] == "released"  # not "reclaimed": the reaper did not run
+        released = [h for h in daemon.history(lease["job_id"]) if h["event"] == "released"]
+        assert "JOB_EXIT hook" in released[0]["data"]["reason"]
+    finally:
+        daemon.stop()
+        print(daemon.log()[-20000:])

@@ -791,3 +791,24 @@ def test_status_json_matches_the_documented_schema(daemon: DaemonProcess) -> Non
     finally:
         client.call("release_job", job_id="x.0")
         waiter.join(30)
+
+
+def test_explain_and_history_take_the_job_id_condor_q_shows(daemon: DaemonProcess) -> None:
+    """Leases carry GlobalJobIds; admins type ClusterId.ProcId. One match is that job,
+    matches from two access points are refused with the candidates."""
+    daemon.start()
+    client = daemon.client()
+    lease = client.lease(job_id="ap1#41.3#1700000000", gpu_memory_mib=4000, wait_s=5)
+    shown = client.call("explain", job_id="41.3")
+    assert shown["job_id"] == "ap1#41.3#1700000000"
+    assert [x["lease_id"] for x in shown["leases"]] == [lease["lease_id"]]
+    events = [h["event"] for h in client.call("history", job_id="41.3")["history"]]
+    assert "granted" in events
+    assert client.call("explain", job_id="41.33")["leases"] == []  # no prefix matching
+    client.lease(job_id="ap2#41.3#1700000100", gpu_memory_mib=4000, wait_s=5)
+    with pytest.raises(MigdError) as info:
+        client.call("explain", job_id="41.3")
+    assert info.value.code == "invalid_request"
+    assert "ap1#41.3#1700000000" in str(info.value) and "ap2#41.3#1700000100" in str(info.value)
+    full = client.call("explain", job_id="ap2#41.3#1700000100")
+    assert len(full["leases"]) == 1

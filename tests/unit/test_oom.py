@@ -18,6 +18,7 @@ from migd.core.oom import (
     find_signatures,
     tried_mib,
 )
+from migd.errors import ConfigError
 
 TORCH_TRACEBACK = """\
 Traceback (most recent call last):
@@ -253,17 +254,47 @@ def test_mentions_of_the_message_are_not_the_message() -> None:
         assert find_signatures(stderr) == []
 
 
-def test_handled_oom_followed_by_another_fatal_error_is_weak_at_most() -> None:
-    stderr = (
-        "batch 512: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
-        "retrying with batch 256\n"
-        "Traceback (most recent call last):\n"
-        '  File "t.py", line 9, in <module>\n'
-        "ValueError: shapes (256, 3) and (512, 3) not aligned\n"
-    )
-    verdict = classify_exit(1, None, stderr, 500, 9984)
-    assert verdict.kind == "weak"
+HANDLED_OOM_THEN_VALUE_ERROR = (
+    "batch 512: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+    "retrying with batch 256\n"
+    "Traceback (most recent call last):\n"
+    '  File "t.py", line 9, in <module>\n'
+    "ValueError: shapes (256, 3) and (512, 3) not aligned\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("peak", "limit", "kind"),
+    [
+        (None, None, "none"),  # peak unknown: the job died of the ValueError
+        (500, 9984, "none"),  # memory was nowhere near the limit
+        (8900, 9984, "none"),  # 89%
+        (8986, 9984, "weak"),  # 90%: memory was at the limit, one bigger try
+        (9984, 9984, "weak"),
+    ],
+)
+def test_handled_oom_followed_by_another_fatal_error_needs_high_usage(
+    peak: int | None, limit: int | None, kind: str
+) -> None:
+    verdict = classify_exit(1, None, HANDLED_OOM_THEN_VALUE_ERROR, peak, limit)
+    assert verdict.kind == kind, verdict.reason
     assert "ValueError" in verdict.reason
+    assert verdict.signature == "torch_oom"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"weak_fraction": 0.0},
+        {"weak_fraction": 1.5},
+        {"corroborate_fraction": -0.1},
+        {"weak_retries": -1},
+        {"weak_retries": 1.5},
+    ],
+)
+def test_oom_policy_rejects_bad_thresholds(bad: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match="oom\\."):
+        OomPolicy(**bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
