@@ -221,6 +221,17 @@ class SimResult:
     notes: list[str] = field(default_factory=list)
 
 
+def index_order(geo: Geometry) -> Geometry:
+    """``geo`` with every profile's default placement order sorted by start.
+
+    Seed 001's first-fit baseline assigns instances "sequentially" (the lowest free
+    start first) instead of the driver's observed order (A100 1g: 6, 4, 5, 0, ...).
+    """
+    profiles = tuple(replace(p, default_order=tuple(sorted(p.default_order))) for p in geo.profiles)
+    # the lookup tables are rebuilt from the new profiles, never shared with ``geo``
+    return replace(geo, profiles=profiles, _by_id={}, _by_name={})
+
+
 class _Node:
     def __init__(self, index: int, scheduler: NodeScheduler) -> None:
         self.index = index
@@ -252,6 +263,8 @@ class Simulation:
         self.config = config or SimConfig()
         self.policy = policy
         self.geo = geometry(self.config.model)
+        if policy.start_order == "index":
+            self.geo = index_order(self.geo)
         self.space: StateSpace = state_space(self.geo, self.config.profiles)
         self.costs = CostModel.for_model(self.geo.model)
         self.power = self.config.power or PowerModel.for_model(
@@ -498,11 +511,10 @@ class Simulation:
     def _try_place(self, attempt: Attempt) -> bool:
         if self.policy.static_layout is not None:
             return self._try_place_static(attempt)
-        ranked = sorted(
-            (n for n in self.nodes if self._advertised_mib(n) >= attempt.memory_mib),
-            key=lambda n: (self._advertised_mib(n), n.index),
-        )
-        return any(self._submit_now(node, attempt, None) for node in ranked)
+        fits = [n for n in self.nodes if self._advertised_mib(n) >= attempt.memory_mib]
+        if self.policy.node_order == "best-fit":
+            fits.sort(key=lambda n: (self._advertised_mib(n), n.index))
+        return any(self._submit_now(node, attempt, None) for node in fits)
 
     def _try_place_static(self, attempt: Attempt) -> bool:
         idle: list[tuple[int, int, int, int, Profile]] = []

@@ -195,6 +195,20 @@ def test_ended_leases_leave_the_scheduler() -> None:
     assert sim.nodes[0].scheduler.leases == {}
 
 
+def test_seed001_first_fit_takes_the_lowest_start_and_the_first_node() -> None:
+    # the driver's own order puts a lone 1g.5gb at start 6; seed 001's sequential FF at 0
+    driver = simulate([small(0)], named_policy("first-fit"), SimConfig())
+    seq = simulate([small(0)], named_policy("first-fit-seq"), SimConfig())
+    assert [s.unit_start for s in job_spans(driver)] == [6]
+    assert [s.unit_start for s in job_spans(seq)] == [0]
+    assert A100.by_id(19).default_order[0] == 6  # the catalog is left alone
+    # in a pool it fills node 0 before node 1; the best-fit matcher packs the
+    # partly used node too, but offers a whole-GPU job the emptier one
+    jobs = [SimJob("a", 0.0, 4000, 100.0), SimJob("b", 1.0, 4000, 100.0)]
+    pool = SimConfig(nodes=2, check_invariants=True)
+    assert {s.node for s in job_spans(simulate(jobs, named_policy("first-fit-seq"), pool))} == {0}
+
+
 def test_refused_at_once_when_wait_is_zero() -> None:
     jobs = [SimJob(f"v{i}", 0.0, 30000, 100.0, wait_s=0.0) for i in range(2)]
     result = simulate(jobs, named_policy("migd"), SimConfig())
