@@ -11,7 +11,7 @@ time for 100 tasks, a stronger lower bound, and how far migd's *online* schedule
 (simulated, each task on its fastest-area size, no knowledge of runtimes) is
 from the same bound. Writes ``bench/results/far.md`` and ``far_rho.png``.
 
-Reproduce (about 5 minutes on 2 cores; the committed results used 1000 runs)::
+Reproduce (5-15 minutes on 2 shared cores; the committed results used 1000 runs)::
 
     .venv/bin/python bench/far_eval.py --runs 1000
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -255,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p_sup in fit_p:
         fits[p_sup] = rho_table(args.runs, p_sup, bar, variants=("paper",))
     bar.close()
+    load_before = os.getloadavg()[0]
     timings = timing(args.timing_runs)
+    load_after = os.getloadavg()[0]
     online_table = online(args.online_runs)
     elapsed = time.monotonic() - started
     plotted = plot(zero, args.out / "far_rho.png")
@@ -304,9 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rho_markdown(half),
             "## Planning time (MixedScaling, WideTimes)",
             "",
-            f"{args.timing_runs} batches each (p_sup = 0), one core of this 2-core machine, "
-            "shared with other work while measured. The paper reports 12.32 ms for 100 tasks (C++, "
-            "Ryzen 5 4600H); the brief's budget is 50 ms.",
+            f"{args.timing_runs} batches each (p_sup = 0), one core of this "
+            f"{os.cpu_count()}-core machine, shared with other work while measured (load "
+            f"average {load_before:.1f} before, {load_after:.1f} after). The paper reports "
+            "12.32 ms for 100 tasks (C++, Ryzen 5 4600H); the brief's budget is 50 ms.",
             "",
             timings,
             "## migd's online scheduler on FAR's batches",
@@ -318,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "/ area bound, like rho.",
             "",
             online_table,
-            "![rho vs n](far_rho.png)" if plotted else "(matplotlib not installed: no plot)",
+            "![rho vs n, p_sup = 0 (Table 4's setting)](far_rho.png)"
+            if plotted
+            else "(matplotlib not installed: no plot)",
             "",
         ]
     )

@@ -5,7 +5,7 @@ Rodinia mixes (Hm1-4, Ht1-3) and LLM jobs, a seed 001-shaped online mix on a sma
 pool, and seed 004's HTCondor benchmark, over several workload seeds, and writes
 ``bench/results/sim_compare.md`` plus PNGs next to it.
 
-Reproduce (about 2 minutes on 2 cores)::
+Reproduce (2-7 minutes on 2 shared cores)::
 
     .venv/bin/python bench/sim_compare.py --seeds 5
 
