@@ -468,6 +468,16 @@ class NodeScheduler:
             )
         return gpus
 
+    def check_ever_fits(self, lease: Lease) -> None:
+        """What :meth:`submit` checks first, without submitting (for matchers).
+
+        Raises:
+            RequestTooLarge: no partition on this node can ever hold the request.
+            InvalidRequest: the request names GPUs or a mode this node does not have.
+            UnknownProfile: it names a profile no GPU here has.
+        """
+        self._check_ever_fits(lease, self._candidate_gpus(lease.request))
+
     def _check_ever_fits(self, lease: Lease, gpus: Sequence[ManagedGpu]) -> dict[str, Profile]:
         """The profile the request right-sizes to on each MIG model here.
 

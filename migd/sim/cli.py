@@ -22,14 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from migd.core.catalog import geometry, model_names
-from migd.errors import MigdError
+from migd.errors import InvalidRequest, MigdError
 from migd.sim.compare import DEFAULT_POLICIES, compare, count_runs
 from migd.sim.engine import SimConfig
 from migd.sim.far import lower_bound, plan_batch
 from migd.sim.jobs import SimJob
 from migd.sim.policies import POLICY_NAMES
 from migd.sim.progress import ProgressBar
-from migd.sim.report import fmt_duration, write_report
+from migd.sim.report import INCOMPLETE, fmt_duration, write_report
 from migd.sim.workloads import SCALING, TIMES, TRACE_COLUMNS, WORKLOADS, far_tasks, load_trace
 
 SUBCOMMANDS = ("compare", "far", "list")
@@ -79,8 +79,21 @@ def _parser() -> argparse.ArgumentParser:
     far.add_argument("--times", default="wide", choices=sorted(TIMES))
     far.add_argument("--runs", type=int, default=100, help="batches (default: 100)")
     far.add_argument("--model", default="A100-40GB")
+    far.add_argument("--gpus", type=int, default=1, help="GPUs of that model (default: 1)")
     far.add_argument("--seed", type=int, default=1)
-    far.add_argument("--variant", default="migd", choices=("migd", "paper"))
+    far.add_argument(
+        "--p-sup",
+        type=float,
+        default=0.0,
+        help="share of memory-bound (super-linear) tasks; 0 matches seed 003 Table 4, "
+        "Figure 11 uses 0.5 (default: %(default)s)",
+    )
+    far.add_argument(
+        "--variant",
+        default="migd",
+        choices=("migd", "paper"),
+        help="paper: FAR as published (Algorithms 1 and 2); migd: with migd's extensions",
+    )
     far.add_argument("--show", action="store_true", help="print the steps of the first batch")
     far.add_argument("-q", "--quiet", action="store_true")
 
@@ -107,17 +120,20 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.trace is not None:
         jobs = load_trace(args.trace)
         name, desc, assumptions = args.trace.name, f"trace {args.trace}", "as given in the trace"
-        model, gpus, nodes = "A100-40GB", 1, 1
+        model = geometry(args.model).model if args.model else "A100-40GB"
+        gpus, nodes = 1, 1
     else:
         spec = WORKLOADS.get(args.workload)
         if spec is None:
             raise MigdError(
                 f"unknown workload {args.workload!r}", hint="workloads: " + ", ".join(WORKLOADS)
             )
-        jobs = spec.build(args.seed)
+        model = geometry(args.model).model if args.model else spec.model
+        jobs = spec.build(args.seed, model)
         name, desc, assumptions = spec.name, spec.description, spec.assumptions
-        model, gpus, nodes = spec.model, spec.gpus, spec.nodes
-    model = geometry(args.model).model if args.model else model
+        gpus, nodes = spec.gpus, spec.nodes
+        if model != spec.model:
+            desc += f" (rebuilt for {model})"
     config = SimConfig(
         model=model,
         gpus=args.gpus or gpus,
@@ -145,18 +161,26 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         queue=args.queue,
         config=config,
         on_progress=lambda policy: bar.update(1, policy),
+        on_step=lambda policy, fraction: bar.partial(fraction, policy),
     )
     bar.close()
     command = "python -m migd.sim " + " ".join(shlex.quote(a) for a in argv)
     path = write_report(comparison, args.out, plots=not args.no_plots, command=command)
     print(f"{name}: {len(jobs)} jobs, {total} runs in {time.monotonic() - started:.1f}s")
+    print(f"  throughput ratios are vs {comparison.baseline}")
     for row in comparison.rows:
         m = row.metrics
         ratio = comparison.ratio(row.label)
+        mark = "  " if m.complete else f" {INCOMPLETE}"
         print(
             f"  {row.label:22s} done {m.completed:4d}/{m.jobs:<4d} "
-            f"throughput {m.throughput_per_h:8.1f}/h ({ratio:4.2f}x)  "
+            f"throughput {m.throughput_per_h:8.1f}/h ({ratio:4.2f}x){mark} "
             f"makespan {fmt_duration(m.makespan_s):>8s}  util {100 * m.compute_util:3.0f} %"
+        )
+    if any(not r.metrics.complete for r in comparison.rows):
+        print(
+            f"  {INCOMPLETE} did not complete every job: its throughput counts only the jobs "
+            "it ran and is not comparable"
         )
     print(f"report: {path}")
     return 0
@@ -164,16 +188,29 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _cmd_far(args: argparse.Namespace) -> int:
     geo = geometry(args.model)
+    if not 1 <= args.gpus <= 8:
+        raise InvalidRequest(
+            f"--gpus must be 1-8, got {args.gpus}", hint="FAR plans one node of 1-8 GPUs"
+        )
+    if args.n < 1 or args.runs < 1:
+        raise InvalidRequest("--n and --runs must be at least 1")
+    if not 0.0 <= args.p_sup <= 1.0:
+        raise InvalidRequest(f"--p-sup must be in [0, 1], got {args.p_sup}")
     sizes = tuple(sorted({p.compute_slices for p in geo.profile_set("classic")}))
     rhos: list[float] = []
     times_ms: list[float] = []
     bar = ProgressBar(args.runs, "planning", enabled=False if args.quiet else None)
     for run in range(args.runs):
-        tasks = far_tasks(args.n, args.scaling, args.times, seed=args.seed + run, sizes=sizes)
+        tasks = far_tasks(
+            args.n, args.scaling, args.times, seed=args.seed + run, p_sup=args.p_sup, sizes=sizes
+        )
         started = time.perf_counter()
-        schedule = plan_batch([(t.name, t.times) for t in tasks], geo, variant=args.variant)
+        schedule = plan_batch(
+            [(t.name, t.times) for t in tasks], geo, gpus=args.gpus, variant=args.variant
+        )
         times_ms.append(1000 * (time.perf_counter() - started))
-        rhos.append(schedule.makespan_s / lower_bound([t.times for t in tasks], geo.compute_slices))
+        slices = geo.compute_slices * args.gpus
+        rhos.append(schedule.makespan_s / lower_bound([t.times for t in tasks], slices))
         if args.show and run == 0:
             for step in schedule.steps():
                 what = step.task or step.kind
@@ -184,8 +221,9 @@ def _cmd_far(args: argparse.Namespace) -> int:
         bar.update(1)
     bar.close()
     print(
-        f"FAR ({args.variant}) on {geo.model}, {args.scaling} scaling, {args.times} times, "
-        f"n={args.n}, {args.runs} batches: rho mean {statistics.mean(rhos):.3f} "
+        f"FAR ({args.variant}) on {args.gpus} x {geo.model}, {args.scaling} scaling, "
+        f"{args.times} times, p_sup={args.p_sup:g}, n={args.n}, {args.runs} batches: "
+        f"rho mean {statistics.mean(rhos):.3f} "
         f"(max {max(rhos):.3f}); planning {statistics.mean(times_ms):.1f} ms mean, "
         f"{max(times_ms):.1f} ms max"
     )

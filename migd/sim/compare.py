@@ -7,6 +7,7 @@ ranked by jobs completed, then throughput.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,12 @@ def _queues(spec: str) -> list[QueuePolicy]:
     raise InvalidRequest(f"unknown queue scheme {spec!r}", hint="size (A), fifo (B) or both")
 
 
+def _step(
+    on_step: Callable[[str, float], None], name: str, _now: float, ended: int, total: int
+) -> None:
+    on_step(name, ended / total if total else 1.0)
+
+
 def _static_rank(row: Row) -> tuple[int, float]:
     return (-row.metrics.completed, -row.metrics.throughput_per_h)
 
@@ -127,6 +134,7 @@ def compare(
     config: SimConfig | None = None,
     keep_results: Callable[[PolicySpec], bool] | None = None,
     on_progress: Callable[[str], None] | None = None,
+    on_step: Callable[[str, float], None] | None = None,
 ) -> Comparison:
     """Simulate every policy on ``jobs``.
 
@@ -139,6 +147,8 @@ def compare(
         keep_results: which runs keep their raw result (timelines for plots); default
             the non-static ones.
         on_progress: called with the policy name after each run.
+        on_step: called now and then *during* a run with the policy name and the
+            fraction of its jobs that have ended (a progress bar for long runs).
 
     Raises:
         InvalidRequest: unknown policy or queue scheme.
@@ -149,7 +159,10 @@ def compare(
     comparison = Comparison(workload, description, assumptions, config, len(jobs))
     static_rows: dict[str, list[Row]] = {}
     for spec in specs:
-        result = simulate(jobs, spec, config)
+        step = None
+        if on_step is not None:
+            step = functools.partial(_step, on_step, spec.name)
+        result = simulate(jobs, spec, config, progress=step)
         row = Row(
             spec.name, spec.description, compute_metrics(result), result if keep(spec) else None
         )
@@ -185,6 +198,8 @@ def compare(
         order.setdefault(name, len(order))
     comparison.rows.sort(key=lambda r: (order.get(r.label.split(" ")[0], 99), r.label))
     labels = [r.label for r in comparison.rows]
+    # exclusive whole GPUs (HTCondor's default) when it ran; otherwise the first row,
+    # and the tables say which (``vs <baseline>``)
     comparison.baseline = next(
         (x for x in ("exclusive (B)", "exclusive (A)") if x in labels), labels[0] if labels else ""
     )

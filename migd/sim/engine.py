@@ -21,7 +21,8 @@ A job whose memory grows past its limit dies in that iteration and is
 resubmitted with :func:`migd.core.restart.restart_size`, the wrapper's own rule; with
 the forecast on,
 :class:`migd.core.forecast.Forecaster` is fed one sample per iteration and the
-job restarts as soon as it fires.
+job restarts as soon as it fires. The forecast's horizon is what the wrapper would
+pass: the job's declared ``MigdHorizon`` (:attr:`SimJob.horizon`), or none.
 
 Nothing here decides placement, queue order or MPS admission: the scheduler
 does. The matcher only ranks nodes by what they advertise (largest profile the
@@ -49,7 +50,6 @@ from migd.core.planner import (
     Op,
     PartitionRequest,
     plan_on_node,
-    profile_for,
 )
 from migd.core.queueing import QueuedRequest, RequestQueue
 from migd.core.restart import restart_size
@@ -221,6 +221,17 @@ class SimResult:
     notes: list[str] = field(default_factory=list)
 
 
+def index_order(geo: Geometry) -> Geometry:
+    """``geo`` with every profile's default placement order sorted by start.
+
+    Seed 001's first-fit baseline assigns instances "sequentially" (the lowest free
+    start first) instead of the driver's observed order (A100 1g: 6, 4, 5, 0, ...).
+    """
+    profiles = tuple(replace(p, default_order=tuple(sorted(p.default_order))) for p in geo.profiles)
+    # the lookup tables are rebuilt from the new profiles, never shared with ``geo``
+    return replace(geo, profiles=profiles, _by_id={}, _by_name={})
+
+
 class _Node:
     def __init__(self, index: int, scheduler: NodeScheduler) -> None:
         self.index = index
@@ -252,6 +263,8 @@ class Simulation:
         self.config = config or SimConfig()
         self.policy = policy
         self.geo = geometry(self.config.model)
+        if policy.start_order == "index":
+            self.geo = index_order(self.geo)
         self.space: StateSpace = state_space(self.geo, self.config.profiles)
         self.costs = CostModel.for_model(self.geo.model)
         self.power = self.config.power or PowerModel.for_model(
@@ -284,13 +297,14 @@ class Simulation:
         self.matcher: RequestQueue[Attempt] | None = None
         if self.config.nodes > 1 or policy.static_layout is not None:
             sched = policy.scheduler
+            # The policy's own queue scheme, static layouts included, so "(B)" is FIFO
+            # for every policy. (HTCondor's negotiator skips jobs that match no slot,
+            # i.e. backfills: scheme A is the closer model of a static pool.)
             self.matcher = RequestQueue(
                 policy=sched.queue,
                 aging_s=sched.aging_s,
                 starvation_s=sched.starvation_s,
-                # HTCondor's negotiator skips jobs that do not match (backfill); for
-                # dynamic pools the policy's own scheme applies.
-                backfill=True if policy.static_layout is not None else sched.backfill,
+                backfill=sched.backfill,
             )
         for key in ((n.index, g) for n in self.nodes for g in n.scheduler.gpus):
             self.timelines[key] = [(0.0, 0.0, 0.0, 0.0, 0.0)]
@@ -366,7 +380,10 @@ class Simulation:
         """Start jobs whose leases became active; negotiate until nothing changes."""
         for _ in range(1000):
             while self._dirty:
-                self._activate(self.nodes[self._dirty.pop()])
+                node = self.nodes[self._dirty.pop()]
+                self._activate(node)
+                # the daemon drops ended leases once persisted and answered
+                node.scheduler.forget_terminal()
             if not (self._negotiate and self.matcher is not None and len(self.matcher)):
                 self._negotiate = False
                 return
@@ -435,21 +452,19 @@ class Simulation:
             self._push(self.now + attempt.wait_s, "deadline", None)
 
     def _ever_fits(self, node: _Node, attempt: Attempt) -> bool:
-        """What the node's machine ad says about the job, ignoring what is in use now."""
-        request = PartitionRequest(attempt.memory_mib, attempt.min_compute)
-        reserve = self.policy.scheduler.mps_reserve_mib
-        for gpu in node.scheduler.gpus.values():
-            if gpu.mode is GpuMode.MIG and gpu.space is not None:
-                if self.policy.static_layout is not None:
-                    if any(self._holds(i.profile, attempt) for i in gpu.instances):
-                        return True
-                elif profile_for(gpu.space, request) is not None:
-                    return True
-            elif (
-                gpu.mode is GpuMode.MPS and attempt.memory_mib <= gpu.memory_total_mib - reserve
-            ) or (gpu.mode is GpuMode.EXCLUSIVE and attempt.memory_mib <= gpu.memory_total_mib):
-                return True
-        return False
+        """What the node's machine ad says about the job, ignoring what is in use now.
+
+        The node's own check (:meth:`NodeScheduler.check_ever_fits`, as ``submit``
+        does it); a static node advertises only its instances, as HTCondor slots.
+        """
+        try:
+            node.scheduler.check_ever_fits(self._lease(attempt, None))
+        except (RequestTooLarge, InvalidRequest):
+            return False
+        if self.policy.static_layout is None:
+            return True
+        gpus = node.scheduler.gpus.values()
+        return any(self._holds(i.profile, attempt) for g in gpus for i in g.instances)
 
     @staticmethod
     def _holds(profile: Profile, attempt: Attempt) -> bool:
@@ -496,11 +511,10 @@ class Simulation:
     def _try_place(self, attempt: Attempt) -> bool:
         if self.policy.static_layout is not None:
             return self._try_place_static(attempt)
-        ranked = sorted(
-            (n for n in self.nodes if self._advertised_mib(n) >= attempt.memory_mib),
-            key=lambda n: (self._advertised_mib(n), n.index),
-        )
-        return any(self._submit_now(node, attempt, None) for node in ranked)
+        fits = [n for n in self.nodes if self._advertised_mib(n) >= attempt.memory_mib]
+        if self.policy.node_order == "best-fit":
+            fits.sort(key=lambda n: (self._advertised_mib(n), n.index))
+        return any(self._submit_now(node, attempt, None) for node in fits)
 
     def _try_place_static(self, attempt: Attempt) -> bool:
         idle: list[tuple[int, int, int, int, Profile]] = []
@@ -539,6 +553,7 @@ class Simulation:
     def _on_deadline(self, _: None) -> None:
         for node in self.nodes:
             for lease in node.scheduler.expire(self.now, self.now):
+                self._dirty.add(node.index)
                 attempt = node.pending.pop(lease.lease_id, None)
                 if attempt is not None:
                     self._refuse(attempt, "no partition before its deadline")
@@ -607,6 +622,8 @@ class Simulation:
                 )
                 self._open_instances[key] = (op.profile.name, op.profile.memory_slices, at)
         node.scheduler.work_done(work, created, self.now)
+        # as the daemon does after every finished work item: the queue may move now
+        self._execute(node, node.scheduler.schedule(self.now, self.now))
         self._dirty.add(node_index)
         self._sample(node_index, work.gpu)
 
@@ -615,9 +632,8 @@ class Simulation:
     def _activate(self, node: _Node) -> None:
         for lease_id, attempt in list(node.pending.items()):
             lease = node.scheduler.leases.get(lease_id)
-            if lease is None:
-                del node.pending[lease_id]
-                continue
+            # ended leases are forgotten only after this pass has seen them
+            assert lease is not None, f"{lease_id}: lease vanished before it was seen"
             if lease.state is LeaseState.ACTIVE:
                 del node.pending[lease_id]
                 self._start(node, attempt, lease)
@@ -691,7 +707,9 @@ class Simulation:
         )
         if self.policy.forecast:
             forecaster = Forecaster(self.policy.forecast_policy)
-            horizon = growth.iterations - 1
+            # what the wrapper passes: the job's declared MigdHorizon, or none (then the
+            # forecaster looks as far ahead as it has observed)
+            horizon = job.horizon
             until = oom if oom is not None else growth.iterations
             for i in range(until):
                 forecaster.observe(MemorySample(i, used_mib=growth.series[i]))
@@ -857,9 +875,12 @@ class Simulation:
 
         Raises:
             AssertionError: a GPU holds more than it has, a layout is not a valid state,
-                a running job has no instance, or an exclusive GPU runs two jobs.
+                a running job has no instance, an exclusive GPU runs two jobs, or a node
+                keeps an ended lease (the daemon drops them).
         """
         for node in self.nodes:
+            ended = [k for k, v in node.scheduler.leases.items() if v.state.terminal]
+            assert not ended, f"node {node.index} keeps ended leases {ended}"
             for gpu in node.scheduler.gpus.values():
                 runs = [
                     (lid, r)

@@ -13,9 +13,12 @@ minimise the makespan. Three phases, as in the paper:
    no tasks of its size left is destroyed and its children take over. On
    A100/H100 the first-4-slice instance first serves 3-slice tasks (its 3g child
    at the same start) before it splits into 2+2. The best allocation wins.
-3. **Refinement** (§3.3, Algorithm 2): a task of the instance that ends last is
-   moved to (or swapped with a shorter task of) the same-size instance whose
-   slices free up first, while that shortens the makespan.
+3. **Refinement** (§3.3, Algorithm 2): starting from the leaves whose slices reach
+   the makespan, a task of an instance is moved to (or swapped with a shorter task
+   of) the same-size instance whose slices free up first; where neither is possible
+   the instance's parent is tried, and reaching the root stops
+   (:func:`_refine_paper`). migd's variant (:func:`_refine`) instead times every
+   candidate exactly and also moves tasks across sizes.
 
 Reconfigurations are serialised per GPU (the driver does it, seed 003 §2.1) and
 take seed 003 Table 1 times (:class:`CostModel`); they are included in every
@@ -29,6 +32,8 @@ replayed in time order they are a valid sequence of states of
 
 from __future__ import annotations
 
+import bisect
+import collections
 import heapq
 import itertools
 from collections.abc import Mapping, Sequence
@@ -421,6 +426,126 @@ def _phase2_paths(
 # -- phase 3 ------------------------------------------------------------------------------------
 
 
+def _closest_below(values: Sequence[tuple[float, int]], limit: float) -> int | None:
+    """Index of the value ``< limit`` closest to ``limit / 2`` (``values`` sorted)."""
+    hi = bisect.bisect_left(values, (limit, -1))  # values[:hi] are < limit
+    if hi == 0:
+        return None
+    target = limit / 2
+    j = bisect.bisect_left(values, (target, -1), 0, hi)
+    options = [k for k in (j - 1, j) if 0 <= k < hi]
+    return min(options, key=lambda k: (abs(values[k][0] - target), k))
+
+
+def _refine_paper(
+    tree: RepartitionTree,
+    assignment: list[list[int]],
+    times: Sequence[Mapping[int, float]],
+    costs: CostModel,
+    max_iterations: int,
+) -> tuple[float, list[NodeTimes], int, int]:
+    """Algorithm 2 of seed 003 as published.
+
+    Per iteration: the tree's leaves whose slices reach the makespan ``w`` go into a
+    FIFO queue. For each instance ``I`` popped, the other instance ``I^a`` of the same
+    size whose slices end first is the alternative; a task of ``I`` shorter than
+    ``w - end(I^a)`` and closest to half of it moves there (line 12); failing that, a
+    pair ``T_k`` of ``I``, ``T_j`` of ``I^a`` with ``0 < t_k - t_j < w - end(I^a)``,
+    difference closest to half of it, is swapped (line 20); failing that too, the
+    parent of ``I`` is queued unless it was already (lines 23-24). Popping the root
+    stops the algorithm. Slice end times are updated by the moved time only (the
+    paper: "for each iteration the algorithm only recomputes the new makespan"); the
+    exact times, reconfigurations included, are computed once at the end (line 26), and
+    that is the makespan returned, whether or not the moves shortened it.
+    """
+    nodes = tree.nodes
+    makespan, nt = timeline(tree, assignment, times, costs)
+    unit_count = max(n.units.bit_length() for n in nodes)
+    units = [[u for u in range(unit_count) if n.units >> u & 1] for n in nodes]
+    # slice (gpu, unit) -> when its last task ends
+    slice_end: dict[tuple[int, int], float] = {}
+    for node, x in zip(nodes, nt, strict=True):
+        for u in units[node.index]:
+            key = (node.gpu, u)
+            slice_end[key] = max(slice_end.get(key, 0.0), x.end_s)
+    same_size: dict[int, list[int]] = {}
+    for node in nodes:
+        same_size.setdefault(node.size, []).append(node.index)
+    leaves = [n.index for n in nodes if not n.children]
+
+    def end(i: int) -> float:
+        return max(slice_end[(nodes[i].gpu, u)] for u in units[i])
+
+    def shift(i: int, dt: float) -> None:
+        for u in units[i]:
+            slice_end[(nodes[i].gpu, u)] += dt
+
+    def sorted_tasks(i: int) -> list[tuple[float, int]]:
+        size = nodes[i].size
+        return sorted((times[t][size], t) for t in assignment[i])
+
+    w = max(slice_end.values(), default=0.0)
+    moves = swaps = 0
+    stop = False
+    for _ in range(max_iterations):
+        if stop:
+            break
+        queue = collections.deque(i for i in leaves if end(i) >= w - 1e-9)
+        queued = set(queue)
+        while queue:
+            i = queue.popleft()
+            node = nodes[i]
+            if node.parent is None:
+                stop = True
+                break
+            size = node.size
+            alternatives = [a for a in same_size[size] if a != i]
+            done = False
+            if alternatives and assignment[i]:
+                a = min(alternatives, key=lambda k: (end(k), k))
+                margin = w - end(a)
+                mine = sorted_tasks(i)
+                pick = _closest_below(mine, margin)
+                if pick is not None:
+                    t_time, task = mine[pick]
+                    assignment[i].remove(task)
+                    assignment[a].append(task)
+                    shift(i, -t_time)
+                    shift(a, t_time)
+                    moves += 1
+                    done = True
+                else:
+                    target = margin / 2
+                    best: tuple[float, int, int, float] | None = None
+                    theirs = sorted_tasks(a)
+                    for tk_time, tk in mine:
+                        for tj_time, tj in theirs:
+                            diff = tk_time - tj_time
+                            if 0 < diff < margin:
+                                cand = (abs(diff - target), tk, tj, diff)
+                                if best is None or cand < best:
+                                    best = cand
+                    if best is not None:
+                        _, tk, tj, diff = best
+                        assignment[i].remove(tk)
+                        assignment[a].remove(tj)
+                        assignment[i].append(tj)
+                        assignment[a].append(tk)
+                        shift(i, -diff)
+                        shift(a, diff)
+                        swaps += 1
+                        done = True
+            if not done and node.parent not in queued:
+                queue.append(node.parent)
+                queued.add(node.parent)
+        w = max(slice_end.values(), default=0.0)
+    for i, tasks in enumerate(assignment):
+        size = nodes[i].size
+        tasks.sort(key=lambda t, s=size: -times[t][s])  # type: ignore[misc]
+    makespan, nt = timeline(tree, assignment, times, costs)
+    return makespan, nt, moves, swaps
+
+
 def _refine(
     tree: RepartitionTree,
     assignment: list[list[int]],
@@ -428,10 +553,16 @@ def _refine(
     costs: CostModel,
     max_iterations: int,
     max_candidates: int = 24,
-    *,
-    extended: bool = True,
 ) -> tuple[float, list[NodeTimes], int, int]:
-    """Algorithm 2: move or swap a task of the last-ending instance while it helps."""
+    """migd's refinement: moves and swaps judged on exact times, kept only if they help.
+
+    Like Algorithm 2 it moves or swaps a task of an instance that ends last onto the
+    same-size instance with room; it also moves a critical task to an instance of
+    another size (it is moldable, its time there is known) and moves tasks off the
+    critical instance's ancestors (which delay its creation; Algorithm 2 reaches them
+    by queueing parents). Each candidate is timed exactly (:func:`timeline`) and the
+    first that shortens the makespan is kept.
+    """
     nodes = tree.nodes
     overlapping = [
         [j.index for j in nodes if j.gpu == node.gpu and j.units & node.units] for node in nodes
@@ -453,7 +584,7 @@ def _refine(
         for i in critical:
             size = nodes[i].size
             for a in range(len(nodes)):
-                if a in related[i] or (not extended and nodes[a].size != size):
+                if a in related[i]:
                     continue
                 other = nodes[a].size
                 margin = makespan - slice_end[a]
@@ -465,7 +596,7 @@ def _refine(
                         score = abs(t - margin / 2) if other == size else t - margin
                         candidates.append((score, "move", task, i, a, -1))
                 # tasks of an ancestor delay the critical instance's creation
-                for anc in ancestors[i] if extended else ():
+                for anc in ancestors[i]:
                     if a in related[anc]:
                         continue
                     for task in assignment[anc]:
@@ -533,11 +664,12 @@ def plan_batch(
         refine_candidates: how many of the best phase-2 allocations phase 3 refines
             (default: 1 for the paper variant, as FAR does; 8 for migd's, 1 above 40 tasks).
         max_refine_iterations: stop refining after this many improvements.
-        variant: ``paper``: Algorithm 1 and the paper's same-size moves and swaps only;
-            ``migd`` (default) adds :func:`_phase2_paths` as a second phase-2 candidate
-            per allocation, and lets refinement move a critical task to an instance of
-            another size or move a task off an ancestor of the critical instance; the
-            paper variant's schedule is kept when it happens to be shorter.
+        variant: ``paper``: FAR as published, Algorithm 1 then Algorithm 2
+            (:func:`_refine_paper`) on the best allocation; ``migd`` (default) adds
+            :func:`_phase2_paths` as a second phase-2 candidate per allocation and
+            refines the best few with :func:`_refine` (exactly timed moves and swaps,
+            across sizes and off the critical instance's ancestors); the paper
+            variant's schedule is kept when it happens to be shorter.
 
     Raises:
         InvalidRequest: no tasks, or a task lacks a time for some size.
@@ -599,15 +731,13 @@ def plan_batch(
     chosen: tuple[float, tuple[int, ...], list[list[int]], list[NodeTimes], int, int] | None = None
     for makespan2, _, alloc, assignment in results[: max(1, refine_candidates if refine else 1)]:
         work = [list(x) for x in assignment]
-        if refine:
+        if refine and variant == "paper":
+            makespan, nt, moves, swaps = _refine_paper(
+                tree, work, times, costs, max_refine_iterations
+            )
+        elif refine:
             makespan, nt, moves, swaps = _refine(
-                tree,
-                work,
-                times,
-                costs,
-                max_refine_iterations,
-                move_candidates,
-                extended=variant == "migd",
+                tree, work, times, costs, max_refine_iterations, move_candidates
             )
         else:
             makespan, nt = timeline(tree, work, times, costs)

@@ -108,6 +108,10 @@ class SimJob:
         wait_s: how long it may wait for a partition; ``None`` forever, 0 not at all
             (refused at once when nothing fits: seed 001's acceptance semantics).
         kind: a label for reports (``small``, ``qwen2``, ...).
+        horizon: the horizon the job declares for the memory forecast (HTCondor
+            ``MigdHorizon``: its total iterations), as the wrapper passes it; ``None``
+            (the default, as for a job that sets nothing) lets the forecaster look
+            only as far ahead as it has observed.
     """
 
     job_id: str
@@ -121,6 +125,7 @@ class SimJob:
     uid: int = 1000
     wait_s: float | None = None
     kind: str = ""
+    horizon: float | None = None
 
     def __post_init__(self) -> None:
         if self.memory_mib <= 0:
@@ -143,6 +148,11 @@ class SimJob:
             )
         if self.wait_s is not None and self.wait_s < 0:
             raise InvalidRequest(f"{self.job_id}: wait_s must not be negative")
+        if self.horizon is not None and not (self.horizon > 0 and math.isfinite(self.horizon)):
+            raise InvalidRequest(
+                f"{self.job_id}: horizon must be a positive number of iterations",
+                hint="leave it empty when the job declares no MigdHorizon",
+            )
 
 
 def demand_of(job: SimJob, compute_slices: int) -> float:

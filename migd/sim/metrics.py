@@ -3,7 +3,9 @@
 Definitions (the report repeats them):
 
 * **makespan**: first submission to last completion.
-* **throughput**: completed jobs per hour of makespan.
+* **throughput**: completed jobs per hour of makespan. A run that did not complete
+  every job (refused, failed or unfinished ones) is *incomplete* (:attr:`Metrics.complete`);
+  its throughput counts only what ran, so reports mark it (†) rather than rank it.
 * **turnaround**: completion minus submission (completed jobs; p50/p95).
 * **acceptance**: jobs that ever ran / jobs submitted; **time to first
   placement**: first start minus submission (includes MIG creation time).
@@ -73,8 +75,15 @@ class Metrics:
     energy_per_job_kj: float
     events: int
 
+    @property
+    def complete(self) -> bool:
+        """Every job completed. Throughput only counts completed jobs over *their*
+        makespan, so a run that refused or lost jobs can look faster than one that ran
+        them all; tables mark such runs with a dagger."""
+        return self.completed == self.jobs
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "complete": self.complete}
 
 
 def _integrate(

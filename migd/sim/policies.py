@@ -37,6 +37,12 @@ class PolicySpec:
             the point forecast of the peak (seed 002: "the slice that meets the memory
             requirement"), ``upper`` the one that holds its upper band
             (``Verdict.needed_mib``, which early in a run is far larger).
+        start_order: ``driver``: placement rules that fall back on the driver's order
+            see its observed default order; ``index``: the lowest free start first (seed
+            001's "sequential" first-fit).
+        node_order: how the pool's matcher offers a job to nodes: ``best-fit`` (the
+            node advertising the least room that suffices) or ``first-fit`` (node index
+            order, as seed 001's first-fit scans hosts).
         description: one line for the report.
     """
 
@@ -47,6 +53,8 @@ class PolicySpec:
     forecast: bool = False
     forecast_policy: ForecastPolicy = field(default_factory=ForecastPolicy)
     forecast_sizing: Literal["point", "upper"] = "point"
+    start_order: Literal["driver", "index"] = "driver"
+    node_order: Literal["best-fit", "first-fit"] = "best-fit"
     description: str = ""
 
     def with_queue(self, queue: QueuePolicy) -> PolicySpec:
@@ -69,6 +77,7 @@ POLICY_NAMES = (
     "static",
     "mps",
     "first-fit",
+    "first-fit-seq",
     "mcc",
     "migd",
     "migd+demand",
@@ -101,6 +110,13 @@ def named_policy(name: str, queue: QueuePolicy = QueuePolicy.SIZE) -> PolicySpec
             "first-fit",
             scheduler=_sched(queue, placement=PlacementRule.DRIVER, gpu_choice=GpuChoice.FIRST_FIT),
             description="dynamic MIG, driver's default start, lowest GPU first",
+        ),
+        "first-fit-seq": PolicySpec(
+            "first-fit-seq",
+            scheduler=_sched(queue, placement=PlacementRule.DRIVER, gpu_choice=GpuChoice.FIRST_FIT),
+            start_order="index",
+            node_order="first-fit",
+            description="seed 001's FF: hosts, GPUs and starts in index order (dynamic MIG)",
         ),
         "mcc": PolicySpec(
             "mcc",

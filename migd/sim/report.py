@@ -43,10 +43,20 @@ def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:.0f} %"
 
 
+INCOMPLETE = "†"
+
+
+def ratio_cell(comparison: Comparison, row: Row, attr: str = "throughput_per_h") -> str:
+    """``1.49x``, with a dagger when the row did not complete every job."""
+    cell = _ratio(comparison.ratio(row.label, attr))
+    return cell if row.metrics.complete else f"{cell} {INCOMPLETE}"
+
+
 def comparison_table(comparison: Comparison) -> str:
-    """The full policy table of one workload, Markdown."""
+    """The full policy table of one workload, Markdown (incomplete runs marked †)."""
     head = (
-        "| Policy | Done | Throughput (jobs/h) | vs exclusive | Makespan | Turnaround p50 / p95 "
+        f"| Policy | Done | Throughput (jobs/h) | vs {comparison.baseline} | Makespan "
+        "| Turnaround p50 / p95 "
         "| Accepted | First placement mean / p95 | Compute util | Allocated | Wasted slices "
         "| Creates / destroys (s) | OOM kills + early restarts (GPU-s lost) | Energy/job (kJ) |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
@@ -56,7 +66,7 @@ def comparison_table(comparison: Comparison) -> str:
         m = row.metrics
         lines.append(
             f"| {row.label} | {m.completed}/{m.jobs} | {_num(m.throughput_per_h, 1)} "
-            f"| {_ratio(comparison.ratio(row.label))} | {fmt_duration(m.makespan_s)} "
+            f"| {ratio_cell(comparison, row)} | {fmt_duration(m.makespan_s)} "
             f"| {fmt_duration(m.turnaround_p50_s)} / {fmt_duration(m.turnaround_p95_s)} "
             f"| {_pct(m.acceptance)} "
             f"| {fmt_duration(m.first_placement_mean_s)} / {fmt_duration(m.first_placement_p95_s)} "
@@ -65,14 +75,22 @@ def comparison_table(comparison: Comparison) -> str:
             f"| {m.oom_kills} + {m.forecast_kills} ({m.oom_lost_gpu_s:.0f}) "
             f"| {_num(m.energy_per_job_kj, 1)} |"
         )
-    return head + "\n".join(lines) + "\n"
+    text = head + "\n".join(lines) + "\n"
+    if any(not r.metrics.complete for r in comparison.rows):
+        text += (
+            f"\n{INCOMPLETE} the policy did not complete every job (refused, failed or "
+            "unfinished ones): its throughput counts only the jobs it ran, over their "
+            "makespan, and is not comparable with a run that completed them all.\n"
+        )
+    return text
 
 
 DEFINITIONS = """\
 **Definitions.** *Throughput*: completed jobs per hour of makespan (first submission
-to last completion); *vs exclusive*: divided by the exclusive whole-GPU policy
-(HTCondor's default). *Turnaround*: completion - submission. *Accepted*: jobs that ever
-started. *First placement*: first start - submission (includes MIG instance creation).
+to last completion); *vs ...*: divided by the baseline's, the exclusive whole-GPU
+policy (HTCondor's default) when it ran, else the first policy of the table.
+*Turnaround*: completion - submission. *Accepted*: jobs that ever started. *First
+placement*: first start - submission (includes MIG instance creation).
 *Compute util*: time-weighted busy compute slices / all slices, where a job keeps
 `C x min(share, demand)` slices busy. *Allocated*: slices of the partitions jobs hold
 (a whole GPU for exclusive). *Wasted slices*: compute + memory slices of the committed
@@ -195,7 +213,7 @@ def plot_slice_map(
 def plot_comparison(
     comparisons: Sequence[Comparison], labels: Sequence[str], path: Path, title: str = ""
 ) -> bool:
-    """Throughput relative to exclusive, one group of bars per workload."""
+    """Throughput relative to each comparison's baseline, one group of bars per workload."""
     plt = pyplot()
     if plt is None:
         return False
@@ -210,7 +228,8 @@ def plot_comparison(
     ax.axhline(1.0, color="0.3", linewidth=0.8)
     ax.set_xticks(range(len(comparisons)))
     ax.set_xticklabels([c.workload for c in comparisons])
-    ax.set_ylabel("throughput vs exclusive")
+    bases = sorted({c.baseline.split(" (")[0] for c in comparisons if c.baseline})
+    ax.set_ylabel(f"throughput vs {' / '.join(bases) or 'baseline'}")
     ax.set_title(title or "policy comparison", fontsize=10, pad=22)
     ax.legend(
         fontsize=7, ncol=len(labels), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False
@@ -222,7 +241,7 @@ def plot_comparison(
 
 
 def plot_policy_bars(comparison: Comparison, path: Path, title: str = "") -> bool:
-    """One workload: throughput and energy per job of every policy, relative to exclusive."""
+    """One workload: throughput and energy per job of every policy, relative to the baseline."""
     plt = pyplot()
     if plt is None:
         return False
@@ -237,7 +256,7 @@ def plot_policy_bars(comparison: Comparison, path: Path, title: str = "") -> boo
         colours = ["tab:green" if n.startswith("migd") else "tab:gray" for n in names]
         ax.barh(ys, clean, color=colours)
         ax.axvline(1.0, color="0.3", linewidth=0.8)
-        ax.set_xlabel(f"{what} vs exclusive")
+        ax.set_xlabel(f"{what} vs {comparison.baseline}")
         for y, v, row in zip(ys, clean, rows, strict=True):
             note = (
                 ""
@@ -248,7 +267,7 @@ def plot_policy_bars(comparison: Comparison, path: Path, title: str = "") -> boo
     axes[0].set_yticks(ys)
     axes[0].set_yticklabels(names, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(title or f"{comparison.workload}: policies vs exclusive", fontsize=10)
+    fig.suptitle(title or f"{comparison.workload}: policies vs {comparison.baseline}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import io
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from migd.sim import cli, report
+from migd.sim.progress import ProgressBar
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -144,3 +149,113 @@ def test_list_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "ht3" in out and "migd+forecast" in out and "memory_mib" in out
+
+
+@pytest.mark.parametrize("model", ["A30-24GB", "H100-80GB"])
+def test_model_rebuilds_the_workload_for_that_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    # ht3's "full" jobs ask for most of the GPU the workload is built for: on an A30 they
+    # must fit (built for A100 they would all be refused), on an H100 they ask for more
+    # than an A100 has
+    argv = ["--workload", "ht3", "--model", model, "--policies", "migd", "--queue", "size"]
+    assert cli.main([*argv, "--out", str(tmp_path), "-q", "--no-plots", "--check"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert f"(rebuilt for {model})" in text and f"x 1 {model}," in text
+    assert "| migd (A) | 36/36 |" in text
+    from migd.core.catalog import geometry
+    from migd.sim.workloads import WORKLOADS
+
+    memory = geometry(model).memory_mib
+    full = [j.memory_mib for j in WORKLOADS["ht3"].build(1, model) if j.kind == "full"]
+    assert memory // 2 < max(full) <= memory
+
+
+def test_incomplete_runs_are_marked_and_the_baseline_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # no exclusive run: ratios are against the first row, and the table says so; the
+    # static median layout cannot run ht3's full jobs, so its throughput gets a dagger
+    argv = ["--workload", "ht3", "--policies", "static,migd", "--queue", "fifo"]
+    assert cli.main([*argv, "--out", str(tmp_path), "-q", "--no-plots"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| vs static-best (B) |" in text and "vs exclusive" not in text
+    median = next(line for line in text.splitlines() if line.startswith("| static-median (B)"))
+    assert "/36 |" in median and "x †" in median
+    migd = next(line for line in text.splitlines() if line.startswith("| migd (B)"))
+    assert "36/36" in migd and "†" not in migd
+    assert "† the policy did not complete every job" in text
+    out = capsys.readouterr().out
+    assert "ratios are vs static-best (B)" in out
+    printed = next(line for line in out.splitlines() if "static-median (B)" in line)
+    assert "†" in printed
+    assert "†" not in next(line for line in out.splitlines() if "migd (B)" in line)
+
+
+def test_progress_moves_within_one_long_simulation(tmp_path: Path) -> None:
+    from migd.sim.compare import compare
+    from migd.sim.workloads import kit_mix
+
+    fractions: list[float] = []
+    compare(
+        kit_mix(60),
+        policies=["exclusive"],
+        queue="fifo",
+        on_step=lambda policy, fraction: fractions.append(fraction),
+    )
+    assert len(fractions) >= 10
+    assert fractions == sorted(fractions) and 0 < fractions[0] < fractions[-1] <= 1.0
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_partial_steps_on_a_terminal_only() -> None:
+    tty = _Tty()
+    bar = ProgressBar(4, "sim", stream=tty)
+    bar.partial(0.5, "migd (A)")
+    assert "0.5/4" in tty.getvalue() and "migd (A)" in tty.getvalue()
+    log = io.StringIO()
+    bar = ProgressBar(4, "sim", stream=log)  # not a terminal: silent unless enabled
+    bar.partial(0.5)
+    bar.update(1)
+    assert log.getvalue() == ""
+    quiet = ProgressBar(4, "sim", stream=_Tty(), enabled=False)
+    quiet.partial(0.5)
+    quiet.update(1)
+    assert quiet.stream.getvalue() == ""  # type: ignore[attr-defined]
+
+
+def test_no_progress_output_when_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--workload", "hm4", "--policies", "migd", "--queue", "size", "--no-plots"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_list_into_a_closed_pipe_ends_quietly() -> None:
+    # `python -m migd.sim list | head -1` must not end with a BrokenPipeError traceback
+    proc = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m migd.sim list | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.stdout == "Workloads:\n"
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_far_plans_several_gpus_and_other_p_sup(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["far", "--n", "20", "--runs", "2", "--gpus", "2", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 x A100-40GB" in out and "p_sup=0," in out
+    rho = float(out.split("rho mean ")[1].split()[0])
+    assert rho >= 1.0  # against the bound of both GPUs' slices
+    assert cli.main(["far", "--n", "12", "--runs", "2", "--p-sup", "0.5", "-q"]) == 0
+    assert "p_sup=0.5," in capsys.readouterr().out
+    assert cli.main(["far", "--gpus", "9", "-q"]) == 2
+    assert "--gpus must be 1-8" in capsys.readouterr().err

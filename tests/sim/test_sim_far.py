@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from migd.core.catalog import geometry
 from migd.core.costs import CostModel
-from migd.sim.far import RepartitionTree, lower_bound, plan_batch, validate_steps
+from migd.sim.far import RepartitionTree, _refine_paper, lower_bound, plan_batch, validate_steps
 from migd.sim.workloads import far_tasks
 
 A100 = geometry("A100-40GB")
@@ -124,6 +124,70 @@ def test_schedules_are_valid_state_sequences_above_the_bound(
     assert schedule.makespan_s == pytest.approx(max(s.end_s for s in runs))
     bound = lower_bound([t for _, t in tasks], geo.compute_slices * gpus)
     assert schedule.makespan_s >= bound - 1e-9  # rho >= 1
+
+
+def _node(tree: RepartitionTree, name: str) -> int:
+    return next(n.index for n in tree.nodes if str(n) == name)
+
+
+def test_algorithm_2_climbs_from_the_critical_leaves_to_the_parent() -> None:
+    # Two 2-slice tasks (60 s, 30 s) both on 2g@0: the leaves 1g@0 and 1g@1 reach the
+    # makespan but hold no task, so (lines 23-24) their parent 2g@0 is queued; its
+    # alternative 2g@2 is free, and the task closest to half the margin (the makespan
+    # ~90.1 s, so 45.05 s) moves there: the 60 s one, by 0.1 s.
+    tree = RepartitionTree.build(A100)
+    costs = CostModel.for_model("A100-40GB")
+    times = [dict.fromkeys((1, 2, 3, 4, 7), t) for t in (60.0, 30.0)]
+    assignment: list[list[int]] = [[] for _ in tree.nodes]
+    assignment[_node(tree, "2g.10gb@0")] = [0, 1]
+    makespan, _, moves, swaps = _refine_paper(tree, assignment, times, costs, 50)
+    assert (moves, swaps) == (1, 0)
+    assert assignment[_node(tree, "2g.10gb@0")] == [1]
+    assert assignment[_node(tree, "2g.10gb@2")] == [0]
+    # the second instance is created after the first (the driver serialises creations)
+    assert makespan == pytest.approx(2 * costs.create_s(2) + 60.0)
+
+
+def test_algorithm_2_swaps_when_no_task_can_move() -> None:
+    # 1g@0 holds 50 + 40 s (the makespan, 90), every other leaf 80 s. The alternative
+    # is 1g@1 (ends first, lowest index): the margin is 10 s and no task of 1g@0 is
+    # shorter, so none moves; swapping 50 s for 1g@1's 42 s (difference 8 < 10, as close
+    # to 5 as 40 for 38) brings the makespan to 88, after which only the climb is left.
+    tree = RepartitionTree.build(A100)
+    costs = CostModel(dict.fromkeys((1, 2, 3, 4, 7), (0.0, 0.0)))  # no reconfiguration
+    durations = [50.0, 40.0, 42.0, 38.0, 80.0, 80.0, 80.0, 80.0, 80.0]
+    times = [dict.fromkeys((1, 2, 3, 4, 7), t) for t in durations]
+    assignment: list[list[int]] = [[] for _ in tree.nodes]
+    leaves = [_node(tree, f"1g.5gb@{u}") for u in range(7)]
+    for leaf, tasks in zip(leaves, [[0, 1], [2, 3], [4], [5], [6], [7], [8]], strict=True):
+        assignment[leaf] = tasks
+    makespan, _, moves, swaps = _refine_paper(tree, assignment, times, costs, 50)
+    assert (moves, swaps) == (0, 1)
+    assert sorted(assignment[leaves[0]]) == [1, 2] and sorted(assignment[leaves[1]]) == [0, 3]
+    assert makespan == pytest.approx(88.0)
+
+
+def test_algorithm_2_stops_at_the_root() -> None:
+    # one task on the whole GPU: nothing to move to, the climb reaches the root and stops
+    tree = RepartitionTree.build(A100)
+    costs = CostModel.for_model("A100-40GB")
+    assignment: list[list[int]] = [[] for _ in tree.nodes]
+    assignment[_node(tree, "7g.40gb@0")] = [0]
+    times = [dict.fromkeys((1, 2, 3, 4, 7), 10.0)]
+    makespan, _, moves, swaps = _refine_paper(tree, assignment, times, costs, 50)
+    assert (moves, swaps) == (0, 0)
+    assert makespan == pytest.approx(costs.create_s(7) + 10.0)
+
+
+def test_table4_setting_has_no_memory_bound_tasks_by_default() -> None:
+    # with p_sup = 0 (Table 4's setting, bench/far_eval.py) no task is super-linear, so
+    # no size has a smaller area than one slice (up to the times' 6-decimal rounding);
+    # Figure 11's p_sup = 0.5 makes some tasks cheapest on larger instances
+    for scaling in ("poor", "mixed", "good"):
+        for task in far_tasks(20, scaling, "wide", seed=2):
+            assert min(task.area(s) for s in task.times) >= task.area(1) - 1e-5
+        half = far_tasks(20, scaling, "wide", seed=2, p_sup=0.5)
+        assert any(task.area(task.best_size) < 0.9 * task.area(1) for task in half)
 
 
 def test_rho_close_to_the_paper_on_a_few_batches() -> None:

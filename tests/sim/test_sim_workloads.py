@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from migd.core.catalog import geometry
 from migd.core.planner import right_size
-from migd.errors import ConfigError, InvalidRequest
+from migd.errors import ConfigError, InvalidRequest, UnknownModel
 from migd.sim.jobs import Growth, SimJob, runtime_at
 from migd.sim.workloads import (
+    ALIBABA_PROFILE_MIX,
     WORKLOADS,
     alibaba_mix,
     far_jobs,
@@ -110,6 +112,42 @@ def test_llm_jobs_oom_where_seed002_says() -> None:
     assert by_kind["flan-t5"].growth.first_over(4864) == 27  # type: ignore[union-attr]
 
 
+def test_llm_jobs_declare_a_horizon_only_when_told() -> None:
+    # the daemon's default: a job that sets no MigdHorizon gives the forecast none
+    assert all(j.horizon is None for j in llm_mix(1))
+    assert all(j.horizon is None for j in workload("llm", 1))
+    every = workload("llm-horizon", 1)
+    assert all(j.growth is not None and j.horizon == j.growth.iterations for j in every)
+    half = llm_mix(1, horizon_share=0.5)
+    assert sum(j.horizon is not None for j in half) == 6
+    # the same jobs otherwise
+    assert [replace(j, horizon=None) for j in half] == llm_mix(1)
+    with pytest.raises(InvalidRequest, match="horizon_share"):
+        llm_mix(1, horizon_share=1.5)
+
+
+@pytest.mark.parametrize("model", ["A30-24GB", "H100-80GB"])
+def test_workloads_are_rebuilt_for_the_model(model: str) -> None:
+    geo = geometry(model)
+    classic = geo.profile_set("classic")
+    for name in ("ht3", "alibaba", "far-mixed-wide"):
+        jobs = WORKLOADS[name].build(1, model)
+        assert jobs != WORKLOADS[name].build(1)
+        assert all(right_size(classic, j.memory_mib, j.min_compute) is not None for j in jobs)
+    # ht3's full jobs use the model's whole-GPU profile (less its MPS reserve)
+    full = [j for j in WORKLOADS["ht3"].build(1, model) if j.kind == "full"]
+    biggest = max(p.memory_mib for p in classic)
+    assert max(j.memory_mib for j in full) > biggest // 2
+    assert max(j.memory_mib for j in full) <= biggest - 2048
+    # the seed 001-shaped mix asks for the model's own profiles
+    kinds = {j.kind for j in WORKLOADS["alibaba"].build(1, model)}
+    assert kinds == {p.name for p in classic if p.name.split(".")[0] in ALIBABA_PROFILE_MIX}
+    # jobs defined in absolute memory are the same on every model
+    assert WORKLOADS["kit"].build(1, model) == WORKLOADS["kit"].build(1)
+    with pytest.raises(UnknownModel):
+        WORKLOADS["ht3"].build(1, "Z9000")
+
+
 def test_growth_validation() -> None:
     with pytest.raises(InvalidRequest):
         Growth(1000, 500, 10)
@@ -132,6 +170,21 @@ def test_load_csv_trace(tmp_path: Path) -> None:
     assert a.growth is not None and a.growth.peak_mib == 8000 and a.growth.iterations == 50
     assert a.wait_s == 0.0 and b.wait_s is None
     assert b.compute_demand == 0.5 and a.compute_demand == 1.0
+    assert a.horizon is None
+
+
+def test_trace_jobs_may_declare_a_horizon(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.csv"
+    path.write_text(
+        "submit_s,memory_mib,runtime_s,peak_mib,iterations,horizon\n"
+        "0,4000,30,8000,50,50\n"
+        "1,4000,30,8000,50,\n"
+    )
+    declared, silent = load_trace(path)
+    assert declared.horizon == 50.0 and silent.horizon is None
+    path.write_text("submit_s,memory_mib,runtime_s,horizon\n0,4000,30,-3\n")
+    with pytest.raises(ConfigError, match="horizon"):
+        load_trace(path)
 
 
 def test_load_json_trace(tmp_path: Path) -> None:
