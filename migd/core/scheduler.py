@@ -406,7 +406,8 @@ class NodeScheduler:
         Raises:
             RequestTooLarge: it can never fit on this node (no queueing).
             NoCapacity: it does not fit now and ``wait_s`` is 0, or requests queued
-                ahead of it must go first.
+                ahead of it must go first. Its ``started_work`` holds work the same
+                pass started for other queued leases, to be dispatched all the same.
             InvalidRequest: the request names GPUs this node does not have.
         """
         if lease.lease_id in self.leases:
@@ -435,10 +436,14 @@ class NodeScheduler:
             if wait_s is not None and wait_s <= 0:
                 self.queue.remove(lease.lease_id)
                 del self.leases[lease.lease_id]
-                raise NoCapacity(
+                refusal = NoCapacity(
                     f"no partition for {lease.request.memory_mib} MiB is free now",
                     considered=self._why_not(lease),
                 )
+                # The pass may have placed requests queued earlier (their work is
+                # committed in the books): the caller must still dispatch it.
+                refusal.started_work = tuple(work)
+                raise refusal
             return Outcome(lease, work, self.queue.position(lease.lease_id, mono_s))
         return Outcome(lease, work)
 
@@ -1233,7 +1238,11 @@ class NodeScheduler:
         return lease
 
     def expire(self, now_s: float, mono_s: float) -> list[Lease]:
-        """Expire queued requests past their deadline."""
+        """Expire queued requests past their deadline.
+
+        A request that left may have blocked others (FIFO, a reservation): when this
+        returns any, the caller runs :meth:`schedule` and dispatches its work.
+        """
         gone = []
         for item in self.queue.expired(mono_s):
             lease = self.leases.get(item.payload)

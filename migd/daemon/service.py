@@ -78,6 +78,7 @@ from migd.errors import (
     LeaseNotFound,
     LeaseTimeout,
     MigdError,
+    NoCapacity,
     NotAuthorized,
     ProtocolError,
 )
@@ -895,7 +896,12 @@ class Daemon:
             owner_start_s=self.procs.start_time(holder),
             created_s=now,
         )
-        outcome = self.sched.submit(lease, now, mono)
+        try:
+            outcome = self.sched.submit(lease, now, mono)
+        except NoCapacity as refusal:
+            # Refused, but the same pass may have placed requests queued before it.
+            self._after_change(list(refusal.started_work))
+            raise
         self.record(
             "submitted",
             lease,
@@ -1481,10 +1487,12 @@ class Daemon:
             tick += 1
             now, mono = self.now()
             try:
-                for lease in self.sched.expire(now, mono):
+                expired = self.sched.expire(now, mono)
+                for lease in expired:
                     self.save(lease)
                     self.record("expired", lease, reason=lease.reason)
-                self._after_change([])
+                # What an expired request blocked (FIFO, a reservation) may go now.
+                self._after_change(self.sched.schedule(now, mono) if expired else [])
                 if tick % 10 == 0:
                     self._after_change(self.sched.idle_teardown(now))
                     self.db.set_meta(

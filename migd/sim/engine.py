@@ -442,6 +442,8 @@ class Simulation:
             self._refuse(attempt, exc.message)
             return
         except NoCapacity as exc:
+            self._execute(node, list(exc.started_work))
+            self._dirty.add(node.index)
             self._refuse(attempt, exc.message)
             return
         node.pending[attempt.lease_id] = attempt
@@ -533,7 +535,11 @@ class Simulation:
         lease = self._lease(attempt, 0.0, profile)
         try:
             outcome = node.scheduler.submit(lease, self.now, self.now)
-        except (NoCapacity, RequestTooLarge, InvalidRequest):
+        except NoCapacity as exc:
+            self._execute(node, list(exc.started_work))
+            self._dirty.add(node.index)
+            return False
+        except (RequestTooLarge, InvalidRequest):
             return False
         node.pending[attempt.lease_id] = attempt
         node.capacity = None
@@ -552,11 +558,14 @@ class Simulation:
 
     def _on_deadline(self, _: None) -> None:
         for node in self.nodes:
-            for lease in node.scheduler.expire(self.now, self.now):
+            expired = node.scheduler.expire(self.now, self.now)
+            for lease in expired:
                 self._dirty.add(node.index)
                 attempt = node.pending.pop(lease.lease_id, None)
                 if attempt is not None:
                     self._refuse(attempt, "no partition before its deadline")
+            if expired:  # as the daemon does: what they blocked may go now
+                self._execute(node, node.scheduler.schedule(self.now, self.now))
         if self.matcher is not None:
             for item in self.matcher.expired(self.now):
                 self._refuse(item.payload, "no partition before its deadline")

@@ -151,7 +151,7 @@ def test_pool_refuses_what_no_node_can_ever_hold_by_the_schedulers_own_check() -
     assert outcome["fits"][0] == "completed"
     assert outcome["over"] == ("rejected", "no partition on any node can ever hold it")
     direct = simulate([jobs[1]], named_policy("mps"), SimConfig()).records[0]
-    assert direct.outcome == "rejected" and "more than any partition" in direct.reason
+    assert direct.outcome == "rejected" and "can ever hold the request: 39425 MiB" in direct.reason
 
 
 def test_the_queue_is_scheduled_after_every_finished_work_item(
@@ -336,11 +336,6 @@ def test_same_seed_same_result() -> None:
     assert a == b
 
 
-@pytest.mark.xfail(
-    reason="migd/core: submit() raising NoCapacity for a wait_s=0 request drops the Work its "
-    "own schedule() pass made for another queued lease, which then stays PREPARING forever",
-    strict=False,
-)
 def test_a_refused_request_does_not_lose_the_work_it_started_for_others() -> None:
     # FIFO: j4 (too big for now) blocks j3 until j4's deadline at 306 s; nothing re-runs
     # the queue then (nor in the daemon). At 307 s j0 (wait_s=0) arrives: its submit()

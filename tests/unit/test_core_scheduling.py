@@ -172,3 +172,19 @@ def test_too_large_for_every_mode_names_each_reason() -> None:
     assert "largest A100-40GB profile (7g.40gb, 40448 MiB)" in err.value.message
     assert "GPU 1's 24003 MiB" in err.value.message
     assert err.value.details["largest_mib"] == 40448
+
+
+def test_a_refusal_hands_over_the_work_its_pass_started_for_others() -> None:
+    """submit() refusing a wait_s=0 request must not lose what the same scheduling pass
+    committed for requests queued before it (their instance is already in the books)."""
+    node = NodeScheduler([gpu(0, "A100-40GB")])  # FIFO, no backfill
+    busy(node.gpus[0], "4g.20gb", 0)
+    head = node.submit(lease(30000, wait_s=100.0), 0.0, 0.0).lease  # blocks the queue
+    behind = node.submit(lease(1500, wait_s=None), 1.0, 1.0).lease
+    assert head.state is behind.state is LeaseState.QUEUED
+    assert node.expire(200.0, 200.0) == [head]  # nothing re-ran the queue yet
+    with pytest.raises(NoCapacity) as refused:
+        node.submit(lease(39000, wait_s=0.0), 201.0, 201.0)
+    assert behind.state is LeaseState.PREPARING
+    [work] = refused.value.started_work
+    assert work.lease_id == behind.lease_id and work.ops
