@@ -580,8 +580,9 @@ class NodeScheduler:
                 if shape is not None:
                     failed.add(shape)
                 return False
-            self._placed_items[lease.lease_id] = item
             if placed.ops:
+                # kept until its work is done or fails (a failure puts it back in place)
+                self._placed_items[lease.lease_id] = item
                 work.append(placed)
             return True
 
@@ -1085,12 +1086,14 @@ class NodeScheduler:
 
     def _retry(self, lease: Lease | None, reason: str, now_s: float) -> None:
         """Send a lease whose placement fell through back to the queue, keeping its place."""
-        if lease is None or lease.state is not LeaseState.PREPARING:
+        if lease is None:
+            return
+        item = self._placed_items.pop(lease.lease_id, None)
+        if lease.state is not LeaseState.PREPARING:  # released meanwhile: nothing to retry
             return
         lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
         lease.memory_limit_mib = None
         lease.event(LeaseEvent.RETRY, now_s, reason=reason)
-        item = self._placed_items.pop(lease.lease_id, None)
         if item is not None:
             self.queue.restore(item)
 
@@ -1339,7 +1342,12 @@ class NodeScheduler:
     def forget_terminal(self) -> None:
         """Drop ended leases from memory (the store keeps their history)."""
         for lease_id in [k for k, v in self.leases.items() if v.state.terminal]:
-            del self.leases[lease_id]
+            self.forget(lease_id)
+
+    def forget(self, lease_id: str) -> None:
+        """Drop one ended lease from memory, with what the queue kept for it."""
+        self.leases.pop(lease_id, None)
+        self._placed_items.pop(lease_id, None)
 
 
 def _partition_request(request: LeaseRequest) -> PartitionRequest:

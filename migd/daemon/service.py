@@ -1142,7 +1142,7 @@ class Daemon:
         # change cost O(all leases ever), so they go once persisted and answered.
         for lease_id in ended:
             if lease_id not in self.waiters:
-                self.sched.leases.pop(lease_id, None)
+                self.sched.forget(lease_id)
                 self._saved.pop(lease_id, None)
                 self._logged.pop(lease_id, None)
 

@@ -106,9 +106,14 @@ def test_scheduler_invariants(
     for action, size, pick in steps:
         now += 1.0
         if action == "submit":
-            lease = Lease(f"L{next(ids)}", LeaseRequest("job", size, wait_s=30.0), 1000, 1, now)
-            with contextlib.suppress(NoCapacity, RequestTooLarge):
+            wait_s = 0.0 if pick % 3 == 0 else 30.0
+            lease = Lease(f"L{next(ids)}", LeaseRequest("job", size, wait_s=wait_s), 1000, 1, now)
+            try:
                 take(node.submit(lease, now, now).work)
+            except NoCapacity as refused:  # what its pass started for others still runs
+                take(list(refused.started_work))
+            except RequestTooLarge:
+                pass
         elif action == "release":
             live = [lease for lease in node.leases.values() if not lease.state.terminal]
             if live:
@@ -135,5 +140,14 @@ def test_scheduler_invariants(
         elif action == "idle":
             take(node.idle_teardown(now))
         elif action == "expire":
-            node.expire(now + pick % 60, now + pick % 60)
+            later = now + pick % 60
+            if node.expire(later, later):
+                take(node.schedule(later, later))
         check_invariants(node, destroyed_busy)
+        # Nothing waits forever: a lease being prepared has its work on its way ...
+        waiting_on = {w.lease_id for w in pending}
+        for lease in node.leases.values():
+            if lease.state is LeaseState.PREPARING:
+                assert lease.lease_id in waiting_on, f"{lease.lease_id} lost its work"
+        # ... and the queue keeps a placed request's entry only while its work is out.
+        assert set(node._placed_items) <= waiting_on
