@@ -61,7 +61,7 @@ from migd.core.planner import (
 )
 from migd.core.queueing import QueuedRequest, QueuePolicy, RequestQueue
 from migd.core.states import StateSpace, describe
-from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge, UnknownProfile
+from migd.errors import InvalidRequest, MigdError, NoCapacity, RequestTooLarge, UnknownProfile
 
 
 class GpuMode(StrEnum):
@@ -1329,7 +1329,11 @@ class NodeScheduler:
                     if g.draining
                     else (g.health if g.health != "ok" else "busy instances in the way")
                 )
-                out.append({"gpu": g.index, "state": describe(g.space, g.view().key), "why": why})
+                try:
+                    state = describe(g.space, g.view().key)
+                except MigdError:  # a layout the state machine cannot describe (health says)
+                    state = "not understood"
+                out.append({"gpu": g.index, "state": state, "why": why})
             else:
                 out.append({"gpu": g.index, "mode": g.mode.value, "why": "full or in use"})
         if len(self.queue) > 1:

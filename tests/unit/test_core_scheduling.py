@@ -188,3 +188,16 @@ def test_a_refusal_hands_over_the_work_its_pass_started_for_others() -> None:
     assert behind.state is LeaseState.PREPARING
     [work] = refused.value.started_work
     assert work.lease_id == behind.lease_id and work.ops
+
+
+def test_a_refusal_explains_itself_on_a_layout_the_state_machine_cannot_describe() -> None:
+    """A GPU whose instances form no valid state (health says why) must not turn a
+    wait_s=0 refusal into an internal error."""
+    node = NodeScheduler([gpu(0, "A100-40GB")])
+    busy(node.gpus[0], "4g.20gb", 0)
+    busy(node.gpus[0], "3g.20gb", 0)  # overlaps: no state of the model has both
+    node.gpus[0].health = "layout not understood"
+    with pytest.raises(NoCapacity) as refused:
+        node.submit(lease(30000, wait_s=0.0), 1.0, 1.0)
+    [why] = refused.value.details["considered"]
+    assert why == {"gpu": 0, "state": "not understood", "why": "layout not understood"}
