@@ -170,6 +170,22 @@ class _Run:
     unit_start: int = 0
     units: int = 0
 
+    def span(self, lease_id: str, end_s: float, how: str) -> Span:
+        """This run on the slice map, from its start to ``end_s``, ended ``how``."""
+        return Span(
+            self.node,
+            self.gpu,
+            self.label,
+            self.unit_start,
+            self.units,
+            self.start_s,
+            end_s,
+            "job",
+            how,
+            lease_id,
+            self.profile or self.mode,
+        )
+
 
 @dataclass(frozen=True)
 class Span:
@@ -774,21 +790,7 @@ class Simulation:
         attempt = run.attempt
         job = attempt.job
         record = self.records[job.job_id]
-        self.spans.append(
-            Span(
-                run.node,
-                run.gpu,
-                run.label,
-                run.unit_start,
-                run.units,
-                run.start_s,
-                self.now,
-                "job",
-                run.stop,
-                lease_id,
-                run.profile or run.mode,
-            )
-        )
+        self.spans.append(run.span(lease_id, self.now, run.stop))
         node = self.nodes[run.node]
         works = node.scheduler.release(lease_id, self.now, self.now, reason=run.stop)
         self._execute(node, works)
@@ -929,21 +931,7 @@ class Simulation:
             )
         self._open_instances.clear()
         for lease_id, run in self.runs.items():
-            self.spans.append(
-                Span(
-                    run.node,
-                    run.gpu,
-                    run.label,
-                    run.unit_start,
-                    run.units,
-                    run.start_s,
-                    self.now,
-                    "job",
-                    "unfinished",
-                    lease_id,
-                    run.profile or run.mode,
-                )
-            )
+            self.spans.append(run.span(lease_id, self.now, "unfinished"))
         return SimResult(
             policy=self.policy,
             config=self.config,
