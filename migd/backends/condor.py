@@ -6,8 +6,10 @@ The only module that imports the HTCondor Python bindings (``classad2``,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
@@ -103,22 +105,29 @@ def set_job_attrs(attrs: Mapping[str, str | int | bool], *, timeout_s: float = 3
         )
     for name, text in texts.items():
         try:
-            result = subprocess.run(
+            # Its own session, so a chirp that hangs goes with everything it started.
+            proc = subprocess.Popen(
                 [binary, "set_job_attr", name, text],
-                capture_output=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=timeout_s,
-                check=False,
+                start_new_session=True,
             )
+        except OSError as exc:
+            raise ChirpError(f"cannot run {binary}: {exc.strerror or exc}") from exc
+        try:
+            _, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             raise ChirpError(
                 f"condor_chirp set_job_attr {name} did not answer within {timeout_s:g} s",
                 hint="the starter or shadow is busy or gone; HTCondor keeps the old value",
             ) from exc
-        except OSError as exc:
-            raise ChirpError(f"cannot run {binary}: {exc.strerror or exc}") from exc
-        if result.returncode != 0:
-            why = result.stderr.strip() or f"exit {result.returncode}"
+        if proc.returncode != 0:
+            why = stderr.strip() or f"exit {proc.returncode}"
             raise ChirpError(
                 f"condor_chirp set_job_attr {name} failed: {why}",
                 hint="submit with `+WantIOProxy = true`",

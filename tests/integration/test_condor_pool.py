@@ -219,8 +219,11 @@ def test_wrapper_error_file_requeues_job_when_visible(
     cluster = pool.submit(
         _probe(environment='"MIGD_TEST_WRAPPER_FAIL=1 MIGD_TEST_WRAPPER_CHMOD=1"')
     )
+    # The shadow sets VacateReason a moment after the restart is counted: wait for both.
     ads = pool.wait(
-        cluster, timeout=90, until=lambda q: bool(q) and q[0].get("NumJobStarts", 0) >= 2
+        cluster,
+        timeout=90,
+        until=lambda q: bool(q) and q[0].get("NumJobStarts", 0) >= 2 and "VacateReason" in q[0],
     )
     ad = _one(ads)
     assert ad["JobStatus"] in (1, 2), PersonalPool.describe([ad])  # Idle/Running, never Held
