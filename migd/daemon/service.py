@@ -339,7 +339,6 @@ class Daemon:
             asyncio.create_task(self._timer_loop(), name="timers"),
             asyncio.create_task(self._watchdog_loop(), name="watchdog"),
             asyncio.create_task(self._sampler_loop(), name="sampler"),
-            asyncio.create_task(self._lease_peak_loop(), name="lease-peaks"),
         ]
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(
@@ -1044,8 +1043,9 @@ class Daemon:
                 procs = await self.on_gpu(gpu, self._mps_usage, lease, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
-        if lease.mode != "mps":
-            self._note_peak(lease.lease_id, memory.used_mib)
+        self._note_peak(
+            lease.lease_id, _known_sum(procs) if lease.mode == "mps" else memory.used_mib
+        )
         return {
             "state": lease.state.value,
             "limit_mib": lease.memory_limit_mib,
@@ -1509,26 +1509,50 @@ class Daemon:
                 log.exception("timers.crashed", error=str(exc))
 
     async def _sampler_loop(self) -> None:
-        """Memory in use per instance (for status); reads may degrade to unknown.
-
-        The first round runs at once, so status shows memory from the start."""
+        """GPU memory once a second: per GPU and instance for ``migctl status``, and the
+        peak of every active lease as OOM evidence for the wrapper, whose own sampling
+        misses short jobs. Reads may degrade to unknown; the first round runs at once,
+        so status shows memory from the start."""
         while True:
+            for lease_id in [k for k in self.lease_peaks if k not in self.sched.leases]:
+                del self.lease_peaks[lease_id]  # ended some other way than _release
             for gpu in list(self.sched.gpus.values()):
                 if gpu.mode is GpuMode.OFF or gpu.index not in self.workers:
                     continue
-                index = gpu.index
                 try:
-                    memory = await self.on_gpu(index, self.backend.memory, index, timeout_s=10.0)
-                    gpu.used_mib = memory.used_mib
-                    for inst in gpu.instances:
-                        if inst.uuid and inst.status is InstanceStatus.READY:
-                            mem = await self.on_gpu(
-                                index, self.backend.memory, index, inst.uuid, timeout_s=10.0
-                            )
-                            inst.used_mib = mem.used_mib
+                    await self._sample_gpu(gpu)
                 except (MigdError, TimeoutError):
                     gpu.used_mib = None
-            await asyncio.sleep(5.0)
+                except Exception as exc:  # sampling must outlive any surprise
+                    log.exception("sampler.crashed", gpu=gpu.index, error=str(exc))
+            await asyncio.sleep(1.0)
+
+    async def _sample_gpu(self, gpu: ManagedGpu) -> None:
+        """One GPU's memory, its instances', and its leases' peaks: an instance's lease
+        uses the instance, an exclusive lease the GPU, an MPS share the memory of its
+        holder's processes on the share's device."""
+        index = gpu.index
+        memory = await self.on_gpu(index, self.backend.memory, index, timeout_s=10.0)
+        gpu.used_mib = memory.used_mib
+        if gpu.exclusive_lease is not None:
+            self._note_peak(gpu.exclusive_lease, memory.used_mib)
+        for inst in gpu.instances:
+            if inst.uuid and inst.status is InstanceStatus.READY:
+                mem = await self.on_gpu(
+                    index, self.backend.memory, index, inst.uuid, timeout_s=10.0
+                )
+                inst.used_mib = mem.used_mib
+                if inst.lease_id is not None and inst.mps_pool is None:
+                    self._note_peak(inst.lease_id, mem.used_mib)
+        shares: dict[str | None, list[Lease]] = {}
+        for lease in self.sched.active_leases():
+            if lease.gpu == index and lease.mode == "mps":
+                shares.setdefault(lease.mig_uuid, []).append(lease)
+        for device, leases in shares.items():
+            procs = await self.on_gpu(index, self.backend.processes, index, device, timeout_s=10.0)
+            for lease in leases:
+                mine = await self.on_gpu(index, self._mps_usage, lease, procs, timeout_s=10.0)
+                self._note_peak(lease.lease_id, _known_sum(mine))
 
     def _note_peak(self, lease_id: str, used_mib: int | None) -> None:
         lease = self.sched.leases.get(lease_id)
@@ -1536,28 +1560,6 @@ class Daemon:
             return
         if used_mib > self.lease_peaks.get(lease_id, -1):
             self.lease_peaks[lease_id] = used_mib
-
-    async def _lease_peak_loop(self) -> None:
-        """Each second, the memory of every active MIG or whole-GPU lease (its own device).
-
-        MPS shares are left out: a GPU's memory there belongs to several jobs.
-        """
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                for lease_id in [k for k in self.lease_peaks if k not in self.sched.leases]:
-                    del self.lease_peaks[lease_id]  # ended some other way than _release
-                for lease in list(self.sched.active_leases()):
-                    if lease.gpu is None or lease.mode == "mps" or lease.gpu not in self.workers:
-                        continue
-                    device = lease.mig_uuid if lease.mode == "mig" else None
-                    with contextlib.suppress(MigdError, TimeoutError):
-                        memory = await self.on_gpu(
-                            lease.gpu, self.backend.memory, lease.gpu, device, timeout_s=10.0
-                        )
-                        self._note_peak(lease.lease_id, memory.used_mib)
-            except Exception as exc:
-                log.exception("lease_peaks.crashed", error=str(exc))
 
     async def _watchdog_loop(self) -> None:
         """Feed systemd's watchdog only while every GPU thread is sound.
@@ -1746,6 +1748,12 @@ class Daemon:
             self.backend.close()
         if self.store is not None:
             self.store.close()
+
+
+def _known_sum(procs: list[GpuProcess]) -> int | None:
+    """Memory of these processes, or None when NVML could not say for any of them."""
+    known = [p.used_mib for p in procs if p.used_mib is not None]
+    return sum(known) if known else None
 
 
 def _latency_class(op: str, result: Any) -> str:

@@ -555,6 +555,9 @@ class _Daemon:
         while self.running:
             for _ in selector.select(timeout=_TICK_S):
                 conn, _addr = self.sock.accept()
+                # The real server sees a client leave when its connection drops, before
+                # any later command: never answer with a client that has exited.
+                self.prune_clients()
                 if not self._answer(conn):
                     conn.close()
                 if self.stopped():

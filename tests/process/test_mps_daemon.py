@@ -342,6 +342,8 @@ def test_usage_of_an_mps_lease_counts_only_its_own_jobs_processes(
         assert {p["used_mib"] for p in got["u.a"]["processes"]} == {1024}
         assert {p["used_mib"] for p in got["u.b"]["processes"]} == {3072}
         assert got["u.a"]["scope"] == "job" and got["u.a"]["device_used_mib"] >= 4096
+        # each share's peak is its own job's memory, not the device's
+        assert got["u.a"]["peak_used_mib"] == 1024 and got["u.b"]["peak_used_mib"] == 3072
         (pid_a,) = [p["pid"] for p in got["u.a"]["processes"]]
         assert Path(f"/proc/{pid_a}/status").read_text().count("PPid") == 1
         assert (
