@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from condor_pool import CondorChroot, PersonalPool
 
+from migd.backends.simulated.hardware import MIG_IDLE_USED_MIB
+
 REPO = Path(__file__).resolve().parents[2]
 VENV = "/opt/migd-venv"
 PY = f"{VENV}/bin/python"
@@ -307,19 +309,25 @@ def test_oom_exit_requeues_the_job_and_it_reruns_bigger(
     the slot: MigdMaxRestarts = 0), then a re-match with the RequestVRAM it chirped; and a
     job that exits 86 by itself keeps its own exit policy."""
     pool = gpu_pool(personal_pool)
+    # Each step held long enough to be sampled: 4 GiB seen, then 1 GiB more fails on the
+    # 4864 MiB 1g.5gb, so the evidence (peak + failed allocation) decides the new request.
     grows = pool.submit(
-        simjob(4000, "--start", "3G", "--grow", "1G", "--steps", "4", **{"+MigdMaxRestarts": "0"})
-    )
+        simjob(
+            4000, "--start", "3G", "--grow", "1G", "--steps", "4", "--step-s", "1.5",
+            **{"+MigdMaxRestarts": "0"},
+        )
+    )  # fmt: skip
     own = pool.submit(simjob(1000, "--start", "1G", "--exit", "86"))
     [ad] = pool.wait(grows, timeout=240)
     err = pool.job_error(grows)
     assert ad["ExitCode"] == 0, err
     assert ad["NumJobStarts"] == 2 and ad["MigdOomExits"] == 1, ad
     assert ad["MigdOomExit"] is False  # cleared by the second run
-    assert ad["RequestVRAM"] == 4865 and ad["MigdLastVRAM"] == 4864
+    wanted = 4 * 1024 + MIG_IDLE_USED_MIB + 1024
+    assert ad["RequestVRAM"] == wanted and ad["MigdLastVRAM"] == 4864
     # (the error file holds the last run only) the first run's verdict is in migd's history
     [oom] = [h for h in migd.history(ad["GlobalJobId"]) if h["event"] == "wrapper.oom"]
-    assert oom["data"]["wanted_mib"] == 4865 and oom["data"]["oom"]["kind"] == "strong"
+    assert oom["data"]["wanted_mib"] == wanted and oom["data"]["oom"]["kind"] == "strong"
     first, second = migd.job_leases(ad["GlobalJobId"])
     assert first["profile"] == "1g.5gb"
     assert int(second["memory_limit_mib"]) >= 9984  # the next size up, on the rerun

@@ -717,12 +717,15 @@ def test_oom_exit_marks_the_job_through_chirp(daemon: DaemonProcess, tmp_path: P
     daemon.start()
     calls = tmp_path / "chirp.log"
     env = fake_chirp(tmp_path, f'echo "$@" >> {calls}')
-    result, error_file = wrapper(daemon, tmp_path, AD.format(vram=30000), *BIG_OOM, env=env)
+    # 30 GiB held long enough to be sampled, then 15 GiB more fails on the node's
+    # largest partition: the evidence says it needs both, which is what it asks for.
+    held = [*SIMJOB, "--start", "30G", "--grow", "15G", "--steps", "2", "--step-s", "1.5"]
+    result, error_file = wrapper(daemon, tmp_path, AD.format(vram=30000), *held, env=env)
     assert result.returncode == 86, result.stderr
     assert not error_file.exists()
     chirped = calls.read_text().splitlines()
     assert chirped == [
-        "set_job_attr RequestVRAM 40449",
+        f"set_job_attr RequestVRAM {45 * 1024 + MIG_IDLE_USED_MIB}",
         "set_job_attr MigdLastVRAM 40448",  # what it ran out of, for the hold reason
         "set_job_attr MigdOomExits 1",
         "set_job_attr MigdOomExit true",  # this 86 is migd's, not the job's own
