@@ -666,35 +666,44 @@ class NodeScheduler:
                 return self._commit_exclusive(lease, g, now_s)
         return None
 
-    def _commit_mig(self, lease: Lease, decision: Decision, now_s: float) -> Work:
-        gpu = self.gpus[decision.gpu]
+    def _take_partition(
+        self, gpu: ManagedGpu, decision: Decision, lease_id: str, owner: str | None
+    ) -> tuple[ManagedInstance, Work]:
+        """Carry ``decision`` out in the books: the idle instances it destroys are being
+        destroyed, and the instance it grants is reused (no NVML work) or being created
+        for ``owner`` (its work pending until :meth:`work_done`)."""
         for op in decision.ops:
             if isinstance(op, DestroyOp):
-                inst = gpu.instance_at(op.start, InstanceStatus.READY)
-                assert inst is not None and not inst.busy, "planner chose a busy instance"
-                inst.status = InstanceStatus.DESTROYING
+                victim = gpu.instance_at(op.start, InstanceStatus.READY)
+                assert victim is not None and not victim.busy, "planner chose a busy instance"
+                victim.status = InstanceStatus.DESTROYING
+        if decision.action == "reuse":
+            inst = gpu.instance_at(decision.start, InstanceStatus.READY)
+            assert inst is not None
+            return inst, Work(gpu.index, (), lease_id, "grant", next(self._work_ids))
+        inst = ManagedInstance(
+            profile=decision.profile,
+            start=decision.start,
+            memory_mib=decision.profile.memory_mib,
+            status=InstanceStatus.CREATING,
+            lease_id=owner,
+        )
+        gpu.instances.append(inst)
+        work = Work(gpu.index, decision.ops, lease_id, "grant", next(self._work_ids))
+        self._pending_work[work.work_id] = work
+        return inst, work
+
+    def _commit_mig(self, lease: Lease, decision: Decision, now_s: float) -> Work:
+        gpu = self.gpus[decision.gpu]
+        inst, work = self._take_partition(gpu, decision, lease.lease_id, lease.lease_id)
         lease.event(LeaseEvent.PLAN, now_s)
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mig"
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
         lease.decision = decision.to_dict()
         if decision.action == "reuse":
-            inst = gpu.instance_at(decision.start, InstanceStatus.READY)
-            assert inst is not None
             inst.lease_id, inst.idle_since_s = lease.lease_id, None
             self._activate_mig(lease, inst, now_s)
-            return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
-        gpu.instances.append(
-            ManagedInstance(
-                profile=decision.profile,
-                start=decision.start,
-                memory_mib=decision.profile.memory_mib,
-                status=InstanceStatus.CREATING,
-                lease_id=lease.lease_id,
-            )
-        )
-        work = Work(gpu.index, decision.ops, lease.lease_id, "grant", next(self._work_ids))
-        self._pending_work[work.work_id] = work
         return work
 
     def _activate_mig(self, lease: Lease, inst: ManagedInstance, now_s: float) -> None:
@@ -891,34 +900,18 @@ class NodeScheduler:
         """Admit ``share`` on host ``inst``, or on the host ``decision`` makes (creating,
         reusing or repartitioning like a MIG grant). The lease is active at once on a
         ready host, else when its creation is done (:meth:`work_done`)."""
-        work = Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
         action = "mps-share"
         if inst is None:
             assert decision is not None
-            for op in decision.ops:
-                if isinstance(op, DestroyOp):
-                    victim = gpu.instance_at(op.start, InstanceStatus.READY)
-                    assert victim is not None and not victim.busy, "planner chose a busy instance"
-                    victim.status = InstanceStatus.DESTROYING
-            if decision.action == "reuse":
-                inst = gpu.instance_at(decision.start, InstanceStatus.READY)
-                assert inst is not None
-                action = "mps-host-reuse"
-            else:
-                inst = ManagedInstance(
-                    profile=decision.profile,
-                    start=decision.start,
-                    memory_mib=decision.profile.memory_mib,
-                    status=InstanceStatus.CREATING,
-                )
-                gpu.instances.append(inst)
-                work = Work(gpu.index, decision.ops, lease.lease_id, "grant", work.work_id)
-                self._pending_work[work.work_id] = work
-                action = f"mps-host-{decision.action}"
+            # A host belongs to no lease (many share it): created with no owner.
+            inst, work = self._take_partition(gpu, decision, lease.lease_id, None)
+            action = f"mps-host-{decision.action}"
             inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
             # A new MPS host is demand for its profile, like a request sized to it.
             assert gpu.space is not None
             self.demand.observe(gpu.space.geometry.model, decision.profile.profile_id, now_s)
+        else:
+            work = Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
         assert inst.mps_pool is not None
         inst.mps_pool = mps_admit(inst.mps_pool, share)
         inst.idle_since_s = None
