@@ -186,8 +186,9 @@ class Daemon:
         self._work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         self._resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
         self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
-        # Highest GPU memory seen for each active MIG/whole-GPU lease (its own device), so
-        # the wrapper's OOM verdict has a peak even for jobs shorter than its sampling.
+        # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
+        # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
+        # jobs shorter than its own sampling; see _sample_gpu.
         self.lease_peaks: dict[str, int] = {}
         # Service time per op (decoded request to reply written), last 2048 each, for
         # `migctl status` and the benchmark; see _latency_class.
@@ -1340,12 +1341,10 @@ class Daemon:
             for uuid in report.affected_devices:
                 detail = next(e.detail for e in report.events if e.device_uuid == uuid)
                 self._mps_clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
-            failed = set(report.failed_devices)
-            sick_gpus = {g.index for u in failed if (g := self._gpu_of_mps_device(u))}
-            for uuid in failed:
-                gpu = self._gpu_of_mps_device(uuid)
-                if gpu is not None:
-                    gpu.health = f"{MPS_UNHEALTHY}: {uuid}"
+            sick = {u: g for u in report.failed_devices if (g := self._gpu_of_mps_device(u))}
+            for uuid, gpu in sick.items():
+                gpu.health = f"{MPS_UNHEALTHY}: {uuid}"
+            sick_gpus = {gpu.index for gpu in sick.values()}
             # A later check that finds the device serving again (or gone) clears the mark.
             for gpu in self.sched.gpus.values():
                 if gpu.health.startswith(MPS_UNHEALTHY) and gpu.index not in sick_gpus:
@@ -1636,12 +1635,7 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = self.reload_config()
-        except ConfigError as exc:
-            log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
-            self.notifier.ready("reload failed; old configuration kept")
-            return {"reloaded": False, "error": exc.to_dict()}
-        try:
-            access = socket_access(new.api)
+            access = socket_access(new.api)  # an unknown socket group fails the reload
         except ConfigError as exc:
             log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
             self.notifier.ready("reload failed; old configuration kept")
