@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from migd.errors import DaemonUnavailable, MigdError, ProtocolError, error_from_dict
-from migd.protocol import API_VERSION
+from migd.protocol import API_VERSION, encode
 
 DEFAULT_SOCKET = Path(os.environ.get("MIGD_API_SOCKET", "/run/migd/migd.sock"))
 
@@ -59,7 +59,7 @@ class MigdClient:
                 ) from exc
             # migd may refuse a connection (a limit) before reading the request: read why
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                sock.sendall(json.dumps(message).encode() + b"\n")
+                sock.sendall(encode(message))
             data = b""
             while not data.endswith(b"\n"):
                 chunk = sock.recv(65536)

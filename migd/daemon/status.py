@@ -116,24 +116,23 @@ def _mps_pool_status(daemon: Daemon, pool: MpsPool) -> dict[str, Any]:
     """An MPS device's shares and its control daemon as last read off the event loop
     (``daemons[].age_s``: seconds since; the daemon is never asked from here)."""
     sched = daemon.sched
-    return {
-        "device_uuid": pool.device_uuid,
-        "shares": [
+    shares = []
+    for share in pool.shares:
+        lease = sched.leases.get(share.share_id)
+        shares.append(
             {
                 "lease_id": share.share_id,
-                "job_id": sched.leases[share.share_id].request.job_id
-                if share.share_id in sched.leases
-                else None,
+                "job_id": lease.request.job_id if lease else None,
                 "pinned_mib": share.memory_mib,
                 "clients": share.clients,
                 "thread_percentage": share.thread_percentage,
                 "uid": share.uid,
-                "warning": sched.leases[share.share_id].warning
-                if share.share_id in sched.leases
-                else "",
+                "warning": lease.warning if lease else "",
             }
-            for share in pool.shares
-        ],
+        )
+    return {
+        "device_uuid": pool.device_uuid,
+        "shares": shares,
         "pinned_mib": pool.used_mib,
         "capacity_mib": pool.capacity_mib,
         "clients": pool.clients,
