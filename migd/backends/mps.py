@@ -337,7 +337,6 @@ class HealthEvent:
     detail: str
     action: str  # restarted_daemon, restarted_server, restart_failed, none
     ok: bool  # the device serves again
-    clients_lost: bool = True  # the device's clients died (or may have)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -350,15 +349,7 @@ class HealthReport:
     @property
     def affected_devices(self) -> tuple[str, ...]:
         """Devices whose clients were (or may have been) lost: their leases need a look."""
-        return tuple(dict.fromkeys(e.device_uuid for e in self.events if e.clients_lost))
-
-    @property
-    def recovered_devices(self) -> tuple[str, ...]:
-        """Devices that serve again after this check (a failed device can recover later)."""
-        failed = set(self.failed_devices)
-        return tuple(
-            dict.fromkeys(e.device_uuid for e in self.events if e.device_uuid not in failed)
-        )
+        return tuple(dict.fromkeys(e.device_uuid for e in self.events))
 
     @property
     def failed_devices(self) -> tuple[str, ...]:
