@@ -959,12 +959,12 @@ class MpsManager:
         daemon = _Daemon(record=record)
         self._skip_old_log(daemon)
         argv = [self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
-        scoped = self._scope_argv(device_uuid, run_as) if self._use_systemd_scope() else None
-        tried_plain = scoped is None
+        # (argv, unit) of the systemd scope to start it in; None: start it plainly.
+        scope = self._scope(device_uuid, argv, run_as) if self._use_systemd_scope() else None
         attempts = 0
         while True:
             attempts += 1
-            launch, launch_as = (scoped, None) if scoped is not None else (argv, run_as)
+            launch, launch_as = (scope[0], None) if scope is not None else (argv, run_as)
             result = self._runner.run(
                 launch,
                 env=self._daemon_env(record),
@@ -973,7 +973,7 @@ class MpsManager:
                 run_as=launch_as,
             )
             if result.returncode == 0:
-                record.scope_unit = _unit_of(scoped) if scoped is not None else ""
+                record.scope_unit = scope[1] if scope is not None else ""
                 break
             orphan = _read_pid(pipe_dir / PID_FILE_NAME)
             if (
@@ -987,14 +987,14 @@ class MpsManager:
                 record.pid = orphan
                 self._kill_daemon(daemon)
                 continue
-            if not tried_plain:
+            if scope is not None:
                 # systemd-run itself failed (no D-Bus, a policy): start it the plain way;
                 # it then shares migd's cgroup and does not outlive a unit restart.
                 daemon.last_error = (
                     f"could not start the MPS daemon in a systemd scope "
                     f"({result.output or f'exit {result.returncode}'}); started it plainly"
                 )
-                scoped, tried_plain = None, True
+                scope = None
                 continue
             raise MpsDaemonStartFailed(
                 f"`{' '.join(argv)}` for {device_uuid} failed (exit {result.returncode}): "
@@ -1023,8 +1023,10 @@ class MpsManager:
             shutil.which(self.config.systemd_run, path=self._base_env().get("PATH")) is not None
         )
 
-    def _scope_argv(self, device_uuid: str, run_as: RunAs | None) -> list[str]:
-        """``systemd-run --scope ... -- <control> -d``: the daemon in its own scope unit.
+    def _scope(
+        self, device_uuid: str, argv: list[str], run_as: RunAs | None
+    ) -> tuple[list[str], str]:
+        """``systemd-run --scope ... -- <argv>`` and the unit: the daemon in its own scope.
 
         A scope takes the process that systemd-run becomes (it execs the command) and
         everything it forks; the daemon stays in it after the front process exits, out
@@ -1035,10 +1037,10 @@ class MpsManager:
         short = re.sub(r"[^A-Za-z0-9]", "", self.dir_name(device_uuid).split("-", 1)[-1])[:8]
         kind = "mig" if device_uuid.startswith("MIG-") else "gpu"
         unit = f"migd-mps-{kind}-{short or 'dev'}-{secrets.token_hex(3)}"
-        argv = [self.config.systemd_run, "--scope", "--collect", "--quiet", f"--unit={unit}"]
+        scoped = [self.config.systemd_run, "--scope", "--collect", "--quiet", f"--unit={unit}"]
         if run_as is not None:
-            argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
-        return [*argv, "--", self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
+            scoped += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
+        return [*scoped, "--", *argv], unit
 
     def _wait_ready(self, daemon: _Daemon) -> int:
         """Poll until the pid file names a live process and the daemon answers."""
@@ -1428,10 +1430,6 @@ def _looks_like_mps(pid: int) -> bool:
     """An MPS control daemon or server (``nvidia-cuda-mps-server``; the fake's servers
     are forks of its control process). Empty command lines do not count."""
     return "mps" in _cmdline(pid)
-
-
-def _unit_of(argv: Sequence[str]) -> str:
-    return next((a.split("=", 1)[1] for a in argv if a.startswith("--unit=")), "")
 
 
 def _daemon_env_value(pid: int, name: str) -> str | None:
