@@ -50,8 +50,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -707,29 +707,11 @@ class MpsManager:
             cached = self._status_cache.get(device_uuid)
         if daemon is None:
             return []
-        record = daemon.record
-        if cached is not None and cached[0].get("pid") == record.pid:
+        if cached is not None and cached[0].get("pid") == daemon.record.pid:
             data = dict(cached[0])
             data["age_s"] = round(max(0.0, self._clock.monotonic() - cached[1]), 3)
         else:
-            data = MpsDaemonStatus(
-                device_uuid=record.device_uuid,
-                pid=record.pid,
-                uid=record.uid,
-                serves_uid=record.serves_uid,
-                multi_user=record.multi_user,
-                pipe_dir=record.pipe_dir,
-                log_dir=record.log_dir,
-                servers=tuple(sorted(daemon.known_servers)),
-                clients=(),
-                default_limit_mib=record.default_limit_mib or None,
-                shares=len(daemon.shares),
-                healthy=daemon.healthy,
-                last_error=daemon.last_error,
-                started_at=record.started_at,
-                idle_for_s=None,
-                scope_unit=record.scope_unit,
-            ).to_dict()
+            data = self._recorded_status(daemon).to_dict()
             data["age_s"] = None
         # Shares and health change under migd's own hand: always current.
         data["shares"] = len(daemon.shares)
@@ -753,30 +735,22 @@ class MpsManager:
             daemon = self._daemons.get(device_uuid)
             if daemon is None or not _pid_alive(daemon.record.pid):
                 return 0
+            # Only servers that still run: a crashed one may be listed until it is reaped.
             servers = _live_pids(self._command(daemon, "get_server_list"))
-            return sum(
-                len(_parse_pids(self._command(daemon, f"get_client_list {server}")))
-                for server in servers
-            )
+            return len(list(self._clients(daemon, servers)))
 
-    def _status_of(self, daemon: _Daemon) -> MpsDaemonStatus:
+    def _clients(self, daemon: _Daemon, servers: Iterable[int]) -> Iterator[int]:
+        """The client PIDs of ``servers``, one ``get_client_list`` each, as they are read.
+
+        Raises:
+            MpsError: a command failed (the clients read before it have been yielded).
+        """
+        for server in servers:
+            yield from _parse_pids(self._command(daemon, f"get_client_list {server}"))
+
+    def _recorded_status(self, daemon: _Daemon) -> MpsDaemonStatus:
+        """The daemon as migd's own record has it, without asking it (no clients)."""
         record = daemon.record
-        servers: tuple[int, ...] = ()
-        clients: list[int] = []
-        limit: int | None = None
-        healthy, error = daemon.healthy, daemon.last_error
-        try:
-            servers = tuple(_parse_pids(self._command(daemon, "get_server_list")))
-            for server in servers:
-                clients.extend(_parse_pids(self._command(daemon, f"get_client_list {server}")))
-            limit = parse_limit_mib(
-                self._command(
-                    daemon, f"get_default_device_pinned_mem_limit {MPS_CLIENT_DEVICE_INDEX}"
-                )
-            )
-        except MpsError as exc:
-            healthy, error = False, str(exc)
-        idle = daemon.idle_since
         return MpsDaemonStatus(
             device_uuid=record.device_uuid,
             pid=record.pid,
@@ -785,15 +759,42 @@ class MpsManager:
             multi_user=record.multi_user,
             pipe_dir=record.pipe_dir,
             log_dir=record.log_dir,
+            servers=tuple(sorted(daemon.known_servers)),
+            clients=(),
+            default_limit_mib=record.default_limit_mib or None,
+            shares=len(daemon.shares),
+            healthy=daemon.healthy,
+            last_error=daemon.last_error,
+            started_at=record.started_at,
+            idle_for_s=None,
+            scope_unit=record.scope_unit,
+        )
+
+    def _status_of(self, daemon: _Daemon) -> MpsDaemonStatus:
+        """The daemon as it answers now (every server it lists, live or not)."""
+        servers: tuple[int, ...] = ()
+        clients: list[int] = []
+        limit: int | None = None
+        healthy, error = daemon.healthy, daemon.last_error
+        try:
+            servers = tuple(_parse_pids(self._command(daemon, "get_server_list")))
+            clients.extend(self._clients(daemon, servers))
+            limit = parse_limit_mib(
+                self._command(
+                    daemon, f"get_default_device_pinned_mem_limit {MPS_CLIENT_DEVICE_INDEX}"
+                )
+            )
+        except MpsError as exc:
+            healthy, error = False, str(exc)
+        idle = daemon.idle_since
+        return replace(
+            self._recorded_status(daemon),
             servers=servers,
             clients=tuple(sorted(clients)),
             default_limit_mib=limit,
-            shares=len(daemon.shares),
             healthy=healthy,
             last_error=error,
-            started_at=record.started_at,
             idle_for_s=None if idle is None else self._clock.monotonic() - idle,
-            scope_unit=record.scope_unit,
         )
 
     def report_client_error(self, device_uuid: str, message: str) -> None:
