@@ -18,6 +18,7 @@ import pytest
 
 from migd.errors import MigdError
 from migd.testing.fake_mps_control import fault_path
+from tests.mps.conftest import pid_alive
 from tests.process.conftest import DaemonProcess, wait_for
 from tests.process.test_daemon_process import NOBODY, as_user
 from tests.process.test_wrapper_process import SIMJOB, run
@@ -152,15 +153,6 @@ UNAVAILABLE = "all CUDA-capable devices are busy or unavailable"
 
 
 # -- helpers for the tests below -----------------------------------------------------------
-
-
-def pid_alive(pid: int) -> bool:
-    """Running and not a zombie (a daemonized process may wait for a reaper)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def holder() -> subprocess.Popen[bytes]:
