@@ -275,9 +275,12 @@ class _Daemon:
 
         for server in self.servers.values():
             for pid in [p for p in server.clients if not _pid_alive(p)]:
-                server.clients.discard(pid)
-                server.client_limits.pop(pid, None)
-                self.log(f"Client {{PID: {pid}}} exit", who="Server", pid=server.pid)
+                self._drop_client(server, pid)
+
+    def _drop_client(self, server: _Server, pid: int) -> None:
+        server.clients.discard(pid)
+        server.client_limits.pop(pid, None)
+        self.log(f"Client {{PID: {pid}}} exit", who="Server", pid=server.pid)
 
     def hand_over(self) -> None:
         """Per-user: once the current server has no clients, it exits for the next user."""
@@ -501,9 +504,7 @@ class _Daemon:
         client_pid = int(args[0])
         for server in self.servers.values():
             if client_pid in server.clients:
-                server.clients.discard(client_pid)
-                server.client_limits.pop(client_pid, None)
-                self.log(f"Client {{PID: {client_pid}}} exit", who="Server", pid=server.pid)
+                self._drop_client(server, client_pid)
         return ""
 
     def cmd_fake_status(self, args: list[str]) -> str:
