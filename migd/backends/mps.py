@@ -50,8 +50,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -337,7 +337,6 @@ class HealthEvent:
     detail: str
     action: str  # restarted_daemon, restarted_server, restart_failed, none
     ok: bool  # the device serves again
-    clients_lost: bool = True  # the device's clients died (or may have)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -350,15 +349,7 @@ class HealthReport:
     @property
     def affected_devices(self) -> tuple[str, ...]:
         """Devices whose clients were (or may have been) lost: their leases need a look."""
-        return tuple(dict.fromkeys(e.device_uuid for e in self.events if e.clients_lost))
-
-    @property
-    def recovered_devices(self) -> tuple[str, ...]:
-        """Devices that serve again after this check (a failed device can recover later)."""
-        failed = set(self.failed_devices)
-        return tuple(
-            dict.fromkeys(e.device_uuid for e in self.events if e.device_uuid not in failed)
-        )
+        return tuple(dict.fromkeys(e.device_uuid for e in self.events))
 
     @property
     def failed_devices(self) -> tuple[str, ...]:
@@ -716,29 +707,11 @@ class MpsManager:
             cached = self._status_cache.get(device_uuid)
         if daemon is None:
             return []
-        record = daemon.record
-        if cached is not None and cached[0].get("pid") == record.pid:
+        if cached is not None and cached[0].get("pid") == daemon.record.pid:
             data = dict(cached[0])
             data["age_s"] = round(max(0.0, self._clock.monotonic() - cached[1]), 3)
         else:
-            data = MpsDaemonStatus(
-                device_uuid=record.device_uuid,
-                pid=record.pid,
-                uid=record.uid,
-                serves_uid=record.serves_uid,
-                multi_user=record.multi_user,
-                pipe_dir=record.pipe_dir,
-                log_dir=record.log_dir,
-                servers=tuple(sorted(daemon.known_servers)),
-                clients=(),
-                default_limit_mib=record.default_limit_mib or None,
-                shares=len(daemon.shares),
-                healthy=daemon.healthy,
-                last_error=daemon.last_error,
-                started_at=record.started_at,
-                idle_for_s=None,
-                scope_unit=record.scope_unit,
-            ).to_dict()
+            data = self._recorded_status(daemon).to_dict()
             data["age_s"] = None
         # Shares and health change under migd's own hand: always current.
         data["shares"] = len(daemon.shares)
@@ -762,30 +735,22 @@ class MpsManager:
             daemon = self._daemons.get(device_uuid)
             if daemon is None or not _pid_alive(daemon.record.pid):
                 return 0
+            # Only servers that still run: a crashed one may be listed until it is reaped.
             servers = _live_pids(self._command(daemon, "get_server_list"))
-            return sum(
-                len(_parse_pids(self._command(daemon, f"get_client_list {server}")))
-                for server in servers
-            )
+            return len(list(self._clients(daemon, servers)))
 
-    def _status_of(self, daemon: _Daemon) -> MpsDaemonStatus:
+    def _clients(self, daemon: _Daemon, servers: Iterable[int]) -> Iterator[int]:
+        """The client PIDs of ``servers``, one ``get_client_list`` each, as they are read.
+
+        Raises:
+            MpsError: a command failed (the clients read before it have been yielded).
+        """
+        for server in servers:
+            yield from _parse_pids(self._command(daemon, f"get_client_list {server}"))
+
+    def _recorded_status(self, daemon: _Daemon) -> MpsDaemonStatus:
+        """The daemon as migd's own record has it, without asking it (no clients)."""
         record = daemon.record
-        servers: tuple[int, ...] = ()
-        clients: list[int] = []
-        limit: int | None = None
-        healthy, error = daemon.healthy, daemon.last_error
-        try:
-            servers = tuple(_parse_pids(self._command(daemon, "get_server_list")))
-            for server in servers:
-                clients.extend(_parse_pids(self._command(daemon, f"get_client_list {server}")))
-            limit = parse_limit_mib(
-                self._command(
-                    daemon, f"get_default_device_pinned_mem_limit {MPS_CLIENT_DEVICE_INDEX}"
-                )
-            )
-        except MpsError as exc:
-            healthy, error = False, str(exc)
-        idle = daemon.idle_since
         return MpsDaemonStatus(
             device_uuid=record.device_uuid,
             pid=record.pid,
@@ -794,15 +759,42 @@ class MpsManager:
             multi_user=record.multi_user,
             pipe_dir=record.pipe_dir,
             log_dir=record.log_dir,
+            servers=tuple(sorted(daemon.known_servers)),
+            clients=(),
+            default_limit_mib=record.default_limit_mib or None,
+            shares=len(daemon.shares),
+            healthy=daemon.healthy,
+            last_error=daemon.last_error,
+            started_at=record.started_at,
+            idle_for_s=None,
+            scope_unit=record.scope_unit,
+        )
+
+    def _status_of(self, daemon: _Daemon) -> MpsDaemonStatus:
+        """The daemon as it answers now (every server it lists, live or not)."""
+        servers: tuple[int, ...] = ()
+        clients: list[int] = []
+        limit: int | None = None
+        healthy, error = daemon.healthy, daemon.last_error
+        try:
+            servers = tuple(_parse_pids(self._command(daemon, "get_server_list")))
+            clients.extend(self._clients(daemon, servers))
+            limit = parse_limit_mib(
+                self._command(
+                    daemon, f"get_default_device_pinned_mem_limit {MPS_CLIENT_DEVICE_INDEX}"
+                )
+            )
+        except MpsError as exc:
+            healthy, error = False, str(exc)
+        idle = daemon.idle_since
+        return replace(
+            self._recorded_status(daemon),
             servers=servers,
             clients=tuple(sorted(clients)),
             default_limit_mib=limit,
-            shares=len(daemon.shares),
             healthy=healthy,
             last_error=error,
-            started_at=record.started_at,
             idle_for_s=None if idle is None else self._clock.monotonic() - idle,
-            scope_unit=record.scope_unit,
         )
 
     def report_client_error(self, device_uuid: str, message: str) -> None:
@@ -968,12 +960,12 @@ class MpsManager:
         daemon = _Daemon(record=record)
         self._skip_old_log(daemon)
         argv = [self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
-        scoped = self._scope_argv(device_uuid, run_as) if self._use_systemd_scope() else None
-        tried_plain = scoped is None
+        # (argv, unit) of the systemd scope to start it in; None: start it plainly.
+        scope = self._scope(device_uuid, argv, run_as) if self._use_systemd_scope() else None
         attempts = 0
         while True:
             attempts += 1
-            launch, launch_as = (scoped, None) if scoped is not None else (argv, run_as)
+            launch, launch_as = (scope[0], None) if scope is not None else (argv, run_as)
             result = self._runner.run(
                 launch,
                 env=self._daemon_env(record),
@@ -982,7 +974,7 @@ class MpsManager:
                 run_as=launch_as,
             )
             if result.returncode == 0:
-                record.scope_unit = _unit_of(scoped) if scoped is not None else ""
+                record.scope_unit = scope[1] if scope is not None else ""
                 break
             orphan = _read_pid(pipe_dir / PID_FILE_NAME)
             if (
@@ -996,14 +988,14 @@ class MpsManager:
                 record.pid = orphan
                 self._kill_daemon(daemon)
                 continue
-            if not tried_plain:
+            if scope is not None:
                 # systemd-run itself failed (no D-Bus, a policy): start it the plain way;
                 # it then shares migd's cgroup and does not outlive a unit restart.
                 daemon.last_error = (
                     f"could not start the MPS daemon in a systemd scope "
                     f"({result.output or f'exit {result.returncode}'}); started it plainly"
                 )
-                scoped, tried_plain = None, True
+                scope = None
                 continue
             raise MpsDaemonStartFailed(
                 f"`{' '.join(argv)}` for {device_uuid} failed (exit {result.returncode}): "
@@ -1032,8 +1024,10 @@ class MpsManager:
             shutil.which(self.config.systemd_run, path=self._base_env().get("PATH")) is not None
         )
 
-    def _scope_argv(self, device_uuid: str, run_as: RunAs | None) -> list[str]:
-        """``systemd-run --scope ... -- <control> -d``: the daemon in its own scope unit.
+    def _scope(
+        self, device_uuid: str, argv: list[str], run_as: RunAs | None
+    ) -> tuple[list[str], str]:
+        """``systemd-run --scope ... -- <argv>`` and the unit: the daemon in its own scope.
 
         A scope takes the process that systemd-run becomes (it execs the command) and
         everything it forks; the daemon stays in it after the front process exits, out
@@ -1044,10 +1038,10 @@ class MpsManager:
         short = re.sub(r"[^A-Za-z0-9]", "", self.dir_name(device_uuid).split("-", 1)[-1])[:8]
         kind = "mig" if device_uuid.startswith("MIG-") else "gpu"
         unit = f"migd-mps-{kind}-{short or 'dev'}-{secrets.token_hex(3)}"
-        argv = [self.config.systemd_run, "--scope", "--collect", "--quiet", f"--unit={unit}"]
+        scoped = [self.config.systemd_run, "--scope", "--collect", "--quiet", f"--unit={unit}"]
         if run_as is not None:
-            argv += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
-        return [*argv, "--", self.config.binary, "-d"] + (["-M"] if self._multi_user else [])
+            scoped += [f"--uid={run_as.uid}", f"--gid={run_as.gid}"]
+        return [*scoped, "--", *argv], unit
 
     def _wait_ready(self, daemon: _Daemon) -> int:
         """Poll until the pid file names a live process and the daemon answers."""
@@ -1437,10 +1431,6 @@ def _looks_like_mps(pid: int) -> bool:
     """An MPS control daemon or server (``nvidia-cuda-mps-server``; the fake's servers
     are forks of its control process). Empty command lines do not count."""
     return "mps" in _cmdline(pid)
-
-
-def _unit_of(argv: Sequence[str]) -> str:
-    return next((a.split("=", 1)[1] for a in argv if a.startswith("--unit=")), "")
 
 
 def _daemon_env_value(pid: int, name: str) -> str | None:

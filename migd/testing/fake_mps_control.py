@@ -270,11 +270,17 @@ class _Daemon:
 
     def prune_clients(self) -> None:
         """A client whose process has exited has left its server (CUDA tears it down)."""
+        # Imported here, in the daemon: the front end (a process per command) stays light.
+        from migd.backends.mps import _pid_alive
+
         for server in self.servers.values():
-            for pid in [p for p in server.clients if not _process_exists(p)]:
-                server.clients.discard(pid)
-                server.client_limits.pop(pid, None)
-                self.log(f"Client {{PID: {pid}}} exit", who="Server", pid=server.pid)
+            for pid in [p for p in server.clients if not _pid_alive(p)]:
+                self._drop_client(server, pid)
+
+    def _drop_client(self, server: _Server, pid: int) -> None:
+        server.clients.discard(pid)
+        server.client_limits.pop(pid, None)
+        self.log(f"Client {{PID: {pid}}} exit", who="Server", pid=server.pid)
 
     def hand_over(self) -> None:
         """Per-user: once the current server has no clients, it exits for the next user."""
@@ -498,9 +504,7 @@ class _Daemon:
         client_pid = int(args[0])
         for server in self.servers.values():
             if client_pid in server.clients:
-                server.clients.discard(client_pid)
-                server.client_limits.pop(client_pid, None)
-                self.log(f"Client {{PID: {client_pid}}} exit", who="Server", pid=server.pid)
+                self._drop_client(server, client_pid)
         return ""
 
     def cmd_fake_status(self, args: list[str]) -> str:
@@ -622,20 +626,6 @@ class _Daemon:
             with contextlib.suppress(FileNotFoundError):
                 (self.pipe_dir / name).unlink()
         self.log("Control daemon exiting")
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text("utf-8")
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def _run_daemon(pipe_dir: Path, log_dir: Path, *, multi_user: bool, foreground: bool) -> int:

@@ -20,8 +20,8 @@ from pathlib import Path
 from migd.client import MigdClient
 from migd.errors import ConfigError, JobAdError, MigdError
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
-from migd.wrapper.runner import JobRunner, RunnerOptions, StopRequested, WrapperFailure
-from migd.wrapper.settings import WrapperSettings, load_settings
+from migd.wrapper.runner import JobRunner, StopRequested, WrapperFailure
+from migd.wrapper.settings import load_settings
 
 WRAPPER_ERROR_ENV = "_CONDOR_WRAPPER_ERROR_FILE"
 
@@ -45,20 +45,6 @@ def _fail(message: str, exit_code: int = 1) -> int:
     return exit_code
 
 
-def _options(settings: WrapperSettings) -> RunnerOptions:
-    section = settings.section
-    return RunnerOptions(
-        sample_interval_s=section.sample_interval_s,
-        term_grace_s=section.term_grace_s,
-        forecast=settings.forecast,
-        oom=settings.oom,
-        restart_wait_s=section.restart_wait_s,
-        debug=settings.debug,
-        decision_log_interval_s=section.decision_log_interval_s,
-        time_warmup_s=section.forecast_time_warmup_s,
-    )
-
-
 def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None) -> int:
     if not spec.gpu_job:
         # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job).
@@ -73,7 +59,7 @@ def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None)
     runner = JobRunner(
         spec,
         MigdClient(socket_path, timeout_s=30.0),
-        options=_options(settings),
+        settings=settings,
         set_job_attrs=functools.partial(set_job_attrs, timeout_s=settings.section.chirp_timeout_s),
     )
     for note in [*(notes or []), *settings.notes]:

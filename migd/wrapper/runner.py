@@ -34,13 +34,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from migd.client import MigdClient
-from migd.core.forecast import Forecaster, ForecastPolicy, MemorySample, Verdict
-from migd.core.oom import OomPolicy, OomVerdict, TailBuffer, classify_exit
+from migd.core.forecast import Forecaster, MemorySample, Verdict
+from migd.core.oom import OomVerdict, TailBuffer, classify_exit
 from migd.core.restart import RestartSize, restart_size
 from migd.errors import (
     DaemonUnavailable,
@@ -50,6 +50,7 @@ from migd.errors import (
     RequestTooLarge,
 )
 from migd.wrapper.jobspec import JobSpec
+from migd.wrapper.settings import WrapperSettings
 
 OOM_EXIT_CODE = 86
 FORWARDED_SIGNALS = (
@@ -113,34 +114,19 @@ class Attempt:
     tail: bytes = b""
 
 
-@dataclass
-class RunnerOptions:
-    sample_interval_s: float = 2.0
-    term_grace_s: float = 10.0
-    memstats_dir: Path | None = None
-    forecast: ForecastPolicy = field(default_factory=ForecastPolicy)
-    oom: OomPolicy = field(default_factory=OomPolicy)
-    restart_wait_s: float = 600.0
-    debug: bool = False
-    decision_log_interval_s: float = 60.0
-    # NVML samples keyed by seconds (a job that reports no iterations) start this late:
-    # start-up (context, model loading) is a steep climb that says nothing about growth.
-    time_warmup_s: float = 30.0
-
-
 class JobRunner:
     def __init__(
         self,
         spec: JobSpec,
         client: MigdClient,
         *,
-        options: RunnerOptions | None = None,
+        settings: WrapperSettings | None = None,
         set_job_attrs: AttrSetter | None = None,
         err: IO[bytes] | None = None,
     ) -> None:
         self.spec = spec
         self.client = client
-        self.options = options or RunnerOptions()
+        self.settings = settings or WrapperSettings()
         self.set_job_attrs = set_job_attrs
         self.err = err or sys.stderr.buffer
         self.child: subprocess.Popen[bytes] | None = None
@@ -158,7 +144,7 @@ class JobRunner:
             self.err.flush()
 
     def debug(self, message: str) -> None:
-        if self.options.debug:
+        if self.settings.debug:
             self.say(f"debug: {message}")
 
     # -- signals ----------------------------------------------------------------------------
@@ -283,14 +269,14 @@ class JobRunner:
                 # Size on the point forecast (seed 002: "the slice that meets the memory
                 # requirement"): early in a run the upper band is several times the real
                 # peak. If that was too little, the OOM path takes over.
-                needed: float | None = self.options.forecast.needed_mib(fc.predicted_peak_mib)
+                needed: float | None = self.settings.forecast.needed_mib(fc.predicted_peak_mib)
                 event = "forecast"
             elif oom is not None and oom.is_oom:
                 if oom.kind == "weak":
-                    if weak_restarts >= self.options.oom.weak_retries:
+                    if weak_restarts >= self.settings.oom.weak_retries:
                         self.say(
                             f"the job failed again on weak out-of-memory evidence ({oom.reason}); "
-                            f"{self.options.oom.weak_retries} bigger retry allowed: passing "
+                            f"{self.settings.oom.weak_retries} bigger retry allowed: passing "
                             "its exit status through"
                         )
                         return self._finish(attempt)
@@ -330,7 +316,7 @@ class JobRunner:
             attempt.tail,
             attempt.peak_used_mib,
             limit,
-            policy=self.options.oom,
+            policy=self.settings.oom,
         )
 
     def _restart_size(self, lease: dict[str, Any], limit: int, needed: float | None) -> RestartSize:
@@ -423,7 +409,7 @@ class JobRunner:
 
     def _acquire(self, memory: int, *, first: bool) -> dict[str, Any]:
         spec = self.spec
-        wait = spec.wait_s if first else (spec.wait_s or self.options.restart_wait_s)
+        wait = spec.wait_s if first else (spec.wait_s or self.settings.section.restart_wait_s)
         self._interruptible = True
         try:
             if self.stop_signal is not None:
@@ -533,12 +519,11 @@ class JobRunner:
         if self.stop_signal is not None:
             attempt.stopped = True  # stopped between the grant and the start
             return attempt
+        options = self.settings.section
         limit = lease.get("memory_limit_mib")
         memstats = None
         if self.spec.early_restart:
-            base = self.options.memstats_dir or Path(
-                os.environ.get("_CONDOR_SCRATCH_DIR") or os.environ.get("TMPDIR") or "/tmp"
-            )
+            base = Path(os.environ.get("_CONDOR_SCRATCH_DIR") or os.environ.get("TMPDIR") or "/tmp")
             memstats = base / f".migd-memstats-{os.getpid()}-{lease['lease_id']}.jsonl"
             with contextlib.suppress(OSError):
                 memstats.unlink()
@@ -549,11 +534,14 @@ class JobRunner:
         pump.start()
         # Two series, never mixed: NVML samples keyed by seconds since the start while
         # the job reports nothing, then, from its first MIGD_MEMSTATS_FILE line, a fresh
-        # forecaster keyed by the job's own iterations.
+        # forecaster keyed by the job's own iterations. The NVML series starts late:
+        # start-up (context, model loading) is a steep climb that says nothing about growth.
         by_time = None
         if self.spec.early_restart:
             by_time = Forecaster(
-                dataclasses.replace(self.options.forecast, warmup_steps=self.options.time_warmup_s)
+                dataclasses.replace(
+                    self.settings.forecast, warmup_steps=options.forecast_time_warmup_s
+                )
             )
         by_step: Forecaster | None = None
         started = time.monotonic()
@@ -561,7 +549,7 @@ class JobRunner:
         memstats_offset = 0
         samples = 0
         while True:
-            interval = self.options.sample_interval_s
+            interval = options.sample_interval_s
             if samples < len(EARLY_SAMPLES_S):
                 interval = min(interval, EARLY_SAMPLES_S[samples])
             try:
@@ -576,7 +564,7 @@ class JobRunner:
             if by_time is None or not limit or self.stop_signal is not None:
                 continue
             if by_step is None and self._memstats_ready(memstats, memstats_offset):
-                by_step = Forecaster(self.options.forecast)
+                by_step = Forecaster(self.settings.forecast)
                 self.debug("the job reports allocator statistics: forecasting per iteration")
             if by_step is not None:
                 memstats_offset = self._feed_memstats(by_step, memstats, memstats_offset)
@@ -594,7 +582,7 @@ class JobRunner:
                 returncode = child.wait()
                 break
             now = time.monotonic()
-            if self.options.debug and now - last_logged >= self.options.decision_log_interval_s:
+            if self.settings.debug and now - last_logged >= options.decision_log_interval_s:
                 last_logged = now
                 self.debug(
                     f"forecast at step {forecaster.last_step}: {verdict.reason} "
@@ -689,7 +677,7 @@ class JobRunner:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGTERM)
         try:
-            child.wait(timeout=self.options.term_grace_s)
+            child.wait(timeout=self.settings.section.term_grace_s)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGKILL)

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from migd.core.forecast import ForecastPolicy
 from migd.core.oom import OomPolicy
@@ -86,30 +93,36 @@ class WrapperSection(BaseModel):
     )
     oom_weak_retries: int = Field(1, ge=0, description="restarts allowed on weak evidence")
 
+    _forecast: ForecastPolicy = PrivateAttr()
+    _oom: OomPolicy = PrivateAttr()
+
     @model_validator(mode="after")
-    def _policies_accept_it(self) -> WrapperSection:
+    def _build_policies(self) -> WrapperSection:
+        """Build the forecast and OOM policies once; a value they refuse is invalid."""
         try:
-            self.forecast_policy()
-            self.oom_policy()
+            self._forecast = ForecastPolicy(
+                **{
+                    name.removeprefix("forecast_"): getattr(self, name)
+                    for name in type(self).model_fields
+                    if name.startswith("forecast_") and name != "forecast_time_warmup_s"
+                }
+            )
+            self._oom = OomPolicy(
+                weak_fraction=self.oom_weak_fraction,
+                corroborate_fraction=self.oom_corroborate_fraction,
+                weak_retries=self.oom_weak_retries,
+            )
         except ConfigError as exc:
             raise ValueError(exc.message) from exc
         return self
 
-    def forecast_policy(self) -> ForecastPolicy:
-        return ForecastPolicy(
-            **{
-                name.removeprefix("forecast_"): getattr(self, name)
-                for name in type(self).model_fields
-                if name.startswith("forecast_") and name != "forecast_time_warmup_s"
-            }
-        )
+    @property
+    def forecast(self) -> ForecastPolicy:
+        return self._forecast
 
-    def oom_policy(self) -> OomPolicy:
-        return OomPolicy(
-            weak_fraction=self.oom_weak_fraction,
-            corroborate_fraction=self.oom_corroborate_fraction,
-            weak_retries=self.oom_weak_retries,
-        )
+    @property
+    def oom(self) -> OomPolicy:
+        return self._oom
 
 
 @dataclass(frozen=True)
@@ -117,10 +130,16 @@ class WrapperSettings:
     """The validated settings and where they came from (for the debug log)."""
 
     section: WrapperSection = field(default_factory=WrapperSection)
-    forecast: ForecastPolicy = field(default_factory=ForecastPolicy)
-    oom: OomPolicy = field(default_factory=OomPolicy)
     sources: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+    @property
+    def forecast(self) -> ForecastPolicy:
+        return self.section.forecast
+
+    @property
+    def oom(self) -> OomPolicy:
+        return self.section.oom
 
     @property
     def debug(self) -> bool:
@@ -202,5 +221,4 @@ def load_settings(
             hint="fix [wrapper] in migd.toml or the MIGD_WRAPPER_* variable "
             "(docs/wrapper.md, Settings)",
         ) from exc
-    forecast, oom = section_model.forecast_policy(), section_model.oom_policy()
-    return WrapperSettings(section_model, forecast, oom, tuple(sources), tuple(notes))
+    return WrapperSettings(section_model, tuple(sources), tuple(notes))

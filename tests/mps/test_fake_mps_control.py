@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from .conftest import kill_fake, pid_alive, wait_for
 
 
 def run(
-    binary: Path, pipe: Path, log: Path, *args: str, stdin: str = ""
+    binary: Path, pipe: Path, log: Path, *args: str, stdin: str = "", **env: str
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(binary), *args],
@@ -34,6 +34,7 @@ def run(
             "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
             "CUDA_MPS_LOG_DIRECTORY": str(log),
             "CUDA_VISIBLE_DEVICES": "GPU-11111111-2222-3333-4444-555555555555",
+            **env,
         },
         check=False,
     )
@@ -42,6 +43,19 @@ def run(
 @pytest.fixture
 def dirs(short_dir: Path) -> tuple[Path, Path]:
     return short_dir / "pipe", short_dir / "log"
+
+
+@pytest.fixture
+def start_daemon(fake_binary: Path, dirs: tuple[Path, Path]) -> Iterator[Callable[..., None]]:
+    """``start_daemon(*args, **env)`` runs ``-d *args`` (``env`` added to its environment);
+    after the test the daemon is stopped with ``quit -t 0``, whatever happened."""
+    pipe, log = dirs
+
+    def start(*args: str, **env: str) -> None:
+        assert run(fake_binary, pipe, log, "-d", *args, **env).returncode == 0
+
+    yield start
+    run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_client_without_daemon_says_so_and_fails(
@@ -70,98 +84,97 @@ def test_daemon_writes_pid_file_refuses_second_instance_and_quits(
     assert not (pipe / PID_FILE_NAME).exists()
 
 
-def test_replies_follow_the_real_formats(fake_binary: Path, dirs: tuple[Path, Path]) -> None:
+def test_replies_follow_the_real_formats(
+    fake_binary: Path, dirs: tuple[Path, Path], start_daemon: Callable[..., None]
+) -> None:
     pipe, log = dirs
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
-    try:
-        out = run(
-            fake_binary,
-            pipe,
-            log,
-            stdin=(
-                "get_server_list\n"
-                "set_default_active_thread_percentage 25\n"
-                "get_default_active_thread_percentage\n"
-                "set_default_device_pinned_mem_limit 0 512M\n"
-                "get_default_device_pinned_mem_limit 0\n"
-                "start_server -uid 1234\n"
-                "get_server_list\n"
-            ),
-        )
-        assert out.returncode == 0
-        lines = out.stdout.split()
-        # empty server list prints nothing; set echoes "25.0"; limits print as <n>M
-        assert lines[:3] == ["25.0", "25.0", "512M"]
-        (server,) = lines[3:]
-        assert pid_alive(int(server))
+    start_daemon()
+    out = run(
+        fake_binary,
+        pipe,
+        log,
+        stdin=(
+            "get_server_list\n"
+            "set_default_active_thread_percentage 25\n"
+            "get_default_active_thread_percentage\n"
+            "set_default_device_pinned_mem_limit 0 512M\n"
+            "get_default_device_pinned_mem_limit 0\n"
+            "start_server -uid 1234\n"
+            "get_server_list\n"
+        ),
+    )
+    assert out.returncode == 0
+    lines = out.stdout.split()
+    # empty server list prints nothing; set echoes "25.0"; limits print as <n>M
+    assert lines[:3] == ["25.0", "25.0", "512M"]
+    (server,) = lines[3:]
+    assert pid_alive(int(server))
 
-        bad = run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 lots\n")
-        assert bad.returncode == 0 and bad.stdout.strip()  # rejected: an error line on stdout
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    bad = run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 lots\n")
+    assert bad.returncode == 0 and bad.stdout.strip()  # rejected: an error line on stdout
 
 
 def test_defaults_reach_only_servers_started_later(
-    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+    fake_binary: Path,
+    dirs: tuple[Path, Path],
+    client_procs: Callable[[], int],
+    start_daemon: Callable[..., None],
 ) -> None:
     pipe, log = dirs
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
-    try:
-        run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 1024M\n")
-        first = run(
-            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
-        ).stdout.strip()
-        run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2048M\n")
-        status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
-        (server,) = status["servers"]
-        assert server["pid"] == int(first)
-        assert server["pinned_limits"] == {"0": "1024M"}
-        assert status["default_pinned_limits"] == {"0": "2048M"}
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    start_daemon()
+    run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 1024M\n")
+    first = run(
+        fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
+    ).stdout.strip()
+    run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2048M\n")
+    status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
+    (server,) = status["servers"]
+    assert server["pid"] == int(first)
+    assert server["pinned_limits"] == {"0": "1024M"}
+    assert status["default_pinned_limits"] == {"0": "2048M"}
 
 
 def test_per_user_clients_wait_while_another_user_is_served(
-    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+    fake_binary: Path,
+    dirs: tuple[Path, Path],
+    client_procs: Callable[[], int],
+    start_daemon: Callable[..., None],
 ) -> None:
     pipe, log = dirs
     first, second = client_procs(), client_procs()
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
-    try:
-        assert (
-            run(fake_binary, pipe, log, stdin=f"fake_register_client {first} 1000\n")
-            .stdout.strip()
-            .isdigit()
-        )
-        other = run(fake_binary, pipe, log, stdin=f"fake_register_client {second} 2000\n").stdout
-        assert other.startswith("ERROR: pending")
-        run(fake_binary, pipe, log, stdin=f"fake_unregister_client {first}\n")
-        assert (
-            run(fake_binary, pipe, log, stdin=f"fake_register_client {second} 2000\n")
-            .stdout.strip()
-            .isdigit()
-        )
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    start_daemon()
+    assert (
+        run(fake_binary, pipe, log, stdin=f"fake_register_client {first} 1000\n")
+        .stdout.strip()
+        .isdigit()
+    )
+    other = run(fake_binary, pipe, log, stdin=f"fake_register_client {second} 2000\n").stdout
+    assert other.startswith("ERROR: pending")
+    run(fake_binary, pipe, log, stdin=f"fake_unregister_client {first}\n")
+    assert (
+        run(fake_binary, pipe, log, stdin=f"fake_register_client {second} 2000\n")
+        .stdout.strip()
+        .isdigit()
+    )
 
 
 def test_multi_user_daemon_serves_all_users_from_one_root_server(
-    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+    fake_binary: Path,
+    dirs: tuple[Path, Path],
+    client_procs: Callable[[], int],
+    start_daemon: Callable[..., None],
 ) -> None:
     pipe, log = dirs
-    assert run(fake_binary, pipe, log, "-d", "-M").returncode == 0
-    try:
-        a = run(
-            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
-        ).stdout.strip()
-        b = run(
-            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 2000\n"
-        ).stdout.strip()
-        assert a == b
-        status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
-        assert [s["uid"] for s in status["servers"]] == [0]
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    start_daemon("-M")
+    a = run(
+        fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
+    ).stdout.strip()
+    b = run(
+        fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 2000\n"
+    ).stdout.strip()
+    assert a == b
+    status = json.loads(run(fake_binary, pipe, log, stdin="fake_status\n").stdout)
+    assert [s["uid"] for s in status["servers"]] == [0]
 
 
 def test_die_fault_leaves_a_stale_pid_file_that_does_not_block_a_new_daemon(
@@ -182,51 +195,35 @@ def test_die_fault_leaves_a_stale_pid_file_that_does_not_block_a_new_daemon(
 
 
 def test_refuse_clients_fault_logs_the_cuda_error(
-    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+    fake_binary: Path,
+    dirs: tuple[Path, Path],
+    client_procs: Callable[[], int],
+    start_daemon: Callable[..., None],
 ) -> None:
     pipe, log = dirs
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
-    try:
-        fault_path(pipe, "refuse-clients").touch()
-        reply = run(
-            fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
-        ).stdout
-        assert "all CUDA-capable devices are busy or unavailable" in reply
-        assert (
-            "all CUDA-capable devices are busy or unavailable" in (log / "control.log").read_text()
-        )
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    start_daemon()
+    fault_path(pipe, "refuse-clients").touch()
+    reply = run(
+        fake_binary, pipe, log, stdin=f"fake_register_client {client_procs()} 1000\n"
+    ).stdout
+    assert "all CUDA-capable devices are busy or unavailable" in reply
+    assert "all CUDA-capable devices are busy or unavailable" in (log / "control.log").read_text()
 
 
 def test_client_cap_refuses_the_client_past_the_limit(
-    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+    fake_binary: Path,
+    dirs: tuple[Path, Path],
+    client_procs: Callable[[], int],
+    start_daemon: Callable[..., None],
 ) -> None:
     pipe, log = dirs
-    env_cap = {"FAKE_MPS_MAX_CLIENTS": "2"}
-    result = subprocess.run(
-        [str(fake_binary), "-d"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        env={
-            "PATH": os.environ["PATH"],
-            "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
-            "CUDA_MPS_LOG_DIRECTORY": str(log),
-            **env_cap,
-        },
-        check=False,
-    )
-    assert result.returncode == 0
-    try:
-        replies = [
-            run(fake_binary, pipe, log, stdin=f"fake_register_client {pid} 1000\n").stdout.strip()
-            for pid in (client_procs(), client_procs(), client_procs())
-        ]
-        assert replies[0].isdigit() and replies[1] == replies[0]
-        assert "busy or unavailable" in replies[2]
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    start_daemon(FAKE_MPS_MAX_CLIENTS="2")
+    replies = [
+        run(fake_binary, pipe, log, stdin=f"fake_register_client {pid} 1000\n").stdout.strip()
+        for pid in (client_procs(), client_procs(), client_procs())
+    ]
+    assert replies[0].isdigit() and replies[1] == replies[0]
+    assert "busy or unavailable" in replies[2]
 
 
 def test_quit_waits_for_clients_and_quit_t_forces_the_servers_down(
@@ -278,11 +275,11 @@ def test_quit_returns_once_the_last_client_has_exited(
 
 
 def test_start_server_of_another_user_waits_until_the_current_server_drains(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], start_daemon: Callable[..., None]
 ) -> None:
     pipe, log = dirs
     client = subprocess.Popen(["sleep", "300"])
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    start_daemon()
     try:
         run(fake_binary, pipe, log, stdin=f"fake_register_client {client.pid} 1000\n")
         run(fake_binary, pipe, log, stdin="start_server -uid 2000\n")
@@ -298,37 +295,37 @@ def test_start_server_of_another_user_waits_until_the_current_server_drains(
     finally:
         client.kill()
         client.wait()
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
 
 
 def test_a_client_gets_the_servers_limit_lowered_never_raised_by_its_env(
-    fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
+    fake_binary: Path,
+    dirs: tuple[Path, Path],
+    client_procs: Callable[[], int],
+    start_daemon: Callable[..., None],
 ) -> None:
     from migd.testing.fake_mps_control import connect_client
 
     pipe, log = dirs
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
-    try:
-        run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2G\n")
-        server, limit = connect_client(pipe, client_procs(), 1000) or (0, 0)
-        assert limit == 2048  # no variable: the server's limit
-        assert connect_client(pipe, client_procs(), 1000, "0=512MB") == (server, 512)
-        # NVIDIA: a client value above the server's "will be ineffective"
-        assert connect_client(pipe, client_procs(), 1000, "0=4096M") == (server, 2048)
-        uuid = "GPU-11111111-2222-3333-4444-555555555555"
-        assert connect_client(pipe, client_procs(), 1000, f"{uuid}=1G") == (server, 1024)
-    finally:
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")
+    start_daemon()
+    run(fake_binary, pipe, log, stdin="set_default_device_pinned_mem_limit 0 2G\n")
+    server, limit = connect_client(pipe, client_procs(), 1000) or (0, 0)
+    assert limit == 2048  # no variable: the server's limit
+    assert connect_client(pipe, client_procs(), 1000, "0=512MB") == (server, 512)
+    # NVIDIA: a client value above the server's "will be ineffective"
+    assert connect_client(pipe, client_procs(), 1000, "0=4096M") == (server, 2048)
+    uuid = "GPU-11111111-2222-3333-4444-555555555555"
+    assert connect_client(pipe, client_procs(), 1000, f"{uuid}=1G") == (server, 1024)
+    run(fake_binary, pipe, log, stdin="quit -t 0\n")
     # No daemon: CUDA runs the program without MPS, and without any limit.
     assert connect_client(pipe, client_procs(), 1000, "0=512M") is None
 
 
 def test_a_client_whose_process_exits_leaves_its_server(
-    fake_binary: Path, dirs: tuple[Path, Path]
+    fake_binary: Path, dirs: tuple[Path, Path], start_daemon: Callable[..., None]
 ) -> None:
     pipe, log = dirs
     client = subprocess.Popen(["sleep", "300"])
-    assert run(fake_binary, pipe, log, "-d").returncode == 0
+    start_daemon()
     try:
         server = run(fake_binary, pipe, log, stdin=f"fake_register_client {client.pid} 1000\n")
         listed = run(fake_binary, pipe, log, stdin=f"get_client_list {server.stdout.strip()}\n")
@@ -347,4 +344,3 @@ def test_a_client_whose_process_exits_leaves_its_server(
     finally:
         client.kill()
         client.wait()
-        run(fake_binary, pipe, log, stdin="quit -t 0\n")

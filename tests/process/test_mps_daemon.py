@@ -18,6 +18,7 @@ import pytest
 
 from migd.errors import MigdError
 from migd.testing.fake_mps_control import fault_path
+from tests.mps.conftest import pid_alive
 from tests.process.conftest import DaemonProcess, wait_for
 from tests.process.test_daemon_process import NOBODY, as_user
 from tests.process.test_wrapper_process import SIMJOB, run
@@ -128,11 +129,7 @@ print(json.dumps(dict(lease, serving_uid=uid)))
 
 
 def test_sigterm_keeps_a_busy_mps_daemon_and_restart_adopts_it(daemon: DaemonProcess) -> None:
-    daemon.simulate = "1xV100-32GB"
-    holder = subprocess.Popen(["sleep", "120"])
-    try:
-        daemon.start()
-        daemon.client().lease(job_id="k.0", gpu_memory_mib=1000, wait_s=5, holder_pid=holder.pid)
+    with held_lease(daemon, "k.0"):
         [control] = mps_status(daemon)["daemons"]
         daemon.signal(signal.SIGTERM)
         assert daemon.wait() == 0
@@ -143,9 +140,6 @@ def test_sigterm_keeps_a_busy_mps_daemon_and_restart_adopts_it(daemon: DaemonPro
         status = mps_status(daemon)
         assert [d["pid"] for d in status["daemons"]] == [control["pid"]]
         assert status["pinned_mib"] == 1000
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 UNAVAILABLE = "all CUDA-capable devices are busy or unavailable"
@@ -154,18 +148,23 @@ UNAVAILABLE = "all CUDA-capable devices are busy or unavailable"
 # -- helpers for the tests below -----------------------------------------------------------
 
 
-def pid_alive(pid: int) -> bool:
-    """Running and not a zombie (a daemonized process may wait for a reaper)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def holder() -> subprocess.Popen[bytes]:
     """A process that holds a lease (the wrapper's stand-in) until killed."""
     return subprocess.Popen(["sleep", "300"])
+
+
+@contextlib.contextmanager
+def held_lease(daemon: DaemonProcess, job_id: str) -> Iterator[dict[str, Any]]:
+    """migd on a simulated V100 and a 1000 MiB MPS lease for ``job_id``, held by a
+    :func:`holder` that is killed at the end."""
+    daemon.simulate = "1xV100-32GB"
+    h = holder()
+    try:
+        daemon.start()
+        yield daemon.client().lease(job_id=job_id, gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+    finally:
+        h.kill()
+        h.wait()
 
 
 def fake_control(pipe: str | Path, command: str) -> str:
@@ -368,11 +367,7 @@ def test_usage_of_an_mps_lease_counts_only_its_own_jobs_processes(
 def test_a_crashed_server_flags_its_leases_in_status_leases_and_explain(
     daemon: DaemonProcess,
 ) -> None:
-    daemon.simulate = "1xV100-32GB"
-    h = holder()
-    try:
-        daemon.start()
-        lease = daemon.client().lease(job_id="x.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+    with held_lease(daemon, "x.0") as lease:
         fault_path(lease["env"]["CUDA_MPS_PIPE_DIRECTORY"], "crash-server").touch()
         row = wait_for(
             lambda: (r := lease_row(daemon, lease["lease_id"]))["warning"] and r,
@@ -386,38 +381,30 @@ def test_a_crashed_server_flags_its_leases_in_status_leases_and_explain(
         assert "WARNING: MPS clients lost" in migctl(daemon, "leases")
         assert "WARNING: MPS clients lost" in migctl(daemon, "explain", "x.0")
         assert "mps.clients_lost" in migctl(daemon, "history", "--job", "x.0")
-    finally:
-        h.kill()
-        h.wait()
 
 
 def test_gpu_health_is_cleared_once_the_mps_daemon_can_be_restarted(
     daemon: DaemonProcess,
 ) -> None:
-    daemon.simulate = "1xV100-32GB"
-    h = holder()
     shim = daemon.root / "run" / "sim-bin" / "nvidia-cuda-mps-control"
-    try:
-        daemon.start()
-        lease = daemon.client().lease(job_id="r.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
-        shim.chmod(0o644)  # the control binary cannot run: restarts fail
-        fault_path(lease["env"]["CUDA_MPS_PIPE_DIRECTORY"], "die").touch()
-        gpu = wait_for(
-            lambda: (g := daemon.client().status()["gpus"][0])["health"] != "ok" and g,
-            what="the GPU to be marked",
-        )
-        assert gpu["health"].startswith("MPS daemon cannot be restarted")
-        shim.chmod(0o755)
-        wait_for(
-            lambda: daemon.client().status()["gpus"][0]["health"] == "ok",
-            what="the health mark to clear",
-        )
-        [control] = mps_status(daemon)["daemons"]
-        os.kill(int(control["pid"]), 0)
-    finally:
-        shim.chmod(0o755)
-        h.kill()
-        h.wait()
+    with held_lease(daemon, "r.0") as lease:
+        try:
+            shim.chmod(0o644)  # the control binary cannot run: restarts fail
+            fault_path(lease["env"]["CUDA_MPS_PIPE_DIRECTORY"], "die").touch()
+            gpu = wait_for(
+                lambda: (g := daemon.client().status()["gpus"][0])["health"] != "ok" and g,
+                what="the GPU to be marked",
+            )
+            assert gpu["health"].startswith("MPS daemon cannot be restarted")
+            shim.chmod(0o755)
+            wait_for(
+                lambda: daemon.client().status()["gpus"][0]["health"] == "ok",
+                what="the health mark to clear",
+            )
+            [control] = mps_status(daemon)["daemons"]
+            os.kill(int(control["pid"]), 0)
+        finally:
+            shim.chmod(0o755)
 
 
 # -- reports from the wrapper ---------------------------------------------------------------
@@ -426,12 +413,8 @@ def test_gpu_health_is_cleared_once_the_mps_daemon_can_be_restarted(
 def test_a_wrappers_devices_unavailable_report_restarts_the_mps_daemon(
     daemon: DaemonProcess,
 ) -> None:
-    daemon.simulate = "1xV100-32GB"
-    h = holder()
-    try:
-        daemon.start()
+    with held_lease(daemon, "d.0") as lease:
         c = daemon.client()
-        lease = c.lease(job_id="d.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
         [before] = mps_status(daemon)["daemons"]
         reply = c.call(
             "report",
@@ -457,9 +440,6 @@ def test_a_wrappers_devices_unavailable_report_restarts_the_mps_daemon(
         with pytest.raises(MigdError) as info:
             c.call("report", lease_id=lease["lease_id"], event="mps_client_error", data={})
         assert info.value.code == "invalid_request"
-    finally:
-        h.kill()
-        h.wait()
 
 
 # -- mode=mps on a MIG GPU ------------------------------------------------------------------
@@ -480,11 +460,7 @@ def test_mode_mps_on_a_mig_enabled_gpu_is_refused_with_a_hint(daemon: DaemonProc
 
 
 def test_restart_with_a_dead_mps_daemon_flags_the_lease(daemon: DaemonProcess) -> None:
-    daemon.simulate = "1xV100-32GB"
-    h = holder()
-    try:
-        daemon.start()
-        lease = daemon.client().lease(job_id="z.0", gpu_memory_mib=1000, wait_s=5, holder_pid=h.pid)
+    with held_lease(daemon, "z.0") as lease:
         [control] = mps_status(daemon)["daemons"]
         daemon.signal(signal.SIGTERM)
         assert daemon.wait() == 0
@@ -498,9 +474,6 @@ def test_restart_with_a_dead_mps_daemon_flags_the_lease(daemon: DaemonProcess) -
         assert fresh["pid"] != control["pid"]
         events = [r["event"] for r in daemon.client().call("history", job_id="z.0")["history"]]
         assert "mps.clients_lost" in events
-    finally:
-        h.kill()
-        h.wait()
 
 
 # -- MPS inside MIG ---------------------------------------------------------------------------
