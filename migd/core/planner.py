@@ -312,16 +312,8 @@ def utilisation(space: StateSpace, key: StateKey) -> float:
     return space.info(key).used_slices / (geo.units + geo.compute_slices)
 
 
-_COSTS: dict[str, CostModel] = {}
-
-
 def _costs(policy: PlannerPolicy, model: str) -> CostModel:
-    configured = (policy.costs or {}).get(model)
-    if configured is not None:
-        return configured
-    if model not in _COSTS:
-        _COSTS[model] = CostModel.for_model(model)
-    return _COSTS[model]
+    return (policy.costs or {}).get(model) or CostModel.for_model(model)
 
 
 def satisfies(have: Profile, want: Profile, *, have_variant: Profile | None = None) -> bool:
