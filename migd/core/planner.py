@@ -715,11 +715,6 @@ def _check_named(prof: Profile, request: PartitionRequest, model: str) -> Sizing
     return Sizing(prof)
 
 
-def profile_for(space: StateSpace, request: PartitionRequest) -> Profile | None:
-    """The profile ``request`` gets on a GPU of this space, or ``None`` if it never fits."""
-    return size_request(space, request).profile
-
-
 def never_fits_error(
     request: PartitionRequest,
     sizings: Sequence[tuple[StateSpace, Sizing]],
