@@ -351,12 +351,11 @@ def _plan_on_gpu(
     costs = _costs(policy, view.geometry.model)
 
     if policy.reuse_idle:
-        idle = [
-            (space.member(i.profile), i)
+        fitting = [
+            (p, i)
             for i in view.instances
-            if not i.busy and i.profile.memory_slices <= prof.memory_slices
+            if not i.busy and satisfies(p := space.member(i.profile), prof, have_variant=i.profile)
         ]
-        fitting = [(p, i) for p, i in idle if satisfies(p, prof, have_variant=i.profile)]
         if fitting:
             # the tightest instance first (the exact profile), then the driver's order
             have, chosen = min(
