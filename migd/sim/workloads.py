@@ -644,10 +644,6 @@ class WorkloadSpec:
         return self.builder(seed, geometry(model).model if model else self.model)
 
 
-def _seed002_build(name: str, seed: int, model: str) -> list[SimJob]:
-    return seed002_mix(name, seed, model)
-
-
 def _far_build(scaling: str, times: str, seed: int, model: str) -> list[SimJob]:
     sizes = classic_sizes(geometry(model))
     # p_sup = 0.5 (Figure 11): with no memory-bound tasks every task's fastest-area
@@ -669,7 +665,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     **{
         name: WorkloadSpec(
             name,
-            functools.partial(_seed002_build, name),
+            functools.partial(seed002_mix, name),
             desc,
             assume,
         )
