@@ -343,7 +343,35 @@ def traces_table(shapes: dict[str, Shape], out: Out) -> None:
         )
 
 
-def main_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out) -> None:
+@dataclass(frozen=True)
+class CaseRuns:
+    """One case of the main grid (noise ×1): each seed's trace, the iteration at which it
+    OOMs on the small partition, and where the default policy first fires on its
+    allocated series (shared by the main table and the paper's-method table)."""
+
+    traces: list[Trace]
+    ooms: list[int | None]
+    fires_alloc: list[int | None]
+
+
+def case_runs(shapes: dict[str, Shape], seed: int, reps: int) -> list[CaseRuns]:
+    """The :class:`CaseRuns` of every case in :data:`CASES`, in order."""
+    runs = []
+    for ci, c in enumerate(CASES):
+        limit = PROFILE_MIB[c.partition]
+        traces = [
+            make_trace(c, shapes[c.name], trace_seed(seed, ci, rep), 1.0) for rep in range(reps)
+        ]
+        ooms = [oom_iteration(trace, limit) for trace in traces]
+        fires = [
+            first_fire(trace, DEFAULT, limit, "allocated", oom)
+            for trace, oom in zip(traces, ooms, strict=True)
+        ]
+        runs.append(CaseRuns(traces, ooms, fires))
+    return runs
+
+
+def main_table(runs: list[CaseRuns], reps: int, out: Out) -> None:
     out(f"\n## Main result: default policy, {reps} seeds per case\n")
     out(
         "Fire/OOM iterations are medians [min–max] over seeds (1-based). *Estimate at 10%*: "
@@ -361,23 +389,16 @@ def main_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out) -> None
     out("|---|---|---|---|---|---|---|---|---|")
     abs_point: list[float] = []
     abs_upper: list[float] = []
-    for ci, c in enumerate(CASES):
-        shape = shapes[c.name]
+    for c, case in zip(CASES, runs, strict=True):
         limit = PROFILE_MIB[c.partition]
         control = PROFILE_MIB[c.control]
-        ooms: list[int | None] = []
-        fires_alloc: list[int | None] = []
         fires_used: list[int | None] = []
         errs_point: list[float] = []
         errs_upper: list[float] = []
         false_alloc: list[bool | None] = []
         false_used: list[bool | None] = []
         upto = 0
-        for rep in range(reps):
-            trace = make_trace(c, shape, trace_seed(seed, ci, rep), 1.0)
-            oom = oom_iteration(trace, limit)
-            ooms.append(oom)
-            fires_alloc.append(first_fire(trace, DEFAULT, limit, "allocated", oom))
+        for trace, oom in zip(case.traces, case.ooms, strict=True):
             fires_used.append(first_fire(trace, DEFAULT, limit, "used", oom))
             peak = max(trace.allocated_ctx)
             upto, point, upper = estimate_at(trace, DEFAULT, "allocated", 0.10)
@@ -393,7 +414,7 @@ def main_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out) -> None
             else "n/a"
         )
         out(
-            f"| {c.name} | {summarise(ooms)} ({c.paper_oom}) | {summarise(fires_alloc)} "
+            f"| {c.name} | {summarise(case.ooms)} ({c.paper_oom}) | {summarise(case.fires_alloc)} "
             f"({c.paper_fire}) | {summarise(fires_used)} | {upto} "
             f"| {statistics.fmean(errs_point):+.1f}% | {statistics.fmean(errs_upper):+.1f}% "
             f"| {paper_err} | {fp_text(false_alloc)} / {fp_text(false_used)} |"
@@ -520,7 +541,7 @@ def shape_table(seed: int, reps: int, out: Out) -> None:
 PAPER_BAND = replace(DEFAULT, z=2.576, leverage=False)  # ŷ + z·σ as the paper writes it
 
 
-def paper_method_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out) -> None:
+def paper_method_table(runs: list[CaseRuns], reps: int, out: Out) -> None:
     out(f"\n## Seed 002's own method: requested memory and inverse reuse ratio ({reps} seeds)\n")
     out(
         "The same traces, but the forecaster sees only what the paper's method uses: the "
@@ -539,21 +560,14 @@ def paper_method_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out)
     reuse = replace(DEFAULT, series="reuse")
     paper = replace(PAPER_BAND, series="reuse")
     sums: dict[str, list[float]] = {"point": [], "upper": [], "paper": []}
-    for ci, c in enumerate(CASES):
-        shape = shapes[c.name]
+    for c, case in zip(CASES, runs, strict=True):
         limit = PROFILE_MIB[c.partition]
-        ooms: list[int | None] = []
         fires: list[int | None] = []
-        fires_alloc: list[int | None] = []
         errs: dict[str, list[float]] = {"point": [], "upper": [], "paper": []}
         false: list[bool | None] = []
         upto = 0
-        for rep in range(reps):
-            trace = make_trace(c, shape, trace_seed(seed, ci, rep), 1.0)
-            oom = oom_iteration(trace, limit)
-            ooms.append(oom)
+        for trace, oom in zip(case.traces, case.ooms, strict=True):
             fires.append(first_fire(trace, reuse, limit, "reuse", oom))
-            fires_alloc.append(first_fire(trace, DEFAULT, limit, "allocated", oom))
             peak = max(trace.allocated_ctx)
             upto, point, upper = estimate_at(trace, reuse, "reuse", 0.10)
             _, _, upper_paper = estimate_at(trace, paper, "reuse", 0.10)
@@ -569,7 +583,8 @@ def paper_method_table(shapes: dict[str, Shape], seed: int, reps: int, out: Out)
             else "n/a"
         )
         out(
-            f"| {c.name} | {summarise(ooms)} | {summarise(fires)} | {summarise(fires_alloc)} "
+            f"| {c.name} | {summarise(case.ooms)} | {summarise(fires)} "
+            f"| {summarise(case.fires_alloc)} "
             f"| {c.paper_fire} | {upto} | {statistics.fmean(errs['point']):+.1f}% "
             f"| {statistics.fmean(errs['upper']):+.1f}% | {statistics.fmean(errs['paper']):+.1f}% "
             f"| {paper_err} | {fp_text(false)} |"
@@ -632,8 +647,9 @@ def run(seed: int, reps: int, out: Out) -> None:
     shapes = {c.name: solve_shape(c) for c in CASES}
     sensitivity_reps = max(3, reps // 2)
     traces_table(shapes, out)
-    main_table(shapes, seed, reps, out)
-    paper_method_table(shapes, seed, reps, out)
+    runs = case_runs(shapes, seed, reps)
+    main_table(runs, reps, out)
+    paper_method_table(runs, reps, out)
     reuse_shape_table(shapes, seed, sensitivity_reps, out)
     band_table(shapes, seed, sensitivity_reps, out)
     gate_table(shapes, seed, reps, out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 
 # size (compute slices) -> (create_s, destroy_s)
 SEED003_TABLE1: dict[str, dict[int, tuple[float, float]]] = {
@@ -36,26 +36,24 @@ class CostModel:
         default_factory=lambda: dict(SEED003_TABLE1["A100"])
     )
 
-    @classmethod
-    def for_model(cls, model: str) -> CostModel:
-        return cls(dict(SEED003_TABLE1[_family(model)]))
+    @staticmethod
+    @cache
+    def for_model(model: str) -> CostModel:
+        """Seed 003's column for ``model`` (one shared instance per model: do not mutate)."""
+        return CostModel(dict(SEED003_TABLE1[_family(model)]))
+
+    def _nearest(self, compute_slices: int) -> tuple[float, float]:
+        sizes = sorted(self.table)
+        return self.table[next((s for s in sizes if s >= compute_slices), sizes[-1])]
 
     @cached_property
     def _rows(self) -> dict[int, tuple[float, float]]:
         """Row per compute size 1-8 (the most any model has), looked up once."""
-        sizes = sorted(self.table)
-        rows = {}
-        for want in range(1, 9):
-            fit = next((s for s in sizes if s >= want), sizes[-1])
-            rows[want] = self.table[fit]
-        return rows
+        return {want: self._nearest(want) for want in range(1, 9)}
 
     def _row(self, compute_slices: int) -> tuple[float, float]:
         row = self._rows.get(compute_slices)
-        if row is not None:
-            return row
-        sizes = sorted(self.table)
-        return self.table[next((s for s in sizes if s >= compute_slices), sizes[-1])]
+        return row if row is not None else self._nearest(compute_slices)
 
     def create_s(self, compute_slices: int) -> float:
         return self._row(compute_slices)[0]

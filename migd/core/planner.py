@@ -312,16 +312,8 @@ def utilisation(space: StateSpace, key: StateKey) -> float:
     return space.info(key).used_slices / (geo.units + geo.compute_slices)
 
 
-_COSTS: dict[str, CostModel] = {}
-
-
 def _costs(policy: PlannerPolicy, model: str) -> CostModel:
-    configured = (policy.costs or {}).get(model)
-    if configured is not None:
-        return configured
-    if model not in _COSTS:
-        _COSTS[model] = CostModel.for_model(model)
-    return _COSTS[model]
+    return (policy.costs or {}).get(model) or CostModel.for_model(model)
 
 
 def satisfies(have: Profile, want: Profile, *, have_variant: Profile | None = None) -> bool:
@@ -359,12 +351,11 @@ def _plan_on_gpu(
     costs = _costs(policy, view.geometry.model)
 
     if policy.reuse_idle:
-        idle = [
-            (space.member(i.profile), i)
+        fitting = [
+            (p, i)
             for i in view.instances
-            if not i.busy and i.profile.memory_slices <= prof.memory_slices
+            if not i.busy and satisfies(p := space.member(i.profile), prof, have_variant=i.profile)
         ]
-        fitting = [(p, i) for p, i in idle if satisfies(p, prof, have_variant=i.profile)]
         if fitting:
             # the tightest instance first (the exact profile), then the driver's order
             have, chosen = min(
@@ -721,11 +712,6 @@ def _check_named(prof: Profile, request: PartitionRequest, model: str) -> Sizing
             f"than the {request.min_compute} asked for",
         )
     return Sizing(prof)
-
-
-def profile_for(space: StateSpace, request: PartitionRequest) -> Profile | None:
-    """The profile ``request`` gets on a GPU of this space, or ``None`` if it never fits."""
-    return size_request(space, request).profile
 
 
 def never_fits_error(

@@ -122,16 +122,19 @@ class RequestQueue(Generic[T]):
 
     def order(self, now_s: float) -> list[QueuedRequest[T]]:
         """The order in which requests are tried now: starved ones first, oldest first."""
-        items = list(self._items.values())
-        starved = sorted(
-            (i for i in items if i.age_s(now_s) >= self.starvation_s),
-            key=lambda i: (i.arrival_s, i.seq),
-        )
-        if starved:
-            taken = {i.ident for i in starved}
-            items = [i for i in items if i.ident not in taken]
+
+        def arrival(item: QueuedRequest[T]) -> tuple[float, int]:
+            return (item.arrival_s, item.seq)
+
         if self.policy is QueuePolicy.FIFO:
-            return starved + sorted(items, key=lambda i: (i.arrival_s, i.seq))
+            # Age only grows with earlier arrival: the starved requests already
+            # lead the arrival order.
+            return sorted(self._items.values(), key=arrival)
+        starved: list[QueuedRequest[T]] = []
+        items: list[QueuedRequest[T]] = []
+        for item in self._items.values():
+            (starved if item.age_s(now_s) >= self.starvation_s else items).append(item)
+        starved.sort(key=arrival)
         sizes = sorted({i.memory_mib for i in items})
         rank = {size: n for n, size in enumerate(sizes)}
 

@@ -30,7 +30,15 @@ from migd.sim.jobs import SimJob
 from migd.sim.policies import POLICY_NAMES
 from migd.sim.progress import ProgressBar
 from migd.sim.report import INCOMPLETE, fmt_duration, write_report
-from migd.sim.workloads import SCALING, TIMES, TRACE_COLUMNS, WORKLOADS, far_tasks, load_trace
+from migd.sim.workloads import (
+    SCALING,
+    TIMES,
+    TRACE_COLUMNS,
+    WORKLOADS,
+    classic_sizes,
+    far_tasks,
+    load_trace,
+)
 
 SUBCOMMANDS = ("compare", "far", "list")
 
@@ -196,7 +204,7 @@ def _cmd_far(args: argparse.Namespace) -> int:
         raise InvalidRequest("--n and --runs must be at least 1")
     if not 0.0 <= args.p_sup <= 1.0:
         raise InvalidRequest(f"--p-sup must be in [0, 1], got {args.p_sup}")
-    sizes = tuple(sorted({p.compute_slices for p in geo.profile_set("classic")}))
+    sizes = classic_sizes(geo)
     rhos: list[float] = []
     times_ms: list[float] = []
     bar = ProgressBar(args.runs, "planning", enabled=False if args.quiet else None)

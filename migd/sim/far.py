@@ -318,6 +318,11 @@ def timeline(
 # -- phase 2 ------------------------------------------------------------------------------------
 
 
+def _longest_first(tasks: list[int], size: int, times: Sequence[Mapping[int, float]]) -> None:
+    """Sort ``tasks`` in place, the longest on an instance of ``size`` first (stable)."""
+    tasks.sort(key=lambda t: -times[t][size])
+
+
 def _phase2(
     tree: RepartitionTree,
     allocation: Sequence[int],
@@ -329,7 +334,7 @@ def _phase2(
     for task, size in enumerate(allocation):
         groups[size].append(task)
     for size, tasks in groups.items():
-        tasks.sort(key=lambda t: -times[t][size])
+        _longest_first(tasks, size, times)
         tasks.reverse()  # pop() takes the longest
     remaining = len(allocation)
     nodes = tree.nodes
@@ -417,9 +422,8 @@ def _phase2_paths(
         assignment[v].append(task)
         for a in ancestors[v]:  # nearest first
             below[a] = max(load[c] + below[c] for c in nodes[a].children)
-    for v, tasks in enumerate(assignment):
-        size = nodes[v].size
-        tasks.sort(key=lambda t, s=size: -times[t][s])  # type: ignore[misc]
+    for node, tasks in zip(nodes, assignment, strict=True):
+        _longest_first(tasks, node.size, times)
     return assignment
 
 
@@ -539,9 +543,8 @@ def _refine_paper(
                 queue.append(node.parent)
                 queued.add(node.parent)
         w = max(slice_end.values(), default=0.0)
-    for i, tasks in enumerate(assignment):
-        size = nodes[i].size
-        tasks.sort(key=lambda t, s=size: -times[t][s])  # type: ignore[misc]
+    for node, tasks in zip(nodes, assignment, strict=True):
+        _longest_first(tasks, node.size, times)
     makespan, nt = timeline(tree, assignment, times, costs)
     return makespan, nt, moves, swaps
 
@@ -616,11 +619,9 @@ def _refine(
             if kind == "swap":
                 trial[a].remove(tj)
                 trial[i].append(tj)
-                size_i = nodes[i].size
-                trial[i].sort(key=lambda t, s=size_i: -times[t][s])  # type: ignore[misc]
+                _longest_first(trial[i], nodes[i].size, times)
             trial[a].append(tk)
-            size_a = nodes[a].size
-            trial[a].sort(key=lambda t, s=size_a: -times[t][s])  # type: ignore[misc]
+            _longest_first(trial[a], nodes[a].size, times)
             new_makespan, new_nt = timeline(tree, trial, times, costs)
             if new_makespan < makespan - 1e-9:
                 assignment[:] = trial

@@ -46,9 +46,9 @@ def _pct(value: float) -> str:
 INCOMPLETE = "†"
 
 
-def ratio_cell(comparison: Comparison, row: Row, attr: str = "throughput_per_h") -> str:
-    """``1.49x``, with a dagger when the row did not complete every job."""
-    cell = _ratio(comparison.ratio(row.label, attr))
+def ratio_cell(comparison: Comparison, row: Row) -> str:
+    """Throughput ``1.49x``, with a dagger when the row did not complete every job."""
+    cell = _ratio(comparison.ratio(row.label))
     return cell if row.metrics.complete else f"{cell} {INCOMPLETE}"
 
 

@@ -289,6 +289,11 @@ def _counts(n: int, shares: Mapping[int, float]) -> dict[int, int]:
     return counts
 
 
+def classic_sizes(geo: Geometry) -> tuple[int, ...]:
+    """The compute sizes of ``geo``'s classic profiles, ascending (FAR's task sizes)."""
+    return tuple(sorted({p.compute_slices for p in geo.profile_set("classic")}))
+
+
 def far_tasks(
     n: int,
     scaling: str | Mapping[int, float] = "mixed",
@@ -639,13 +644,8 @@ class WorkloadSpec:
         return self.builder(seed, geometry(model).model if model else self.model)
 
 
-def _seed002_build(name: str, seed: int, model: str) -> list[SimJob]:
-    return seed002_mix(name, seed, model)
-
-
 def _far_build(scaling: str, times: str, seed: int, model: str) -> list[SimJob]:
-    geo = geometry(model)
-    sizes = tuple(sorted({p.compute_slices for p in geo.profile_set("classic")}))
+    sizes = classic_sizes(geometry(model))
     # p_sup = 0.5 (Figure 11): with no memory-bound tasks every task's fastest-area
     # size is 1 slice, and the online mix would be all 1g requests
     return far_jobs(far_tasks(20, scaling, times, seed=seed, p_sup=0.5, sizes=sizes), model)
@@ -665,7 +665,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     **{
         name: WorkloadSpec(
             name,
-            functools.partial(_seed002_build, name),
+            functools.partial(seed002_mix, name),
             desc,
             assume,
         )

@@ -54,7 +54,7 @@ def complete(node: NodeScheduler, work: list[Work], now: float = 1.0) -> dict[in
     uuids: dict[int, str] = {}
     for w in work:
         created = {
-            op.start: (op.start + 1, f"MIG-{w.gpu}-{op.start}", op.profile.memory_mib)
+            op.start: (op.start + 1, f"MIG-{w.gpu}-{op.start}-{now}", op.profile.memory_mib)
             for op in w.ops
             if isinstance(op, CreateOp)
         }
@@ -286,16 +286,7 @@ def test_mps_in_mig_invariants(idle: str, steps: list[tuple[str, int, str, int]]
         elif action in ("complete", "fail") and pending:
             work = pending.pop(0)
             if action == "complete":
-                created = {
-                    op.start: (
-                        op.start + 1,
-                        f"MIG-{work.gpu}-{op.start}-{now}",
-                        op.profile.memory_mib,
-                    )
-                    for op in work.ops
-                    if isinstance(op, CreateOp)
-                }
-                node.work_done(work, created, now)
+                complete(node, [work], now)
             else:
                 node.work_failed(work, InsufficientResources("injected"), now)
                 g = node.gpus[work.gpu]
