@@ -377,9 +377,8 @@ class NvmlBackend:
         self._versions: tuple[str, str] | None = None
         self._geometries: dict[int, Geometry] = {}
         self._ci_profile_cache: dict[tuple[int, int], list[_CiProfile]] = {}
-        # Per GPU: MIG UUID -> (GI id, CI id), and the MIG device handle last seen for it.
-        self._mig_ids: dict[int, dict[str, MigIds]] = {}
-        self._mig_handles: dict[int, dict[str, Any]] = {}
+        # Per GPU: (GI id, CI id) -> (MIG UUID, the MIG device handle last seen for it).
+        self._mig_cache: dict[int, dict[MigIds, tuple[str, Any]]] = {}
         self._logged: set[str] = set()
 
     # -- session ----------------------------------------------------------------------------
@@ -844,8 +843,7 @@ class NvmlBackend:
         """
         current, _pending = self._mig_mode(gpu)
         if current is False:
-            self._mig_ids[gpu] = {}
-            self._mig_handles[gpu] = {}
+            self._mig_cache[gpu] = {}
             return []
         geometry = self.geometry(gpu)
         nvml = self._n()
@@ -886,10 +884,7 @@ class NvmlBackend:
                     devices = self._mig_devices(gpu)
                 break
             devices[ids] = cached
-        self._mig_ids[gpu] = {devices[ids][0]: ids for ids in wanted if ids in devices}
-        self._mig_handles[gpu] = {
-            devices[ids][0]: devices[ids][1] for ids in wanted if ids in devices
-        }
+        self._mig_cache[gpu] = {ids: devices[ids] for ids in wanted if ids in devices}
         missing = sorted(wanted - devices.keys())
         if missing:
             raise GpuError(
@@ -936,37 +931,8 @@ class NvmlBackend:
         """Every MIG device of the GPU: (GI id, CI id) -> (MIG UUID, MIG device handle).
 
         Walks ``nvmlDeviceGetMigDeviceHandleByIndex`` over ``nvmlDeviceGetMaxMigDeviceCount``
-        slots (an empty slot answers NOT_FOUND) and refreshes the UUID caches.
+        slots (an empty slot answers NOT_FOUND) and refreshes the MIG device cache.
         """
-        found = self._walk_mig_devices(gpu, None)
-        self._mig_ids[gpu] = {uuid: ids for ids, (uuid, _d) in found.items()}
-        self._mig_handles[gpu] = {uuid: device for _ids, (uuid, device) in found.items()}
-        return found
-
-    def _cached_mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
-        """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
-        handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
-        for uuid, known in self._mig_ids.get(gpu, {}).items():
-            if known == ids:
-                handle = self._mig_handles.get(gpu, {}).get(uuid)
-                if handle is not None and self._handle_has_uuid(gpu, handle, uuid):
-                    return uuid, handle
-                return None
-        return None
-
-    def _mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
-        """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
-        cached = self._cached_mig_device(gpu, ids)
-        if cached is not None:
-            return cached
-        found = self._walk_mig_devices(gpu, ids).get(ids)
-        if found is not None:
-            self._mig_ids.setdefault(gpu, {})[found[0]] = ids
-            self._mig_handles.setdefault(gpu, {})[found[0]] = found[1]
-        return found
-
-    def _walk_mig_devices(self, gpu: int, wanted: MigIds | None) -> dict[MigIds, tuple[str, Any]]:
-        """Walk the MIG device slots; with ``wanted``, stop at that device (or find none)."""
         nvml = self._n()
         parent = self._handle(gpu)
         with nvml_errors("count MIG devices", gpu=gpu):
@@ -976,21 +942,30 @@ class NvmlBackend:
             with nvml_errors("read MIG device", gpu=gpu, mig_index=index):
                 try:
                     device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-                    gi_id = int(nvml.nvmlDeviceGetGpuInstanceId(device))
-                    if wanted is not None and gi_id != wanted[0]:
-                        continue
-                    ids = (gi_id, int(nvml.nvmlDeviceGetComputeInstanceId(device)))
-                    if wanted is not None and ids != wanted:
-                        continue
+                    ids = (
+                        int(nvml.nvmlDeviceGetGpuInstanceId(device)),
+                        int(nvml.nvmlDeviceGetComputeInstanceId(device)),
+                    )
                     uuid = _text(nvml.nvmlDeviceGetUUID(device))
                 except Exception as exc:
                     if nvml_error_code(exc) in _EMPTY_SLOT:
                         continue  # no MIG device here (or it just went away)
                     raise
             found[ids] = (uuid, device)
-            if wanted is not None:
-                break
+        self._mig_cache[gpu] = found
         return found
+
+    def _cached_mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+        """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
+        handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
+        cached = self._mig_cache.get(gpu, {}).get(ids)
+        if cached is not None and self._handle_has_uuid(gpu, cached[1], cached[0]):
+            return cached
+        return None
+
+    def _mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+        """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
+        return self._cached_mig_device(gpu, ids) or self._mig_devices(gpu).get(ids)
 
     def _handle_has_uuid(self, gpu: int, handle: Any, uuid: str) -> bool:
         """Whether a MIG device handle seen before still names ``uuid`` (handles get reused)."""
@@ -1166,8 +1141,7 @@ class NvmlBackend:
             ):
                 uuid = _text(nvml.nvmlDeviceGetUUID(ci_device))
                 if uuid.startswith("MIG-"):
-                    self._mig_ids.setdefault(gpu, {})[uuid] = ids
-                    self._mig_handles.setdefault(gpu, {})[uuid] = ci_device
+                    self._mig_cache.setdefault(gpu, {})[ids] = (uuid, ci_device)
                     return uuid
         except Exception as exc:
             if nvml_error_code(exc) is None and not _is_library_mismatch(exc):
@@ -1263,10 +1237,9 @@ class NvmlBackend:
                 if attempt + 1 < attempts:
                     self._sleep(self._retry_backoff_s * (2**attempt))
                 continue
-            ids = self._mig_ids.get(gpu, {})
-            for uuid in [u for u, (g, _c) in ids.items() if g == gi_id]:
-                del ids[uuid]
-                self._mig_handles.get(gpu, {}).pop(uuid, None)
+            cache = self._mig_cache.get(gpu, {})
+            for ids in [ids for ids in cache if ids[0] == gi_id]:
+                del cache[ids]
             return
         pids = self._pids_on_gi(gpu, gi_id)
         raise GpuBusy(
@@ -1362,7 +1335,7 @@ class NvmlBackend:
         Raises:
             GpuNotFound: no MIG device with that UUID on this GPU.
         """
-        handle = self._mig_handles.get(gpu, {}).get(mig_uuid)
+        handle = dict(self._mig_cache.get(gpu, {}).values()).get(mig_uuid)
         if handle is not None and self._handle_has_uuid(gpu, handle, mig_uuid):
             return handle
         devices = dict(self._mig_devices(gpu).values())
@@ -1422,7 +1395,7 @@ class NvmlBackend:
                 ]
         except GpuUnsupported as err:  # pre-Volta, or an old driver: no MPS listing
             self._log_once(f"mps-list:{gpu}", "%s; MPS clients not listed", err, level=logging.INFO)
-        uuid_of = self._uuids_by_ids(gpu, [] if mig_uuid else [proc for proc, _mps in raw])
+        uuid_of = {} if mig_uuid else self._uuids_by_ids(gpu, [proc for proc, _mps in raw])
         merged: dict[int, GpuProcess] = {}
         for proc, listed_as_mps in raw:
             pid = int(proc.pid)
@@ -1450,14 +1423,13 @@ class NvmlBackend:
     def _uuids_by_ids(self, gpu: int, raw: list[Any]) -> dict[tuple[int, int], str]:
         """(GI id, CI id) -> MIG UUID for the processes' instances; one refresh if unknown."""
         wanted = {ids for ids in map(_instance_ids, raw) if ids is not None}
-        known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
+        known = self._mig_cache.get(gpu, {})
         if wanted - known.keys():
             try:
-                self._mig_devices(gpu)
+                known = self._mig_devices(gpu)
             except MigdError as err:  # the UUIDs are detail; the processes are still right
                 self._log_once(f"uuids:{gpu}", "%s; MIG UUIDs of processes unknown", err)
-            known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
-        return known
+        return {ids: uuid for ids, (uuid, _device) in known.items()}
 
     def heartbeat(self, gpu: int) -> None:
         """One cheap NVML call on the GPU; raises if the driver or the GPU stopped answering.
