@@ -1302,9 +1302,7 @@ class NvmlBackend:
         pids: set[int] = set()
         try:
             if ci_ids is None:
-                devices = [
-                    device for (g, _c), (_u, device) in self._mig_devices(gpu).items() if g == gi_id
-                ]
+                devices = [found for (g, _c), found in self._mig_devices(gpu).items() if g == gi_id]
             else:
                 devices = []
                 for ci_id in ci_ids:
@@ -1318,9 +1316,9 @@ class NvmlBackend:
                             gi_id=gi_id,
                             ci_id=ci_id,
                         )
-                    devices.append(found[1])
-            for device in devices:
-                pids.update(p.pid for p in self._device_processes(gpu, device, None))
+                    devices.append(found)
+            for uuid, device in devices:
+                pids.update(p.pid for p in self._device_processes(gpu, device, uuid))
         except MigdError:
             if strict:
                 raise
