@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
@@ -607,6 +607,11 @@ class NvmlBackend:
         try:
             details = self.profile_infos_with_engines(gpu)
             infos = [info for info, _engines in details]
+            # NVML's own engine counts win over the table's; copy engines are not shared.
+            engines = {
+                info.profile_id: {k: counts[k] for k in _SHARED_ENGINES if k in counts}
+                for info, counts in details
+            }
             placements = {p.profile_id: self._placements_or_table(gpu, p, builtin) for p in infos}
         except GpuPermissionDenied as err:
             if builtin is None:
@@ -626,6 +631,7 @@ class NvmlBackend:
                     display_name=info.name,
                     builtin=builtin,
                     memory_total_mib=info.memory_total_mib,
+                    engines=engines,
                 )
             except ValueError as exc:
                 if builtin is None:
@@ -639,9 +645,6 @@ class NvmlBackend:
                 )
                 geometry = builtin
             else:
-                geometry = self._with_nvml_engines(
-                    gpu, geometry, {i.profile_id: e for i, e in details}, builtin
-                )
                 if builtin is not None:
                     self._compare_with_builtin(gpu, geometry, builtin)
         self._geometries[gpu] = geometry
@@ -673,38 +676,6 @@ class NvmlBackend:
                 return []
             return [(start, prior.memory_slices) for start in prior.starts]
 
-    def _with_nvml_engines(
-        self,
-        gpu: int,
-        geometry: Geometry,
-        engines: dict[int, dict[str, int]],
-        builtin: Geometry | None,
-    ) -> Geometry:
-        """Each profile's shared-engine counts as NVML reports them (NVML wins; log changes)."""
-        known = {p.profile_id: p for p in builtin.profiles} if builtin else {}
-        changed: list[Profile] = []
-        differences: list[str] = []
-        for profile in geometry.profiles:
-            reported = engines.get(profile.profile_id)
-            if reported is None:
-                changed.append(profile)
-                continue
-            shared = {k: reported[k] for k in _SHARED_ENGINES if k in reported}
-            prior = known.get(profile.profile_id)
-            if prior is not None and prior.engines is not None:
-                table = {k: prior.engines.get(k, 0) for k in shared}
-                if table != shared:
-                    differences.append(f"{profile.name}: NVML {shared}, table {table}")
-            changed.append(replace(profile, engines=shared))
-        if differences:
-            self._log_once(
-                f"geo-engines:{gpu}",
-                "GPU %d: NVML's engine counts differ from the built-in table (NVML wins): %s",
-                gpu,
-                "; ".join(differences),
-            )
-        return replace(geometry, profiles=tuple(changed), _by_id={}, _by_name={})
-
     def _builtin(self, info: GpuInfo) -> Geometry | None:
         if info.model is None:
             return None
@@ -716,11 +687,19 @@ class NvmlBackend:
     def _compare_with_builtin(self, gpu: int, nvml_geo: Geometry, builtin: Geometry) -> None:
         known = {p.profile_id: p for p in builtin.profiles}
         differences = []
+        engine_differences = []
         for profile in nvml_geo.profiles:
             prior = known.get(profile.profile_id)
             if prior is None:
                 differences.append(f"{profile.name} (id {profile.profile_id}) not in the table")
-            elif (prior.starts, prior.memory_slices, prior.max_instances) != (
+                continue
+            if prior.engines is not None and profile.engines is not None:
+                table = {k: prior.engines.get(k, 0) for k in profile.engines}
+                if table != profile.engines:
+                    engine_differences.append(
+                        f"{profile.name}: NVML {profile.engines}, table {table}"
+                    )
+            if (prior.starts, prior.memory_slices, prior.max_instances) != (
                 profile.starts,
                 profile.memory_slices,
                 profile.max_instances,
@@ -730,6 +709,13 @@ class NvmlBackend:
                     f"max {profile.max_instances}, table {prior.starts} size "
                     f"{prior.memory_slices} max {prior.max_instances}"
                 )
+        if engine_differences:
+            self._log_once(
+                f"geo-engines:{gpu}",
+                "GPU %d: NVML's engine counts differ from the built-in table (NVML wins): %s",
+                gpu,
+                "; ".join(engine_differences),
+            )
         if differences:
             self._log_once(
                 f"geo-diff:{gpu}",

@@ -277,7 +277,7 @@ def test_engine_counts_are_nvmls_and_a_difference_is_logged(
     profiles = tuple(replace(p, engines=reported) if p is media else p for p in builtin.profiles)
     spec = replace(
         SimGpuSpec.for_model("A100-40GB"),
-        geometry=replace(builtin, profiles=profiles, _by_id={}, _by_name={}),
+        geometry=replace(builtin, profiles=profiles),
     )
     backend, _ = sim(SimNode([spec]))
     with caplog.at_level(logging.WARNING):
@@ -371,8 +371,6 @@ def test_instance_limit_of_a_profile_is_enforced(sim: Sim) -> None:
         profiles=tuple(
             replace(p, max_instances=2) if p.profile_id == 19 else p for p in geo.profiles
         ),
-        _by_id={},
-        _by_name={},
     )
     spec = replace(SimGpuSpec.for_model("A100-40GB"), geometry=limited)
     backend, _ = sim(SimNode([spec]))

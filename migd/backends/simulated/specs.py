@@ -436,23 +436,14 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
                 placements,
                 display_name=str(gpu["name"]),
                 builtin=builtin,
+                # Engine counts as recorded (NVML reports them per profile; the catalog
+                # may not).
+                engines={
+                    int(p["id"]): {k: int(v) for k, v in p["engines"].items()}
+                    for p in profiles
+                    if p.get("engines")
+                },
             )
-            # Engine counts as recorded (NVML reports them per profile; the catalog may not).
-            engines = {
-                int(p["id"]): {k: int(v) for k, v in p["engines"].items()}
-                for p in profiles
-                if p.get("engines")
-            }
-            if engines:
-                geometry = replace(
-                    geometry,
-                    profiles=tuple(
-                        replace(p, engines=engines.get(p.profile_id, p.engines))
-                        for p in geometry.profiles
-                    ),
-                    _by_id={},
-                    _by_name={},
-                )
         elif builtin is not None:
             geometry = builtin
         else:
