@@ -900,15 +900,12 @@ class NvmlBackend:
             ComputeInstance(ci_id=ci_id, uuid=devices[(gi_id, ci_id)][0], slices=slices)
             for ci_id, slices in sorted(cis)
         )
-        first = computes[0] if computes else None
         return MigInstance(
             gpu=gpu,
             gi_id=gi_id,
             profile_id=int(info.profileId),
             start=int(info.placement.start),
             size=int(info.placement.size),
-            ci_id=first.ci_id if first else None,
-            uuid=first.uuid if first else None,
             memory_total_mib=profile.memory_mib,
             compute_instances=computes,
         )
@@ -1099,8 +1096,6 @@ class NvmlBackend:
             profile_id=profile.profile_id,
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
-            ci_id=ids[1],
-            uuid=uuid,
             memory_total_mib=profile.memory_mib,
             compute_instances=(
                 ComputeInstance(ci_id=ids[1], uuid=uuid, slices=profile.compute_slices),
