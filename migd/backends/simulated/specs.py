@@ -460,12 +460,15 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
             i.get("gi_id"),
             None
             if i.get("compute_instances") is None
+            # An empty UUID in a probe means none was recorded (a TOML spec refuses it).
             else tuple(
-                (int(c["slices"]), str(c["uuid"]) if c.get("uuid") else None)
-                for c in i["compute_instances"]
+                (slices, uuid or None)
+                for slices, uuid in _compute_instances(
+                    i["compute_instances"], f"{where}: instances[{n}]"
+                )
             ),
         )
-        for i in mig.get("instances") or []
+        for n, i in enumerate(mig.get("instances") or [])
     )
     processes: tuple[SimProcessSpec, ...] = ()
     if with_processes:
