@@ -66,9 +66,10 @@ class MigInstance:
     """A GPU instance and its compute instances.
 
     migd makes one full-size compute instance per GPU instance; ``ci_id``/``uuid`` are
-    that one (the first, by id, where an admin made several; ``None`` for a GPU
-    instance without a compute instance). ``compute_instances`` lists every compute
-    instance, so an instance made by hand with several MIG devices is seen whole.
+    that one (the first of ``compute_instances``, by id, where an admin made several;
+    ``None`` for a GPU instance without a compute instance). ``compute_instances`` lists
+    every compute instance, so an instance made by hand with several MIG devices is seen
+    whole.
     ``uuid`` is the MIG device UUID, found through the GPU's MIG device handles
     (``nvmlDeviceGetMigDeviceHandleByIndex``) by GPU and compute instance id.
     """
@@ -78,10 +79,16 @@ class MigInstance:
     profile_id: int
     start: int
     size: int
-    ci_id: int | None
-    uuid: str | None
     memory_total_mib: int
     compute_instances: tuple[ComputeInstance, ...] = ()
+
+    @property
+    def ci_id(self) -> int | None:
+        return self.compute_instances[0].ci_id if self.compute_instances else None
+
+    @property
+    def uuid(self) -> str | None:
+        return self.compute_instances[0].uuid if self.compute_instances else None
 
 
 @dataclass(frozen=True, slots=True)

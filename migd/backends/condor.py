@@ -133,8 +133,3 @@ def set_job_attrs(attrs: Mapping[str, str | int | bool], *, timeout_s: float = 3
                 hint="submit with `+WantIOProxy = true`",
             )
     return binary
-
-
-def set_job_attr(name: str, value: str | int | bool, *, timeout_s: float = 30.0) -> str:
-    """One attribute: :func:`set_job_attrs` ``({name: value})``."""
-    return set_job_attrs({name: value}, timeout_s=timeout_s)

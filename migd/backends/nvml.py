@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
@@ -377,9 +377,8 @@ class NvmlBackend:
         self._versions: tuple[str, str] | None = None
         self._geometries: dict[int, Geometry] = {}
         self._ci_profile_cache: dict[tuple[int, int], list[_CiProfile]] = {}
-        # Per GPU: MIG UUID -> (GI id, CI id), and the MIG device handle last seen for it.
-        self._mig_ids: dict[int, dict[str, MigIds]] = {}
-        self._mig_handles: dict[int, dict[str, Any]] = {}
+        # Per GPU: (GI id, CI id) -> (MIG UUID, the MIG device handle last seen for it).
+        self._mig_cache: dict[int, dict[MigIds, tuple[str, Any]]] = {}
         self._logged: set[str] = set()
 
     # -- session ----------------------------------------------------------------------------
@@ -608,6 +607,11 @@ class NvmlBackend:
         try:
             details = self.profile_infos_with_engines(gpu)
             infos = [info for info, _engines in details]
+            # NVML's own engine counts win over the table's; copy engines are not shared.
+            engines = {
+                info.profile_id: {k: counts[k] for k in _SHARED_ENGINES if k in counts}
+                for info, counts in details
+            }
             placements = {p.profile_id: self._placements_or_table(gpu, p, builtin) for p in infos}
         except GpuPermissionDenied as err:
             if builtin is None:
@@ -627,6 +631,7 @@ class NvmlBackend:
                     display_name=info.name,
                     builtin=builtin,
                     memory_total_mib=info.memory_total_mib,
+                    engines=engines,
                 )
             except ValueError as exc:
                 if builtin is None:
@@ -640,9 +645,6 @@ class NvmlBackend:
                 )
                 geometry = builtin
             else:
-                geometry = self._with_nvml_engines(
-                    gpu, geometry, {i.profile_id: e for i, e in details}, builtin
-                )
                 if builtin is not None:
                     self._compare_with_builtin(gpu, geometry, builtin)
         self._geometries[gpu] = geometry
@@ -674,38 +676,6 @@ class NvmlBackend:
                 return []
             return [(start, prior.memory_slices) for start in prior.starts]
 
-    def _with_nvml_engines(
-        self,
-        gpu: int,
-        geometry: Geometry,
-        engines: dict[int, dict[str, int]],
-        builtin: Geometry | None,
-    ) -> Geometry:
-        """Each profile's shared-engine counts as NVML reports them (NVML wins; log changes)."""
-        known = {p.profile_id: p for p in builtin.profiles} if builtin else {}
-        changed: list[Profile] = []
-        differences: list[str] = []
-        for profile in geometry.profiles:
-            reported = engines.get(profile.profile_id)
-            if reported is None:
-                changed.append(profile)
-                continue
-            shared = {k: reported[k] for k in _SHARED_ENGINES if k in reported}
-            prior = known.get(profile.profile_id)
-            if prior is not None and prior.engines is not None:
-                table = {k: prior.engines.get(k, 0) for k in shared}
-                if table != shared:
-                    differences.append(f"{profile.name}: NVML {shared}, table {table}")
-            changed.append(replace(profile, engines=shared))
-        if differences:
-            self._log_once(
-                f"geo-engines:{gpu}",
-                "GPU %d: NVML's engine counts differ from the built-in table (NVML wins): %s",
-                gpu,
-                "; ".join(differences),
-            )
-        return replace(geometry, profiles=tuple(changed), _by_id={}, _by_name={})
-
     def _builtin(self, info: GpuInfo) -> Geometry | None:
         if info.model is None:
             return None
@@ -717,11 +687,19 @@ class NvmlBackend:
     def _compare_with_builtin(self, gpu: int, nvml_geo: Geometry, builtin: Geometry) -> None:
         known = {p.profile_id: p for p in builtin.profiles}
         differences = []
+        engine_differences = []
         for profile in nvml_geo.profiles:
             prior = known.get(profile.profile_id)
             if prior is None:
                 differences.append(f"{profile.name} (id {profile.profile_id}) not in the table")
-            elif (prior.starts, prior.memory_slices, prior.max_instances) != (
+                continue
+            if prior.engines is not None and profile.engines is not None:
+                table = {k: prior.engines.get(k, 0) for k in profile.engines}
+                if table != profile.engines:
+                    engine_differences.append(
+                        f"{profile.name}: NVML {profile.engines}, table {table}"
+                    )
+            if (prior.starts, prior.memory_slices, prior.max_instances) != (
                 profile.starts,
                 profile.memory_slices,
                 profile.max_instances,
@@ -731,6 +709,13 @@ class NvmlBackend:
                     f"max {profile.max_instances}, table {prior.starts} size "
                     f"{prior.memory_slices} max {prior.max_instances}"
                 )
+        if engine_differences:
+            self._log_once(
+                f"geo-engines:{gpu}",
+                "GPU %d: NVML's engine counts differ from the built-in table (NVML wins): %s",
+                gpu,
+                "; ".join(engine_differences),
+            )
         if differences:
             self._log_once(
                 f"geo-diff:{gpu}",
@@ -844,8 +829,7 @@ class NvmlBackend:
         """
         current, _pending = self._mig_mode(gpu)
         if current is False:
-            self._mig_ids[gpu] = {}
-            self._mig_handles[gpu] = {}
+            self._mig_cache[gpu] = {}
             return []
         geometry = self.geometry(gpu)
         nvml = self._n()
@@ -886,10 +870,7 @@ class NvmlBackend:
                     devices = self._mig_devices(gpu)
                 break
             devices[ids] = cached
-        self._mig_ids[gpu] = {devices[ids][0]: ids for ids in wanted if ids in devices}
-        self._mig_handles[gpu] = {
-            devices[ids][0]: devices[ids][1] for ids in wanted if ids in devices
-        }
+        self._mig_cache[gpu] = {ids: devices[ids] for ids in wanted if ids in devices}
         missing = sorted(wanted - devices.keys())
         if missing:
             raise GpuError(
@@ -919,15 +900,12 @@ class NvmlBackend:
             ComputeInstance(ci_id=ci_id, uuid=devices[(gi_id, ci_id)][0], slices=slices)
             for ci_id, slices in sorted(cis)
         )
-        first = computes[0] if computes else None
         return MigInstance(
             gpu=gpu,
             gi_id=gi_id,
             profile_id=int(info.profileId),
             start=int(info.placement.start),
             size=int(info.placement.size),
-            ci_id=first.ci_id if first else None,
-            uuid=first.uuid if first else None,
             memory_total_mib=profile.memory_mib,
             compute_instances=computes,
         )
@@ -936,37 +914,8 @@ class NvmlBackend:
         """Every MIG device of the GPU: (GI id, CI id) -> (MIG UUID, MIG device handle).
 
         Walks ``nvmlDeviceGetMigDeviceHandleByIndex`` over ``nvmlDeviceGetMaxMigDeviceCount``
-        slots (an empty slot answers NOT_FOUND) and refreshes the UUID caches.
+        slots (an empty slot answers NOT_FOUND) and refreshes the MIG device cache.
         """
-        found = self._walk_mig_devices(gpu, None)
-        self._mig_ids[gpu] = {uuid: ids for ids, (uuid, _d) in found.items()}
-        self._mig_handles[gpu] = {uuid: device for _ids, (uuid, device) in found.items()}
-        return found
-
-    def _cached_mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
-        """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
-        handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
-        for uuid, known in self._mig_ids.get(gpu, {}).items():
-            if known == ids:
-                handle = self._mig_handles.get(gpu, {}).get(uuid)
-                if handle is not None and self._handle_has_uuid(gpu, handle, uuid):
-                    return uuid, handle
-                return None
-        return None
-
-    def _mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
-        """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
-        cached = self._cached_mig_device(gpu, ids)
-        if cached is not None:
-            return cached
-        found = self._walk_mig_devices(gpu, ids).get(ids)
-        if found is not None:
-            self._mig_ids.setdefault(gpu, {})[found[0]] = ids
-            self._mig_handles.setdefault(gpu, {})[found[0]] = found[1]
-        return found
-
-    def _walk_mig_devices(self, gpu: int, wanted: MigIds | None) -> dict[MigIds, tuple[str, Any]]:
-        """Walk the MIG device slots; with ``wanted``, stop at that device (or find none)."""
         nvml = self._n()
         parent = self._handle(gpu)
         with nvml_errors("count MIG devices", gpu=gpu):
@@ -976,21 +925,30 @@ class NvmlBackend:
             with nvml_errors("read MIG device", gpu=gpu, mig_index=index):
                 try:
                     device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-                    gi_id = int(nvml.nvmlDeviceGetGpuInstanceId(device))
-                    if wanted is not None and gi_id != wanted[0]:
-                        continue
-                    ids = (gi_id, int(nvml.nvmlDeviceGetComputeInstanceId(device)))
-                    if wanted is not None and ids != wanted:
-                        continue
+                    ids = (
+                        int(nvml.nvmlDeviceGetGpuInstanceId(device)),
+                        int(nvml.nvmlDeviceGetComputeInstanceId(device)),
+                    )
                     uuid = _text(nvml.nvmlDeviceGetUUID(device))
                 except Exception as exc:
                     if nvml_error_code(exc) in _EMPTY_SLOT:
                         continue  # no MIG device here (or it just went away)
                     raise
             found[ids] = (uuid, device)
-            if wanted is not None:
-                break
+        self._mig_cache[gpu] = found
         return found
+
+    def _cached_mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+        """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
+        handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
+        cached = self._mig_cache.get(gpu, {}).get(ids)
+        if cached is not None and self._handle_has_uuid(gpu, cached[1], cached[0]):
+            return cached
+        return None
+
+    def _mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+        """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
+        return self._cached_mig_device(gpu, ids) or self._mig_devices(gpu).get(ids)
 
     def _handle_has_uuid(self, gpu: int, handle: Any, uuid: str) -> bool:
         """Whether a MIG device handle seen before still names ``uuid`` (handles get reused)."""
@@ -1138,8 +1096,6 @@ class NvmlBackend:
             profile_id=profile.profile_id,
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
-            ci_id=ids[1],
-            uuid=uuid,
             memory_total_mib=profile.memory_mib,
             compute_instances=(
                 ComputeInstance(ci_id=ids[1], uuid=uuid, slices=profile.compute_slices),
@@ -1166,8 +1122,7 @@ class NvmlBackend:
             ):
                 uuid = _text(nvml.nvmlDeviceGetUUID(ci_device))
                 if uuid.startswith("MIG-"):
-                    self._mig_ids.setdefault(gpu, {})[uuid] = ids
-                    self._mig_handles.setdefault(gpu, {})[uuid] = ci_device
+                    self._mig_cache.setdefault(gpu, {})[ids] = (uuid, ci_device)
                     return uuid
         except Exception as exc:
             if nvml_error_code(exc) is None and not _is_library_mismatch(exc):
@@ -1263,10 +1218,9 @@ class NvmlBackend:
                 if attempt + 1 < attempts:
                     self._sleep(self._retry_backoff_s * (2**attempt))
                 continue
-            ids = self._mig_ids.get(gpu, {})
-            for uuid in [u for u, (g, _c) in ids.items() if g == gi_id]:
-                del ids[uuid]
-                self._mig_handles.get(gpu, {}).pop(uuid, None)
+            cache = self._mig_cache.get(gpu, {})
+            for ids in [ids for ids in cache if ids[0] == gi_id]:
+                del cache[ids]
             return
         pids = self._pids_on_gi(gpu, gi_id)
         raise GpuBusy(
@@ -1329,9 +1283,7 @@ class NvmlBackend:
         pids: set[int] = set()
         try:
             if ci_ids is None:
-                devices = [
-                    device for (g, _c), (_u, device) in self._mig_devices(gpu).items() if g == gi_id
-                ]
+                devices = [found for (g, _c), found in self._mig_devices(gpu).items() if g == gi_id]
             else:
                 devices = []
                 for ci_id in ci_ids:
@@ -1345,9 +1297,9 @@ class NvmlBackend:
                             gi_id=gi_id,
                             ci_id=ci_id,
                         )
-                    devices.append(found[1])
-            for device in devices:
-                pids.update(p.pid for p in self._device_processes(gpu, device, None))
+                    devices.append(found)
+            for uuid, device in devices:
+                pids.update(p.pid for p in self._device_processes(gpu, device, uuid))
         except MigdError:
             if strict:
                 raise
@@ -1362,7 +1314,7 @@ class NvmlBackend:
         Raises:
             GpuNotFound: no MIG device with that UUID on this GPU.
         """
-        handle = self._mig_handles.get(gpu, {}).get(mig_uuid)
+        handle = dict(self._mig_cache.get(gpu, {}).values()).get(mig_uuid)
         if handle is not None and self._handle_has_uuid(gpu, handle, mig_uuid):
             return handle
         devices = dict(self._mig_devices(gpu).values())
@@ -1422,7 +1374,7 @@ class NvmlBackend:
                 ]
         except GpuUnsupported as err:  # pre-Volta, or an old driver: no MPS listing
             self._log_once(f"mps-list:{gpu}", "%s; MPS clients not listed", err, level=logging.INFO)
-        uuid_of = self._uuids_by_ids(gpu, [] if mig_uuid else [proc for proc, _mps in raw])
+        uuid_of = {} if mig_uuid else self._uuids_by_ids(gpu, [proc for proc, _mps in raw])
         merged: dict[int, GpuProcess] = {}
         for proc, listed_as_mps in raw:
             pid = int(proc.pid)
@@ -1450,14 +1402,13 @@ class NvmlBackend:
     def _uuids_by_ids(self, gpu: int, raw: list[Any]) -> dict[tuple[int, int], str]:
         """(GI id, CI id) -> MIG UUID for the processes' instances; one refresh if unknown."""
         wanted = {ids for ids in map(_instance_ids, raw) if ids is not None}
-        known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
+        known = self._mig_cache.get(gpu, {})
         if wanted - known.keys():
             try:
-                self._mig_devices(gpu)
+                known = self._mig_devices(gpu)
             except MigdError as err:  # the UUIDs are detail; the processes are still right
                 self._log_once(f"uuids:{gpu}", "%s; MIG UUIDs of processes unknown", err)
-            known = {ids: uuid for uuid, ids in self._mig_ids.get(gpu, {}).items()}
-        return known
+        return {ids: uuid for ids, (uuid, _device) in known.items()}
 
     def heartbeat(self, gpu: int) -> None:
         """One cheap NVML call on the GPU; raises if the driver or the GPU stopped answering.

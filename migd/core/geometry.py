@@ -153,8 +153,11 @@ class Geometry:
     pci_device_ids: tuple[int, ...] = ()
     source: str = "builtin"
     placement_status: str = ""
-    _by_id: dict[int, Profile] = field(default_factory=dict, compare=False, repr=False)
-    _by_name: dict[str, Profile] = field(default_factory=dict, compare=False, repr=False)
+    # Lookup tables built from ``profiles`` (so ``dataclasses.replace`` rebuilds them).
+    _by_id: dict[int, Profile] = field(init=False, default_factory=dict, compare=False, repr=False)
+    _by_name: dict[str, Profile] = field(
+        init=False, default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         for p in self.profiles:
@@ -268,6 +271,7 @@ class Geometry:
         display_name: str = "",
         builtin: Geometry | None = None,
         memory_total_mib: int = 0,
+        engines: Mapping[int, Mapping[str, int]] | None = None,
     ) -> Geometry:
         """Build a geometry from a live GPU's profile infos and possible placements.
 
@@ -276,6 +280,8 @@ class Geometry:
         caps such as A30's shared JPEG/OFA, engine budgets) come from ``builtin`` when
         the model is known; otherwise starts are tried in ascending order and all
         ``+me``/``+me.all`` profiles share one OFA (true of every published table).
+        ``engines`` maps profile ID to the engine counts the GPU reports for it; they
+        replace the built-in table's (a profile without an entry keeps the table's).
 
         A profile NVML gives no name (a v1 profile info) and the built-in table does
         not know is named as NVIDIA does: the GPU's marketed size in GB times the
@@ -287,6 +293,7 @@ class Geometry:
         a few GB short on larger GPUs.
         """
         known = {p.profile_id: p for p in builtin.profiles} if builtin else {}
+        engines = engines or {}
         profiles: list[Profile] = []
         for info in infos:
             pls = sorted(placements.get(info.profile_id, ()))
@@ -320,7 +327,7 @@ class Geometry:
                     variant=variant_for_nvml_index(info.nvml_index),
                     aliases=aliases,
                     sm_count=info.multiprocessor_count,
-                    engines=prior.engines if prior else None,
+                    engines=engines.get(info.profile_id, prior.engines if prior else None),
                 )
             )
         if not profiles:

@@ -636,7 +636,7 @@ class Daemon:
         """GPU instance ids with processes on any of their compute instances (GPU thread)."""
         in_use: set[int] = set()
         for inst in instances:
-            uuids = [ci.uuid for ci in inst.compute_instances] or ([inst.uuid] if inst.uuid else [])
+            uuids = [ci.uuid for ci in inst.compute_instances]
             if any(self.backend.processes(index, uuid) for uuid in uuids):
                 in_use.add(inst.gi_id)
         return in_use

@@ -245,7 +245,7 @@ def index_order(geo: Geometry) -> Geometry:
     """
     profiles = tuple(replace(p, default_order=tuple(sorted(p.default_order))) for p in geo.profiles)
     # the lookup tables are rebuilt from the new profiles, never shared with ``geo``
-    return replace(geo, profiles=profiles, _by_id={}, _by_name={})
+    return replace(geo, profiles=profiles)
 
 
 class _Node:

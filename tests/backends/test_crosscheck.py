@@ -58,9 +58,7 @@ def _custom_geometries() -> dict[str, Geometry]:
     return {
         # On A30 the engine budget also forbids the two +me profiles together; without it
         # only the exclusive group does.
-        "a30-group-only": replace(
-            a30, model="A30-group", engine_budget=None, _by_id={}, _by_name={}
-        ),
+        "a30-group-only": replace(a30, model="A30-group", engine_budget=None),
         # On built-in tables the slices run out before any per-profile limit binds.
         "a100-1g-limit-2": replace(
             a100,
@@ -69,8 +67,6 @@ def _custom_geometries() -> dict[str, Geometry]:
                 replace(p, max_instances=2) if p.profile_id in (19, 15) else p
                 for p in a100.profiles
             ),
-            _by_id={},
-            _by_name={},
         ),
     }
 
@@ -96,8 +92,6 @@ def test_legality_agrees_where_limits_and_groups_bind_alone(name: str) -> None:
         exclusive_groups=(),
         engine_budget=None,
         profiles=tuple(replace(p, max_instances=geometry.units) for p in geometry.profiles),
-        _by_id={},
-        _by_name={},
     )
     assert len(space) < len(state_space(unconstrained, "all"))
 

@@ -15,6 +15,7 @@ from migd.backends.simulated import FakePynvml, SimGpuSpec, SimNode
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated.hardware import board
 from migd.core import catalog
+from migd.core.geometry import Geometry
 from migd.errors import (
     DriverUnavailable,
     GpuBusy,
@@ -213,8 +214,8 @@ def test_geometry_of_a_gpu_without_mig_is_unsupported(sim: Sim) -> None:
         backend.geometry(0)
 
 
-def test_unknown_model_needs_nvml_data(sim: Sim) -> None:
-    # A MIG GPU migd has no table for: NVML alone must describe it.
+def _future_gpu() -> tuple[Geometry, SimGpuSpec]:
+    """A MIG GPU migd has no table for (A30's geometry under another name), and its spec."""
     geo = catalog.geometry("A30-24GB")
     spec = SimGpuSpec(
         name="NVIDIA Future 24GB",
@@ -222,6 +223,12 @@ def test_unknown_model_needs_nvml_data(sim: Sim) -> None:
         memory_total_mib=24576,
         geometry=replace(geo, model="Future"),
     )
+    return geo, spec
+
+
+def test_unknown_model_needs_nvml_data(sim: Sim) -> None:
+    # A MIG GPU migd has no table for: NVML alone must describe it.
+    geo, spec = _future_gpu()
     backend, _ = sim(SimNode([spec]))
     assert backend.discover()[0].model is None
     geometry = backend.geometry(0)
@@ -252,13 +259,7 @@ def test_one_profile_without_placements_falls_back_alone(
 
 
 def test_a_profile_without_placements_or_table_entry_is_left_out(sim: Sim) -> None:
-    geo = catalog.geometry("A30-24GB")
-    spec = SimGpuSpec(
-        name="NVIDIA Future 24GB",
-        pci_device_id=0x999910DE,
-        memory_total_mib=24576,
-        geometry=replace(geo, model="Future"),
-    )
+    geo, spec = _future_gpu()
     backend, node = sim(SimNode([spec]))
     first = backend.profile_infos(0)[0]
     node.fail_next("nvmlDeviceGetGpuInstancePossiblePlacements", api.NVML_ERROR_NOT_SUPPORTED)
@@ -277,7 +278,7 @@ def test_engine_counts_are_nvmls_and_a_difference_is_logged(
     profiles = tuple(replace(p, engines=reported) if p is media else p for p in builtin.profiles)
     spec = replace(
         SimGpuSpec.for_model("A100-40GB"),
-        geometry=replace(builtin, profiles=profiles, _by_id={}, _by_name={}),
+        geometry=replace(builtin, profiles=profiles),
     )
     backend, _ = sim(SimNode([spec]))
     with caplog.at_level(logging.WARNING):
@@ -371,8 +372,6 @@ def test_instance_limit_of_a_profile_is_enforced(sim: Sim) -> None:
         profiles=tuple(
             replace(p, max_instances=2) if p.profile_id == 19 else p for p in geo.profiles
         ),
-        _by_id={},
-        _by_name={},
     )
     spec = replace(SimGpuSpec.for_model("A100-40GB"), geometry=limited)
     backend, _ = sim(SimNode([spec]))

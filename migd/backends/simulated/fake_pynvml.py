@@ -256,16 +256,10 @@ class FakePynvml:
 
     @staticmethod
     def _fill(
-        call: str,
-        array: Any,
-        count_ref: Any,
-        items: list[Any],
-        *,
-        element: Any,
-        position: int,
-        null_counts: bool = False,
+        call: str, array: Any, count_ref: Any, items: list[Any], *, null_counts: bool = False
     ) -> None:
-        """Fill a caller-allocated array and write the count, as NVML does.
+        """Fill a caller-allocated array (already checked with :func:`_c_array`) and write
+        the count, as NVML does.
 
         ``null_counts``: NULL asks for the count only (nvml.h says so for possible
         placements); elsewhere NULL is INVALID_ARGUMENT.
@@ -278,7 +272,6 @@ class FakePynvml:
                 raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
             count.value = len(items)
             return
-        array = _c_array(call, position, array, element)
         if len(array) < len(items):
             raise ValueError(
                 f"{call}: the caller's array has {len(array)} entries but NVML writes "
@@ -441,15 +434,7 @@ class FakePynvml:
             placement.start = start
             placement.size = profile.memory_slices
             items.append(placement)
-        self._fill(
-            call,
-            placementsRef,
-            countRef,
-            items,
-            element=api.c_nvmlGpuInstancePlacement_t,
-            position=3,
-            null_counts=True,
-        )
+        self._fill(call, placementsRef, countRef, items, null_counts=True)
         return api.NVML_SUCCESS
 
     # -- GPU instances ------------------------------------------------------------------------
@@ -482,9 +467,7 @@ class FakePynvml:
             for gi in sorted(gpu.instances.values(), key=lambda g: g.gi_id)
             if gi.profile.profile_id == profileId
         ]
-        self._fill(
-            call, gpuInstancesRef, countRef, handles, element=api.c_nvmlGpuInstance_t, position=3
-        )
+        self._fill(call, gpuInstancesRef, countRef, handles)
         return api.NVML_SUCCESS
 
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
@@ -564,14 +547,7 @@ class FakePynvml:
             for ci in sorted(gi.cis.values(), key=lambda c: c.ci_id)
             if ci.profile_index == profileId
         ]
-        self._fill(
-            call,
-            computeInstancesRef,
-            countRef,
-            handles,
-            element=api.c_nvmlComputeInstance_t,
-            position=3,
-        )
+        self._fill(call, computeInstancesRef, countRef, handles)
         return api.NVML_SUCCESS
 
     def nvmlGpuInstanceGetComputeInstanceById(

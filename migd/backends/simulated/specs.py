@@ -436,23 +436,14 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
                 placements,
                 display_name=str(gpu["name"]),
                 builtin=builtin,
+                # Engine counts as recorded (NVML reports them per profile; the catalog
+                # may not).
+                engines={
+                    int(p["id"]): {k: int(v) for k, v in p["engines"].items()}
+                    for p in profiles
+                    if p.get("engines")
+                },
             )
-            # Engine counts as recorded (NVML reports them per profile; the catalog may not).
-            engines = {
-                int(p["id"]): {k: int(v) for k, v in p["engines"].items()}
-                for p in profiles
-                if p.get("engines")
-            }
-            if engines:
-                geometry = replace(
-                    geometry,
-                    profiles=tuple(
-                        replace(p, engines=engines.get(p.profile_id, p.engines))
-                        for p in geometry.profiles
-                    ),
-                    _by_id={},
-                    _by_name={},
-                )
         elif builtin is not None:
             geometry = builtin
         else:
@@ -469,12 +460,15 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
             i.get("gi_id"),
             None
             if i.get("compute_instances") is None
+            # An empty UUID in a probe means none was recorded (a TOML spec refuses it).
             else tuple(
-                (int(c["slices"]), str(c["uuid"]) if c.get("uuid") else None)
-                for c in i["compute_instances"]
+                (slices, uuid or None)
+                for slices, uuid in _compute_instances(
+                    i["compute_instances"], f"{where}: instances[{n}]"
+                )
             ),
         )
-        for i in mig.get("instances") or []
+        for n, i in enumerate(mig.get("instances") or [])
     )
     processes: tuple[SimProcessSpec, ...] = ()
     if with_processes:
