@@ -156,6 +156,10 @@ def test_band_widens_with_noise(noise: list[float], small: float, factor: float)
         for i, e in enumerate(noise):
             fc.add(i, used_mib=4000 + 10 * i + scale * e)
         result = fc.forecast(horizon=len(noise) * 3)
+        # The band is around the fitted line's peak; where a noisy sample already
+        # exceeds that, the reported peak is the observed one and the difference is
+        # no longer the band (e.g. noise [0, 1, 0, 0, 0, 0, -1, -1] at scale 210).
+        assume(result.predicted_peak_mib > result.observed_peak_mib)
         return result.upper_mib - result.predicted_peak_mib
 
     assert band(small * factor) > band(small)
