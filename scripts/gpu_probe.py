@@ -101,17 +101,29 @@ def _command_name(pid: int) -> str | None:
         return None
 
 
+def _no_name(pid: int) -> str | None:
+    return None
+
+
 def probe(
-    backend: NvmlBackend, gpus: Sequence[int] | None = None, *, simulated: str | None = None
+    backend: NvmlBackend,
+    gpus: Sequence[int] | None = None,
+    *,
+    simulated: str | None = None,
+    command_name: Callable[[int], str | None] | None = None,
 ) -> dict[str, Any]:
     """Everything the backend can read about the GPUs, as a JSON-ready dict.
 
     ``simulated`` names the simulated node probed (recorded, so nobody mistakes the
-    output for hardware).
+    output for hardware). ``command_name`` looks up a process's command name; by
+    default this host's ``/proc`` for a real node and nothing for a simulated one
+    (its PIDs are not this host's). Tests pass their own, so the record does not
+    depend on which PIDs happen to exist where the tests run.
 
     Raises:
         DriverUnavailable: NVML cannot be initialised (no driver or library).
     """
+    lookup = command_name or (_command_name if simulated is None else _no_name)
     infos = backend.discover()
     record: dict[str, Any] = {
         "schema": PROBE_SCHEMA,
@@ -128,11 +140,13 @@ def probe(
     for info in infos:
         if gpus is not None and info.index not in gpus:
             continue
-        record["gpus"].append(_probe_gpu(backend, info, host=simulated is None))
+        record["gpus"].append(_probe_gpu(backend, info, lookup))
     return record
 
 
-def _probe_gpu(backend: NvmlBackend, info: GpuInfo, *, host: bool = True) -> dict[str, Any]:
+def _probe_gpu(
+    backend: NvmlBackend, info: GpuInfo, command_name: Callable[[int], str | None]
+) -> dict[str, Any]:
     index = info.index
     errors: dict[str, str] = {}
     if info.mig_mode_error is not None:
@@ -159,7 +173,7 @@ def _probe_gpu(backend: NvmlBackend, info: GpuInfo, *, host: bool = True) -> dic
             "used_mib": p.used_mib,
             "mig_uuid": p.mig_uuid,
             "mps": p.mps,  # listed as an MPS client (the MPS server itself is not)
-            "name": _command_name(p.pid) if host else None,
+            "name": command_name(p.pid),
         }
         for p in processes or []
     ]
