@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from migd.errors import ConfigError
-from migd.wrapper.settings import WrapperSection
+from migd.wrapper_section import WrapperSection
 
 DEFAULT_CONFIG_PATH = Path("/etc/migd/migd.toml")
 ENV_PREFIX = "MIGD_"
