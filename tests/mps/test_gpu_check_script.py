@@ -114,6 +114,7 @@ def test_dry_run_refuses_a_parent_gpu_with_mig_enabled(tmp_path: Path, fake_bina
     assert refused.returncode == 2 and "MIG enabled" in refused.stderr
 
 
+@pytest.mark.slow  # real daemons, clients and the check script
 def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
     tmp_path: Path, fake_binary: Path
 ) -> None:
@@ -145,6 +146,7 @@ def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
     assert work.name.startswith("migd-mps.") and not work.exists()  # removed once stopped
 
 
+@pytest.mark.slow  # real daemons, clients and the check script
 def test_migd_check_classifies_the_clients_oom_and_stops_its_daemon(
     tmp_path: Path, fake_binary: Path, short_dir: Path
 ) -> None:

@@ -25,6 +25,9 @@ from migd.testing.fake_mps_control import fault_path
 
 from .conftest import Env, kill_fake, pid_alive, wait_for
 
+# Real fake-daemon processes, started and stopped per test (about 1.4 s each here).
+pytestmark = pytest.mark.slow
+
 GPU = "GPU-0a1b2c3d-0000-4000-8000-000000000001"
 GPU2 = "GPU-0a1b2c3d-0000-4000-8000-000000000002"
 MIG_LEGACY = "MIG-GPU-0a1b2c3d-0000-4000-8000-000000000001/1/0"
