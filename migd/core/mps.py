@@ -192,11 +192,6 @@ class MpsPool:
             return None
         return self.shares[0].uid
 
-    @property
-    def largest_limit_mib(self) -> int:
-        """The largest per-client limit of the active shares (0 when idle)."""
-        return max((s.memory_mib for s in self.shares), default=0)
-
     def share(self, share_id: str) -> MpsShare | None:
         return next((s for s in self.shares if s.share_id == share_id), None)
 

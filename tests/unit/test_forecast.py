@@ -11,6 +11,7 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Iterable
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -19,11 +20,21 @@ from hypothesis import strategies as st
 from migd.core.forecast import (
     Forecaster,
     ForecastPolicy,
+    LineFit,
     MemorySample,
-    fit_line,
     student_t_quantile,
 )
 from migd.errors import ConfigError
+
+
+def fit_line(xs: Iterable[float], ys: Iterable[float]) -> LineFit:
+    """Least-squares fit of ``ys`` against ``xs``, one point at a time as the forecaster
+    adds them."""
+    fit = LineFit()
+    for x, y in zip(xs, ys, strict=False):
+        fit = fit.add(float(x), float(y))
+    return fit
+
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
