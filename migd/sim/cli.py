@@ -64,7 +64,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--queue",
         default="both",
         choices=("both", "size", "fifo"),
-        help="queue scheme: size = seed 002 A, fifo = B (default: both)",
+        help="queue scheme: size = [MIG-HT] A, fifo = B (default: both)",
     )
     cmp_.add_argument("--model", help="GPU model (default: the workload's, A100-40GB)")
     cmp_.add_argument("--gpus", type=int, help="GPUs per node (default: the workload's)")
@@ -94,7 +94,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--p-sup",
         type=float,
         default=0.0,
-        help="share of memory-bound (super-linear) tasks; 0 matches seed 003 Table 4, "
+        help="share of memory-bound (super-linear) tasks; 0 matches [Villarrubia] Table 4, "
         "Figure 11 uses 0.5 (default: %(default)s)",
     )
     far.add_argument(
