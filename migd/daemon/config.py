@@ -54,8 +54,9 @@ class BackendSection(_Section):
     sim_time_scale: float = Field(
         1.0,
         ge=0,
-        description="kind=simulated: 1.0 = real NVML create/destroy latencies (seed 003 Table 1, "
-        "or the node description's latency tables); 0 = instant (tests, benchmarks)",
+        description="kind=simulated: 1.0 = real NVML create/destroy latencies "
+        "([Villarrubia] Table 1, or the node description's latency tables); "
+        "0 = instant (tests, benchmarks)",
     )
     sim_state_file: Path | None = Field(
         None,
