@@ -1,4 +1,4 @@
-"""The memory forecast (migd.core.forecast, seed 002 §3.2.3).
+"""The memory forecast (migd.core.forecast, [MIG-HT] §3.2.3).
 
 Expected values come from independent sources: published Student-t tables, the
 standard library's ``statistics.linear_regression``, the textbook prediction-interval
@@ -359,7 +359,7 @@ def test_context_override_and_missing_context() -> None:
 
 
 def test_reuse_model_combines_requested_and_inverse_ratio() -> None:
-    """physical = requested / (1 / reuse_ratio), both fitted linearly (seed 002 §3.2.3)."""
+    """physical = requested / (1 / reuse_ratio), both fitted linearly ([MIG-HT] §3.2.3)."""
     policy = ForecastPolicy(context_mib=400.0)
     by_ratio, by_allocated = Forecaster(policy), Forecaster(policy)
     for t in range(12):
