@@ -41,6 +41,7 @@ from migd.core.mps import MpsPool
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu, NodeScheduler
 from migd.core.states import EMPTY
 from migd.daemon.config import MigdConfig
+from migd.daemon.job_mapping import JobMappingWriter, job_mapping
 from migd.errors import MigdError
 from migd.ports import GpuBackend, GpuInfo, GpuProcess, MemoryInfo, MigInstance
 
@@ -572,3 +573,61 @@ class MetricsServer:
                 accept = value.strip()
         body, content_type = render(self.registry, accept)
         return "200 OK", b"" if method == "HEAD" else body, content_type
+
+
+class MetricsService:
+    """Everything metrics-related one daemon holds, built from its configuration.
+
+    The daemon calls :meth:`wrap_backend` before discovery, :meth:`start` once its books
+    exist, :meth:`lease_changed` on every lease transition (the observer hook),
+    :meth:`lease_refused` and :meth:`wrapper_report` from the API, and :meth:`close` on
+    shutdown.
+    """
+
+    def __init__(self, config: MigdConfig) -> None:
+        self.config = config.metrics
+        self.recorder = MetricsRecorder()
+        directory = self.config.dcgm_job_mapping_dir
+        self.job_mapping = JobMappingWriter(directory) if directory is not None else None
+        self.server: MetricsServer | None = None
+        self._sched: Callable[[], NodeScheduler] | None = None
+
+    def wrap_backend(self, backend: GpuBackend) -> GpuBackend:
+        return InstrumentedBackend(backend, self.recorder)
+
+    async def start(self, source: MetricsSource, **collector_options: Any) -> None:
+        build_registry(source, self.recorder, **collector_options)
+        self._sched = lambda: source.sched
+        self.sync_job_mapping()
+        if self.config.listen:
+            self.server = MetricsServer(self.recorder.registry, self.config.listen)
+            try:
+                await self.server.start()
+            except OSError as exc:
+                # A taken port must not keep GPUs from being served: log and go on.
+                log.error(
+                    "metrics.listen_failed",
+                    address=self.config.listen,
+                    error=str(exc),
+                    hint="pick a free metrics.listen address and reload/restart migd",
+                )
+                self.server = None
+
+    def lease_changed(self, lease: Lease, now_s: float) -> None:
+        self.recorder.lease_changed(lease, now_s)
+        if lease.state is LeaseState.ACTIVE or lease.state.terminal:
+            self.sync_job_mapping()
+
+    def lease_refused(self, error: MigdError) -> None:
+        self.recorder.lease_refused(error)
+
+    def wrapper_report(self, event: str) -> None:
+        self.recorder.wrapper_report(event)
+
+    def sync_job_mapping(self) -> None:
+        if self.job_mapping is not None and self._sched is not None:
+            self.job_mapping.sync(job_mapping(self._sched()))
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()

@@ -4,24 +4,14 @@ the NVML timing wrapper and the HTTP endpoint (no daemon process; see test_scrap
 from __future__ import annotations
 
 import asyncio
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from migd.core import catalog
 from migd.core.leases import LeaseState
-from migd.core.scheduler import (
-    GpuMode,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    NodeScheduler,
-    Work,
-)
-from migd.core.states import state_space
+from migd.core.scheduler import GpuMode, ManagedGpu, NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.metrics import (
     MIB,
@@ -33,19 +23,7 @@ from migd.daemon.metrics import (
 )
 from migd.errors import GpuError, NoCapacity
 from migd.ports import GpuInfo, MigInstance
-
-_ids = itertools.count()
-
-
-def gpu(index: int, model: str = "A100-40GB", mode: GpuMode = GpuMode.MIG) -> ManagedGpu:
-    geo = catalog.geometry(model)
-    space = state_space(geo) if mode is GpuMode.MIG else None
-    return ManagedGpu(index, f"GPU-{index:04d}", model, model, geo.memory_mib, mode, space)
-
-
-def lease(memory_mib: int, wait_s: float | None = 60.0, created_s: float = 0.0) -> Lease:
-    request = LeaseRequest(f"{next(_ids)}.0", memory_mib, wait_s=wait_s)
-    return Lease(f"L{next(_ids)}", request, 1000, 1, created_s)
+from tests.metrics.conftest import finish, gpu, lease
 
 
 @dataclass
@@ -61,18 +39,6 @@ class Source:
 
     def now(self) -> tuple[float, float]:
         return self.t, self.mono
-
-
-def finish(node: NodeScheduler, work: list[Work], now: float) -> None:
-    """Carry out the scheduler's NVML work as a backend would (GI ids from 1)."""
-    gi = itertools.count(1)
-    for item in work:
-        created = {
-            op.start: (next(gi), f"MIG-{item.gpu}-{op.start}", op.profile.memory_mib)
-            for op in item.ops
-            if type(op).__name__ == "CreateOp"
-        }
-        node.work_done(item, created, now)
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
