@@ -139,7 +139,8 @@ class MetricsSection(_Section):
     listen: str = Field(
         "",
         description="host:port of the Prometheus/OpenMetrics endpoint (/metrics), e.g. "
-        "'127.0.0.1:9464'; empty: no endpoint",
+        "'127.0.0.1:9464' (port 0: any free port, logged as metrics.listening); empty: no "
+        "endpoint",
     )
     dcgm_job_mapping_dir: Path | None = Field(
         None,
@@ -152,7 +153,7 @@ class MetricsSection(_Section):
     def _host_port(cls, value: str) -> str:
         if value:
             host, sep, port = value.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
                 raise ValueError(f"{value!r} is not host:port (e.g. '127.0.0.1:9464')")
         return value
 
