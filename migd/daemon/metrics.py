@@ -591,6 +591,9 @@ class MetricsService:
         self.job_mapping = JobMappingWriter(directory) if directory is not None else None
         self.server: MetricsServer | None = None
         self._sched: Callable[[], NodeScheduler] | None = None
+        # Leases restored at start-up pass through the daemon's save() before start();
+        # they were granted by an earlier process and are not counted again.
+        self._counting = False
 
     def wrap_backend(self, backend: GpuBackend) -> GpuBackend:
         return InstrumentedBackend(backend, self.recorder)
@@ -598,6 +601,7 @@ class MetricsService:
     async def start(self, source: MetricsSource, **collector_options: Any) -> None:
         build_registry(source, self.recorder, **collector_options)
         self._sched = lambda: source.sched
+        self._counting = True
         self.sync_job_mapping()
         if self.config.listen:
             self.server = MetricsServer(self.recorder.registry, self.config.listen)
@@ -614,6 +618,8 @@ class MetricsService:
                 self.server = None
 
     def lease_changed(self, lease: Lease, now_s: float) -> None:
+        if not self._counting:
+            return
         self.recorder.lease_changed(lease, now_s)
         if lease.state is LeaseState.ACTIVE or lease.state.terminal:
             self.sync_job_mapping()
