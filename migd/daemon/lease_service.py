@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -21,6 +21,16 @@ from migd.daemon.context import DaemonContext
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError
 
 log = structlog.get_logger("migd")
+
+
+class LeaseObserver(Protocol):
+    """Told of every lease transition, refusal and history record (e.g. the metrics)."""
+
+    def lease_changed(self, lease: Lease, now_s: float) -> None: ...
+
+    def lease_refused(self, error: MigdError) -> None: ...
+
+    def recorded(self, event: str, lease: Lease | None) -> None: ...
 
 
 @dataclass
@@ -56,6 +66,7 @@ class LeaseService:
         # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
         # jobs shorter than its own sampling; see the periodic sampler.
         self.peaks: dict[str, int] = {}
+        self.observers: list[LeaseObserver] = []
 
     # -- persistence and history ------------------------------------------------------------
 
@@ -65,6 +76,8 @@ class LeaseService:
         if self._logged.get(lease.lease_id) is not lease.state:
             self._logged[lease.lease_id] = lease.state
             self._log_transition(lease)
+            for observer in self.observers:
+                observer.lease_changed(lease, self.ctx.clock.now())
 
     def restored(self, lease: Lease) -> None:
         """A lease reloaded from the store as it was: its state is already logged."""
@@ -132,6 +145,13 @@ class LeaseService:
             job_id=lease.request.job_id if lease else data.get("job_id"),
             t=self.ctx.clock.now(),
         )
+        for observer in self.observers:
+            observer.recorded(event, lease)
+
+    def refused(self, error: MigdError) -> None:
+        """A lease request was refused at once (it never became a lease)."""
+        for observer in self.observers:
+            observer.lease_refused(error)
 
     def lease_for(self, lease_id: str) -> Lease:
         lease = self.ctx.sched.leases.get(lease_id) or self.ctx.db.get_lease(lease_id)

@@ -579,9 +579,9 @@ class MetricsService:
     """Everything metrics-related one daemon holds, built from its configuration.
 
     The daemon calls :meth:`wrap_backend` before discovery, :meth:`start` once its books
-    exist, :meth:`lease_changed` on every lease transition (the observer hook),
-    :meth:`lease_refused` and :meth:`wrapper_report` from the API, and :meth:`close` on
-    shutdown.
+    exist, and :meth:`close` on shutdown; as a lease observer
+    (:class:`migd.daemon.lease_service.LeaseObserver`) it hears of every lease transition,
+    refusal and history record.
     """
 
     def __init__(self, config: MigdConfig) -> None:
@@ -627,8 +627,10 @@ class MetricsService:
     def lease_refused(self, error: MigdError) -> None:
         self.recorder.lease_refused(error)
 
-    def wrapper_report(self, event: str) -> None:
-        self.recorder.wrapper_report(event)
+    def recorded(self, event: str, lease: Lease | None) -> None:
+        """A history record; the wrapper's reports (``wrapper.oom``, ...) are counted."""
+        if event.startswith("wrapper."):
+            self.recorder.wrapper_report(event.removeprefix("wrapper."))
 
     def sync_job_mapping(self) -> None:
         if self.job_mapping is not None and self._sched is not None:

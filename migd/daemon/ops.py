@@ -179,9 +179,11 @@ class Ops:
         )
         try:
             outcome = ctx.sched.submit(lease, now, mono)
-        except NoCapacity as refusal:
-            # Refused, but the same pass may have placed requests queued before it.
-            self.leases.after_change(list(refusal.started_work))
+        except MigdError as refusal:
+            self.leases.refused(refusal)
+            if isinstance(refusal, NoCapacity):
+                # Refused, but the same pass may have placed requests queued before it.
+                self.leases.after_change(list(refusal.started_work))
             raise
         self.leases.record(
             "submitted",

@@ -36,6 +36,7 @@ from migd.daemon.config import MigdConfig, changed_restart_keys
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
+from migd.daemon.metrics import MetricsService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
 from migd.daemon.periodic import PeriodicTasks, Reaper
@@ -90,9 +91,10 @@ class Daemon:
         mps: MpsControl | None = None,
     ) -> None:
         clock = clock or SystemClock()
+        self.metrics = MetricsService(config)  # docs/operations.md, Monitoring
         self.ctx = ctx = DaemonContext(
             config=config,
-            backend=backend,
+            backend=self.metrics.wrap_backend(backend),
             procs=procs,
             clock=clock,
             notifier=notifier or Notifier(),
@@ -104,6 +106,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.executor = GpuExecutor(ctx)
         self.leases = LeaseService(ctx, self.executor.dispatch)
+        self.leases.observers.append(self.metrics)
         self.mps = MpsSupervisor(ctx, self.executor, self.leases)
         self.leases.release_share = self.mps.release_share
         self.reaper = Reaper(ctx, self.executor, self.leases)
@@ -159,6 +162,11 @@ class Daemon:
         await self.reconciler.reconcile()
         await self.mps.reattach()
         await self.api.bind()
+        await self.metrics.start(
+            ctx,
+            mps_status=ctx.mps.cached_status_for if ctx.mps is not None else None,
+            daemon_problem=lambda: self.executor.tripped,
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -269,6 +277,7 @@ class Daemon:
         log.info("daemon.stopped")
 
     async def close(self) -> None:
+        await self.metrics.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
