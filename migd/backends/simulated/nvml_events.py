@@ -243,4 +243,3 @@ class EventPynvml(FakePynvml):
     def nvmlEventSetFree(self, eventSet: Any) -> None:
         self._enter("nvmlEventSetFree")
         self.events.free(self._set_id(eventSet))
-
