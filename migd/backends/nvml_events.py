@@ -295,6 +295,22 @@ class NvmlEventListener:
             log.exception("nvml_events.handler_failed", error=str(exc), **event.to_dict())
 
 
+def events_module(backend_kind: str, sim_node: Any) -> Any:
+    """The ``pynvml``-compatible module a listener uses: the simulated node's (with event
+    sets), or the real bindings; None when there are none (the NVML backend reports that)."""
+    if backend_kind == "simulated":
+        if sim_node is None:
+            return None
+        from migd.backends.simulated.nvml_events import EventPynvml
+
+        return EventPynvml(sim_node)
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
 def _address(handle: Any) -> int:
     """A device handle's identity: the pointer's address (pynvml handles are ctypes
     pointers; two handles for one GPU carry the same address)."""
