@@ -9,7 +9,7 @@ pruned in one place, :meth:`LeaseService.prune`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ class LeaseObserver(Protocol):
 
     def lease_refused(self, error: MigdError) -> None: ...
 
-    def recorded(self, event: str, lease: Lease | None) -> None: ...
+    def recorded(self, event: str, lease: Lease | None, data: Mapping[str, Any]) -> None: ...
 
 
 @dataclass
@@ -146,7 +146,7 @@ class LeaseService:
             t=self.ctx.clock.now(),
         )
         for observer in self.observers:
-            observer.recorded(event, lease)
+            observer.recorded(event, lease, data)
 
     def refused(self, error: MigdError) -> None:
         """A lease request was refused at once (it never became a lease)."""
@@ -211,7 +211,10 @@ class LeaseService:
             "reclaimed" if reclaim else "released", lease, reason=reason, peak_used_mib=peak
         )
         self.after_change(work)
-        return {"state": lease.state.value, "peak_used_mib": peak}
+        reply: dict[str, Any] = {"state": lease.state.value, "peak_used_mib": peak}
+        if lease.warning.startswith("GPU lost: "):  # migd.daemon.gpu_health.GPU_LOST
+            reply["gpu_lost"] = lease.warning  # the wrapper has HTCondor run the job again
+        return reply
 
     # -- clients waiting for a grant --------------------------------------------------------
 

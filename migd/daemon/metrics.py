@@ -627,7 +627,7 @@ class MetricsService:
     def lease_refused(self, error: MigdError) -> None:
         self.recorder.lease_refused(error)
 
-    def recorded(self, event: str, lease: Lease | None) -> None:
+    def recorded(self, event: str, lease: Lease | None, data: Mapping[str, Any]) -> None:
         """A history record; the wrapper's reports (``wrapper.oom``, ...) are counted."""
         if event.startswith("wrapper."):
             self.recorder.wrapper_report(event.removeprefix("wrapper."))

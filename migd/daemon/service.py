@@ -35,6 +35,7 @@ from migd.daemon.auth import Authorizer
 from migd.daemon.config import MigdConfig, changed_restart_keys
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
+from migd.daemon.gpu_health import GpuHealthMonitor
 from migd.daemon.lease_service import LeaseService
 from migd.daemon.metrics import MetricsService
 from migd.daemon.mps_supervisor import MpsSupervisor
@@ -119,6 +120,13 @@ class Daemon:
         )
         self.api = ApiServer(ctx, self.leases.lease_for, self.stopping)
         Ops(ctx, self.leases, self.executor, self.mps, self.reload).register(self.api)
+        # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
+        self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, sim_node=sim_node)
+        self.leases.observers.append(self.health)
+        if sim_node is not None:
+            self.health.register_sim_op(self.api)
+        else:
+            self.api.missing["sim_xid"] = not_simulated
         if sim_node is not None:
             from migd.daemon.sim_ops import SimOps
 
@@ -166,7 +174,9 @@ class Daemon:
             ctx,
             mps_status=ctx.mps.cached_status_for if ctx.mps is not None else None,
             daemon_problem=lambda: self.executor.tripped,
+            health_conditions=self.health.condition_sources,
         )
+        await self.health.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -278,6 +288,7 @@ class Daemon:
 
     async def close(self) -> None:
         await self.metrics.close()
+        self.health.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
