@@ -29,8 +29,10 @@ HAMi (``pkg/device-plugin/nvidiadevice/nvinternal/rm/health.go``):
   those, and a double-bit ECC event, as losing every instance on the GPU; a critical
   XID that NVML attributes to a GPU instance loses that instance's work only.
 * Single-bit ECC (corrected by hardware), PState, clock and power-source events are
-  not health signals and are not registered; MIG configuration changes are (migd
-  resyncs its books from them).
+  not health signals and are not registered. Neither are MIG configuration changes:
+  migd's own creates and destroys cause one each, and migd re-reads a GPU's instances
+  whenever its own work fails (:func:`classify` still names them, for callers that do
+  register them).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ EVENT_CLOCK = 0x10
 EVENT_POWER_SOURCE = 0x80
 EVENT_MIG_CONFIG_CHANGE = 0x100
 #: What migd listens for.
-WANTED_EVENTS = EVENT_XID_CRITICAL | EVENT_DOUBLE_BIT_ECC | EVENT_MIG_CONFIG_CHANGE
+WANTED_EVENTS = EVENT_XID_CRITICAL | EVENT_DOUBLE_BIT_ECC
 #: nvmlEventData_t: gpuInstanceId/computeInstanceId when not attributable.
 NOT_ATTRIBUTED = 0xFFFFFFFF
 #: nvmlEventData_t.eventData "is set as 999 for unknown xid error".
