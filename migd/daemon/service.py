@@ -232,7 +232,8 @@ class Daemon:
         log.info("config.reloaded", needs_restart=needs_restart)
         self.leases.record("reload", None, needs_restart=needs_restart)
         now, mono = ctx.now()
-        self.leases.after_change(ctx.sched.schedule(now, mono))
+        # The policy (queue order, placement) changed: place what fits under it.
+        self.leases.apply(ctx.sched.schedule(now, mono))
         ctx.notifier.ready("configuration reloaded")
         return {"reloaded": True, "needs_restart": needs_restart}
 
