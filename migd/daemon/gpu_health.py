@@ -142,10 +142,7 @@ class GpuHealthMonitor:
             raise InvalidRequest(str(exc)) from exc
         return {"gpu": req.gpu, "xid": req.xid, "delivered": delivered}
 
-    # -- lease observer (migd.daemon.lease_service.LeaseObserver) ---------------------------
-
-    def lease_changed(self, lease: Lease, now_s: float) -> None:
-        pass
+    # -- event observer (migd.daemon.lease_service.EventObserver) ---------------------------
 
     def lease_refused(self, error: MigdError) -> None:
         pass
@@ -240,4 +237,7 @@ class GpuHealthMonitor:
             return False
         clear_condition(gpu, reason)
         log.info("gpu.xid_cleared", gpu=index)
+        # The GPU's health changed outside the scheduler's books: place what now fits.
+        now, mono = self.ctx.now()
+        self.leases.apply(self.ctx.sched.schedule(now, mono))
         return True

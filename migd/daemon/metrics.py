@@ -148,13 +148,13 @@ class MetricsRecorder:
             self.nvml_ops.labels(op=op, result="ok")
             self.nvml_seconds.labels(op=op)
 
-    def lease_changed(self, lease: Lease, now_s: float) -> None:
-        """A lease reached a new state (call once per transition)."""
-        if lease.state is LeaseState.ACTIVE:
+    def lease_changed(self, lease: Lease, new: LeaseState, now_s: float) -> None:
+        """A lease reached state ``new`` (call once per transition)."""
+        if new is LeaseState.ACTIVE:
             self.granted.labels(mode=lease.mode or "unknown").inc()
             self.wait.observe(max(0.0, now_s - lease.created_s))
-        elif lease.state.terminal:
-            self.ended.labels(state=lease.state.value).inc()
+        elif new.terminal:
+            self.ended.labels(state=new.value).inc()
 
     def lease_refused(self, error: MigdError) -> None:
         self.refused.labels(reason=error.code).inc()
@@ -579,9 +579,9 @@ class MetricsService:
     """Everything metrics-related one daemon holds, built from its configuration.
 
     The daemon calls :meth:`wrap_backend` before discovery, :meth:`start` once its books
-    exist, and :meth:`close` on shutdown; as a lease observer
-    (:class:`migd.daemon.lease_service.LeaseObserver`) it hears of every lease transition,
-    refusal and history record.
+    exist, and :meth:`close` on shutdown; as a lease observer and an event observer
+    (:mod:`migd.daemon.lease_service`) it hears of every lease transition, refusal and
+    history record.
     """
 
     def __init__(self, config: MigdConfig) -> None:
@@ -617,11 +617,14 @@ class MetricsService:
                 )
                 self.server = None
 
-    def lease_changed(self, lease: Lease, now_s: float) -> None:
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
+        """A lease observer (:class:`migd.daemon.lease_service.LeaseObserver`)."""
         if not self._counting:
             return
-        self.recorder.lease_changed(lease, now_s)
-        if lease.state is LeaseState.ACTIVE or lease.state.terminal:
+        self.recorder.lease_changed(lease, new, now)
+        if new is LeaseState.ACTIVE or new.terminal or old is LeaseState.ACTIVE:
             self.sync_job_mapping()
 
     def lease_refused(self, error: MigdError) -> None:

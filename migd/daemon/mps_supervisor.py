@@ -204,7 +204,8 @@ class MpsSupervisor:
         except Exception as exc:
             log.exception("mps.housekeeping_crashed", error=str(exc))
         now, mono = self.ctx.now()
-        self.leases.after_change(sched.schedule(now, mono))
+        # A GPU's health may have changed: place what fits now.
+        self.leases.apply(sched.schedule(now, mono))
 
     def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
         """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon.

@@ -107,7 +107,8 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.executor = GpuExecutor(ctx)
         self.leases = LeaseService(ctx, self.executor.dispatch)
-        self.leases.observers.append(self.metrics)
+        self.leases.add_observer(self.metrics)
+        self.leases.event_observers.append(self.metrics)
         self.mps = MpsSupervisor(ctx, self.executor, self.leases)
         self.leases.release_share = self.mps.release_share
         self.reaper = Reaper(ctx, self.executor, self.leases)
@@ -122,7 +123,7 @@ class Daemon:
         Ops(ctx, self.leases, self.executor, self.mps, self.reload).register(self.api)
         # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
         self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, sim_node=sim_node)
-        self.leases.observers.append(self.health)
+        self.leases.event_observers.append(self.health)
         if sim_node is not None:
             self.health.register_sim_op(self.api)
         else:
@@ -250,7 +251,8 @@ class Daemon:
         log.info("config.reloaded", needs_restart=needs_restart)
         self.leases.record("reload", None, needs_restart=needs_restart)
         now, mono = ctx.now()
-        self.leases.after_change(ctx.sched.schedule(now, mono))
+        # The policy (queue order, placement) changed: place what fits under it.
+        self.leases.apply(ctx.sched.schedule(now, mono))
         ctx.notifier.ready("configuration reloaded")
         return {"reloaded": True, "needs_restart": needs_restart}
 

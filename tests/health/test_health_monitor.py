@@ -26,12 +26,19 @@ class Books:
     clock: ManualClock = field(default_factory=ManualClock)
     saved: list[str] = field(default_factory=list)
     records: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    applied: list[Any] = field(default_factory=list)  # outcomes handed back
 
     def save(self, lease: Any) -> None:
         self.saved.append(lease.lease_id)
 
     def record(self, event: str, lease: Any, /, **data: Any) -> None:
         self.records.append((event, data))
+
+    def now(self) -> tuple[float, float]:
+        return self.clock.now(), self.clock.monotonic()
+
+    def apply(self, outcome: Any) -> None:
+        self.applied.append(outcome)
 
 
 def monitor(books: Books) -> GpuHealthMonitor:
@@ -75,6 +82,7 @@ def test_an_unattributed_non_fatal_xid_flags_every_lease_but_loses_none() -> Non
     body, _ = render(health.metrics.recorder.registry)
     assert b'migd_gpu_xid_events_total{critical="true",gpu="0",xid="74"} 1.0' in body
     assert health.clear(0) and node.gpus[0].available
+    assert len(books.applied) == 1  # a scheduling pass for what the GPU can take again
     assert not health.clear(0)  # nothing left to clear
 
 

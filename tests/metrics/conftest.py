@@ -42,4 +42,4 @@ def finish(node: NodeScheduler, work: list[Work], now: float) -> None:
             for op in item.ops
             if isinstance(op, CreateOp)
         }
-        node.work_done(item, created, now)
+        node.work_done(item, created, now, now)

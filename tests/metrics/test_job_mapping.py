@@ -90,8 +90,8 @@ def test_the_service_syncs_on_grants_and_ends(tmp_path: Path) -> None:
     asyncio.run(service.start(Source(node)))
     out = node.submit(lease(9000), 1.0, 1.0)
     finish(node, out.work, 2.0)
-    service.lease_changed(out.lease, 2.0)
+    service.on_transition(out.lease, LeaseState.PREPARING, LeaseState.ACTIVE, 2.0)
     assert list(files(tmp_path).values()) == [f"{out.lease.request.job_id}\n"]
     node.release(out.lease.lease_id, 3.0, 3.0)
-    service.lease_changed(out.lease, 3.0)
+    service.on_transition(out.lease, LeaseState.ACTIVE, LeaseState.RELEASED, 3.0)
     assert files(tmp_path) == {}

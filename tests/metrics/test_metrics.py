@@ -147,10 +147,9 @@ def test_lease_transitions_count_by_mode_and_final_state_with_the_wait() -> None
     node = NodeScheduler([gpu(0)])
     registry = build_registry(Source(node), recorder)
     granted = lease(5000, created_s=100.0)
-    granted.state, granted.mode = LeaseState.ACTIVE, "mig"
-    recorder.lease_changed(granted, 112.5)
-    granted.state = LeaseState.RELEASED
-    recorder.lease_changed(granted, 200.0)
+    granted.mode = "mig"
+    recorder.lease_changed(granted, LeaseState.ACTIVE, 112.5)
+    recorder.lease_changed(granted, LeaseState.RELEASED, 200.0)
     recorder.lease_refused(NoCapacity("no partition"))
     recorder.wrapper_report("oom")
     recorder.wrapper_report("forecast")
