@@ -19,15 +19,19 @@ HAMi (``pkg/device-plugin/nvidiadevice/nvinternal/rm/health.go``):
 
 * An XID in ``health.ignore_xids`` is an application fault, not a failing GPU: 13
   (graphics engine exception), 31 (GPU memory page fault), 43 (GPU stopped processing),
-  45 (preemptive cleanup), 68 (video processor exception) and 109 (context switch timeout)
-  come from the job's own code or its exit; HAMi and the device plugin skip exactly these.
-  They are counted (``critical="false"``) and logged, nothing more.
+  45 (preemptive cleanup), 68 (video processor exception) come from the job's own code or
+  its exit (HAMi's ``applicationErrorXids``); NVIDIA's k8s-device-plugin adds 109 (context
+  switch timeout) to the same list. They are counted (``critical="false"``) and logged,
+  nothing more.
 * Any other XID, and a double-bit ECC error, is critical: the GPU gets no new leases.
 * NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors, "Resolution Bucket") lists XIDs
   after which the GPU must be reset or the node rebooted: 48 (double-bit ECC), 79 (GPU has
   fallen off the bus), 95 (uncontained ECC error), 119 and 120 (GSP errors). migd treats
-  those, and a double-bit ECC event, as losing every instance on the GPU; a critical
-  XID that NVML attributes to a GPU instance loses that instance's work only.
+  those, and a double-bit ECC event (HAMi registers it but acts on XIDs only; a DBE
+  also raises XID 48), as losing every instance on the GPU; a critical XID that NVML
+  attributes to a GPU instance loses that instance's work only. Either way the whole GPU
+  takes no new leases, where HAMi marks only the attributed MIG device: migd repartitions
+  GPUs itself, so the failing slices would go to the next job in another instance.
 * Single-bit ECC (corrected by hardware), PState, clock and power-source events are
   not health signals and are not registered. Neither are MIG configuration changes:
   migd's own creates and destroys cause one each, and migd re-reads a GPU's instances
