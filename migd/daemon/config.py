@@ -166,7 +166,8 @@ class HealthSection(_Section):
     )
     ignore_xids: list[int] = Field(
         default_factory=lambda: [13, 31, 43, 45, 68, 109],
-        description="XIDs that signal an application fault, not a failing GPU (HAMi's list)",
+        description="XIDs that signal an application fault, not a failing GPU (NVIDIA "
+        "k8s-device-plugin's and HAMi's list)",
     )
     sim_xids: list[str] = Field(
         default_factory=list,
