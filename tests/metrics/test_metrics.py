@@ -252,3 +252,25 @@ def test_two_recorders_never_share_a_number() -> None:
     a, b = MetricsRecorder(), MetricsRecorder()
     a.wrapper_report("oom")
     assert value(scrape(b.registry), "migd_job_restarts_total", kind="oom") == 0
+
+
+def test_a_failing_collector_answers_500_and_the_endpoint_keeps_serving() -> None:
+    node = NodeScheduler([gpu(0)])
+    source = Source(node)
+    registry = build_registry(source, MetricsRecorder())
+
+    async def main() -> tuple[bytes, bytes]:
+        server = MetricsServer(registry, "127.0.0.1:0")
+        await server.start()
+        try:
+            source.sched = None  # type: ignore[assignment]  # a bug in the books
+            broken = await _http(server.bound_port, b"GET /metrics HTTP/1.0\r\n\r\n")
+            source.sched = node
+            fixed = await _http(server.bound_port, b"GET /metrics HTTP/1.0\r\n\r\n")
+            return broken, fixed
+        finally:
+            await server.close()
+
+    broken, fixed = asyncio.run(main())
+    assert broken.startswith(b"HTTP/1.0 500")
+    assert fixed.startswith(b"HTTP/1.0 200")
