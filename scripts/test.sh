@@ -25,6 +25,14 @@ if ! command -v debootstrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v 
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
 
+# tests/metrics/test_scrape.py scrapes a simulated node with a real Prometheus (Debian's
+# package); it is skipped, saying why, where the package cannot be installed.
+if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq >/dev/null &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+        || echo "prometheus could not be installed: tests/metrics/test_scrape.py's Prometheus test is skipped"
+fi
+
 echo "== ruff"; .venv/bin/ruff check .
 echo "== ruff format"; .venv/bin/ruff format --check .
 echo "== mypy (strict)"; .venv/bin/mypy
