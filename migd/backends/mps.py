@@ -60,6 +60,7 @@ from migd.core.mps import (
     MpsShare,
     UserPolicy,
     format_limit_mib,
+    limit_applied,
     parse_limit_mib,
     share_environment,
 )
@@ -1069,7 +1070,14 @@ class MpsManager:
     def _apply_limits(self, daemon: _Daemon) -> list[int] | None:
         """Default and per-server pinned limit := the largest active share's limit.
 
+        Each change is checked by reading it back (``get_*``), not by the commands'
+        output: what the daemon prints on success is not documented, so informational
+        output is accepted and a refusal is what the follow-up query shows.
+
         Returns the live servers when it had to list them (``None`` if nothing changed).
+
+        Raises:
+            MpsCommandFailed: the daemon did not apply a limit.
         """
         target = max((s.memory_mib for s in daemon.shares.values()), default=0)
         if target <= 0 or target == daemon.record.default_limit_mib:
@@ -1079,55 +1087,60 @@ class MpsManager:
         # and limits set by UUID were seen not to apply (NVIDIA/k8s-device-plugin#572).
         dev = MPS_CLIENT_DEVICE_INDEX
         # Default first, then list: a server that starts in between already has it.
-        servers = self._set_then_list(
-            daemon, [f"set_default_device_pinned_mem_limit {dev} {value}"]
-        )
-        if servers:
-            servers = self._set_then_list(
-                daemon, [f"set_device_pinned_mem_limit {pid} {dev} {value}" for pid in servers]
-            )
+        command = f"set_default_device_pinned_mem_limit {dev} {value}"
+        output = self._command(daemon, command)
+        read = self._command(daemon, f"get_default_device_pinned_mem_limit {dev}")
+        if not limit_applied(read, target):
+            raise self._not_applied(daemon, [command], output, read)
+        servers = _live_pids(self._command(daemon, "get_server_list"))
+        for pid in servers:
+            command = f"set_device_pinned_mem_limit {pid} {dev} {value}"
+            output = self._command(daemon, command)
+            if not _pid_alive(pid):
+                continue  # exited in between: nothing left to limit
+            read = self._command(daemon, f"get_device_pinned_mem_limit {pid} {dev}")
+            if not limit_applied(read, target):
+                raise self._not_applied(daemon, [command], output, read)
         daemon.record.default_limit_mib = target
         self._write_record(daemon.record)
         return servers
 
+    @staticmethod
+    def _not_applied(
+        daemon: _Daemon, commands: list[str], output: str, read_back: str
+    ) -> MpsCommandFailed:
+        said = " ".join(output.split()) or "no output"
+        return MpsCommandFailed(
+            f"MPS command(s) {'; '.join(commands)} for {daemon.record.device_uuid} did not "
+            f"take effect (the daemon said: {said}; reading it back gave "
+            f"{read_back.strip() or 'nothing'!r})",
+            device_uuid=daemon.record.device_uuid,
+            commands=commands,
+        )
+
     def _ensure_server(self, daemon: _Daemon, servers: list[int] | None = None) -> bool:
-        """Start the daemon's server unless one runs; True if it had to start one."""
+        """Start the daemon's server unless one runs; True if it had to start one.
+
+        Whether ``start_server`` worked is read from ``get_server_list`` afterwards, not
+        from its output (which may be informational).
+        """
         if servers is None:
             servers = _live_pids(self._command(daemon, "get_server_list"))
         started = not servers
+        output = ""
         if started:
-            servers = self._set_then_list(daemon, [f"start_server -uid {daemon.record.serves_uid}"])
+            output = self._command(daemon, f"start_server -uid {daemon.record.serves_uid}")
+            servers = _live_pids(self._command(daemon, "get_server_list"))
         if not servers:
             raise MpsCommandFailed(
                 f"MPS server for uid {daemon.record.serves_uid} on "
-                f"{daemon.record.device_uuid} did not start",
+                f"{daemon.record.device_uuid} did not start"
+                + (f": {' '.join(output.split())}" if output.strip() else ""),
                 device_uuid=daemon.record.device_uuid,
                 log_dir=daemon.record.log_dir,
             )
         daemon.known_servers = set(servers)
         return started
-
-    def _set_then_list(self, daemon: _Daemon, commands: list[str]) -> list[int]:
-        """Run commands that print nothing on success, then ``get_server_list``, in one go.
-
-        One front-end invocation reads any number of commands from stdin
-        (``nvidia-cuda-mps-control(1)``); a rejected command shows up as a line that is
-        not a PID.
-
-        Raises:
-            MpsCommandFailed: a command was rejected (its message is in the error).
-        """
-        output = self._command(daemon, "\n".join([*commands, "get_server_list"]))
-        lines = [line.strip() for line in output.splitlines() if line.strip()]
-        rejected = [line for line in lines if not line.isdigit()]
-        if rejected:
-            raise MpsCommandFailed(
-                f"MPS command(s) {'; '.join(commands)} for {daemon.record.device_uuid} "
-                f"rejected: {' '.join(rejected)}",
-                device_uuid=daemon.record.device_uuid,
-                commands=commands,
-            )
-        return [pid for pid in map(int, lines) if _pid_alive(pid)]
 
     def _stop(self, daemon: _Daemon) -> None:
         """``quit`` the daemon, kill it if it will not go, remove its pipe dir and record."""

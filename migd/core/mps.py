@@ -449,6 +449,18 @@ def parse_limit_mib(text: str) -> int | None:
     return None
 
 
+def limit_applied(read_back: str, target_mib: int) -> bool:
+    """Whether a limit read back with ``get_*_pinned_mem_limit`` is the one that was set.
+
+    Drivers print limits of 1 GiB and more as whole ``G``, rounded down
+    (:func:`parse_limit_mib`), so ``4500M`` may read back as ``4G``.
+    """
+    read = parse_limit_mib(read_back)
+    if read is None:
+        return False
+    return read == target_mib or (read % 1024 == 0 and read == target_mib // 1024 * 1024)
+
+
 def parse_pinned_limit_env(value: str, device_uuid: str | None = None) -> int | None:
     """The limit for the client's device 0 in a ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` value.
 
