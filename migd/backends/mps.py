@@ -27,7 +27,10 @@ the device's active shares, and the same on each running server
 started later and per-server limits only reach new clients (MPS v2 interface
 docs). A client that drops ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` from its
 environment is then still bounded, by the largest active share rather than its
-own (htcondor-mps-nvml.md §4.5); NVML monitoring has to catch the rest.
+own (htcondor-mps-nvml.md §4.5); NVML monitoring has to catch the rest. The active
+thread percentage is bounded the same way (``set_default_active_thread_percentage`` and
+``set_active_thread_percentage <PID>``), as NVIDIA's device plugin and DRA driver do.
+Every such command is checked by reading the value back, never by its output.
 
 Commands go to the daemon the documented way, through a front-end invocation
 with the same pipe directory: ``echo quit | nvidia-cuda-mps-control``. Every call
@@ -50,7 +53,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -289,6 +292,9 @@ class DaemonRecord:
     multi_user: bool
     started_at: float
     default_limit_mib: int = 0
+    # Active thread percentage set on the daemon and its servers (100: the daemon's own
+    # default, nothing set).
+    thread_percentage: int = 100
     run_as_self: bool = False  # not root: could not switch user, ran as migd's own uid
     scope_unit: str = ""  # the transient systemd scope it runs in ("" when none)
 
@@ -1068,42 +1074,97 @@ class MpsManager:
         )
 
     def _apply_limits(self, daemon: _Daemon) -> list[int] | None:
-        """Default and per-server pinned limit := the largest active share's limit.
+        """Limits on the daemon and each running server := the largest active share's.
 
-        Each change is checked by reading it back (``get_*``), not by the commands'
-        output: what the daemon prints on success is not documented, so informational
-        output is accepted and a refusal is what the follow-up query shows.
+        * Pinned memory: the largest share's per-client limit.
+        * Active thread percentage: the largest share's (a share without one counts as
+          100). A client can only lower it through its environment (MPS docs,
+          topic_5_2_5), and a job can unset that variable, so the server carries the
+          bound too, as NVIDIA's device plugin (``cmd/mps-control-daemon/mps/daemon.go``)
+          and DRA driver (``templates/mps-control-daemon.tmpl.yaml``) set it.
+
+        Defaults reach servers started later, per-server values clients that connect
+        later (MPS v2 interface docs), so both are set. Each change is checked by reading
+        it back (``get_*``), not by the commands' output: what the daemon prints on
+        success is not documented, so informational output is accepted and a refusal is
+        what the follow-up query shows.
 
         Returns the live servers when it had to list them (``None`` if nothing changed).
 
         Raises:
             MpsCommandFailed: the daemon did not apply a limit.
         """
+        record = daemon.record
         target = max((s.memory_mib for s in daemon.shares.values()), default=0)
-        if target <= 0 or target == daemon.record.default_limit_mib:
+        threads = max((s.thread_percentage or 100 for s in daemon.shares.values()), default=100)
+        memory_changes = target > 0 and target != record.default_limit_mib
+        threads_change = bool(daemon.shares) and threads != record.thread_percentage
+        if not memory_changes and not threads_change:
             return None
-        value = format_limit_mib(target)
         # By index, not UUID: the daemon sees one device (CUDA_VISIBLE_DEVICES), index 0,
         # and limits set by UUID were seen not to apply (NVIDIA/k8s-device-plugin#572).
         dev = MPS_CLIENT_DEVICE_INDEX
         # Default first, then list: a server that starts in between already has it.
-        command = f"set_default_device_pinned_mem_limit {dev} {value}"
-        output = self._command(daemon, command)
-        read = self._command(daemon, f"get_default_device_pinned_mem_limit {dev}")
-        if not limit_applied(read, target):
-            raise self._not_applied(daemon, [command], output, read)
+        if memory_changes:
+            self._set_checked(
+                daemon,
+                f"set_default_device_pinned_mem_limit {dev} {format_limit_mib(target)}",
+                f"get_default_device_pinned_mem_limit {dev}",
+                lambda read: limit_applied(read, target),
+            )
+        if threads_change:
+            self._set_checked(
+                daemon,
+                f"set_default_active_thread_percentage {threads}",
+                "get_default_active_thread_percentage",
+                lambda read: _percentage_is(read, threads),
+            )
         servers = _live_pids(self._command(daemon, "get_server_list"))
         for pid in servers:
-            command = f"set_device_pinned_mem_limit {pid} {dev} {value}"
-            output = self._command(daemon, command)
-            if not _pid_alive(pid):
-                continue  # exited in between: nothing left to limit
-            read = self._command(daemon, f"get_device_pinned_mem_limit {pid} {dev}")
-            if not limit_applied(read, target):
-                raise self._not_applied(daemon, [command], output, read)
-        daemon.record.default_limit_mib = target
-        self._write_record(daemon.record)
+            if memory_changes:
+                self._set_checked(
+                    daemon,
+                    f"set_device_pinned_mem_limit {pid} {dev} {format_limit_mib(target)}",
+                    f"get_device_pinned_mem_limit {pid} {dev}",
+                    lambda read: limit_applied(read, target),
+                    server=pid,
+                )
+            if threads_change:
+                self._set_checked(
+                    daemon,
+                    f"set_active_thread_percentage {pid} {threads}",
+                    f"get_active_thread_percentage {pid}",
+                    lambda read: _percentage_is(read, threads),
+                    server=pid,
+                )
+        if memory_changes:
+            record.default_limit_mib = target
+        record.thread_percentage = threads
+        self._write_record(record)
         return servers
+
+    def _set_checked(
+        self,
+        daemon: _Daemon,
+        command: str,
+        query: str,
+        applied: Callable[[str], bool],
+        *,
+        server: int | None = None,
+    ) -> None:
+        """Send ``command``, then ``query``; fail unless ``applied`` accepts the answer.
+
+        A ``server`` that exited in between is not an error: nothing is left to set.
+
+        Raises:
+            MpsCommandFailed: the query does not show the change.
+        """
+        output = self._command(daemon, command)
+        if server is not None and not _pid_alive(server):
+            return
+        read = self._command(daemon, query)
+        if not applied(read):
+            raise self._not_applied(daemon, [command], output, read)
 
     @staticmethod
     def _not_applied(
@@ -1395,6 +1456,14 @@ def _parse_pids(text: str) -> list[int]:
 def _live_pids(text: str) -> list[int]:
     """PIDs from a server list that still run (a crashed server may be listed until reaped)."""
     return [pid for pid in _parse_pids(text) if _pid_alive(pid)]
+
+
+def _percentage_is(text: str, wanted: int) -> bool:
+    """``get_*active_thread_percentage`` prints a float (``50.0``)."""
+    try:
+        return abs(float(text.strip()) - wanted) < 0.5
+    except ValueError:
+        return False
 
 
 def _read_pid(path: Path) -> int | None:

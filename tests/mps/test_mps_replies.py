@@ -82,3 +82,27 @@ def test_limit_read_back_allows_the_whole_gib_rounding(
     read_back: str, target: int, applied: bool
 ) -> None:
     assert limit_applied(read_back, target) is applied
+
+
+# -- defect 6: the thread percentage is set on the daemon and its server too -------------
+
+
+def test_thread_percentage_is_set_on_the_daemon_and_the_running_server(env: Env) -> None:
+    manager = env.manager()
+    manager.ensure_share(GPU, share("a", 2048, thread_percentage=30))
+    status = fake_status(env, manager)
+    assert status["default_thread_percentage"] == 30.0
+    assert [s["thread_percentage"] for s in status["servers"]] == [30.0]
+
+    # The server's bound is the largest share's; each client lowers it for itself.
+    env_b = manager.ensure_share(GPU, share("b", 2048, thread_percentage=60))
+    assert env_b["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "60"
+    status = fake_status(env, manager)
+    assert status["default_thread_percentage"] == 60.0
+    assert [s["thread_percentage"] for s in status["servers"]] == [60.0]
+
+    # A share without a compute limit lifts the bound back to 100.
+    manager.ensure_share(GPU, share("c", 2048))
+    assert fake_status(env, manager)["default_thread_percentage"] == 100.0
+    manager.release_share(GPU, "c")
+    assert fake_status(env, manager)["default_thread_percentage"] == 60.0
