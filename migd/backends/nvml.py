@@ -988,9 +988,15 @@ class NvmlBackend:
                     if nvml_error_code(exc) in _ABSENT:
                         continue
                     raise
-            found.append(
-                _CiProfile(index, int(raw.id), int(raw.instanceCount), int(raw.sliceCount))
-            )
+            profile_id = int(raw.id)
+            if any(c.profile_id == profile_id for c in found):
+                # The same profile under a second index (COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
+                # answering with the 1-slice profile's id): listing its CIs again would
+                # report each twice, and the second destroy would fail. NVIDIA's DRA driver
+                # skips REV1 for the same reason (k8s-dra-driver-gpu,
+                # cmd/gpu-kubelet-plugin/nvlib.go: "same number of slices").
+                continue
+            found.append(_CiProfile(index, profile_id, int(raw.instanceCount), int(raw.sliceCount)))
         found.sort(key=lambda c: -c.slices)
         self._ci_profile_cache[key] = found
         return found

@@ -42,7 +42,9 @@ from typing import Any, Literal
 
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated.node import (
+    CI_PROFILE_1_SLICE_REV1,
     MIB,
+    REV1_REPORTED_ID,
     SimComputeInstance,
     SimGpu,
     SimGpuInstance,
@@ -515,8 +517,8 @@ class FakePynvml:
             else api.c_nvmlComputeInstanceProfileInfo_t()
         )
         # CI profile IDs equal the enum index on A100/H100 (nvidia-smi mig -lcip shows 0..4)
-        # and in the go-nvml mock.
-        info.id = profile
+        # and in the go-nvml mock; the REV1 duplicate answers with the 1-slice id (node.py).
+        info.id = REV1_REPORTED_ID if profile == CI_PROFILE_1_SLICE_REV1 else profile
         info.sliceCount = slices
         info.instanceCount = count
         info.multiprocessorCount = (gi.profile.sm_count or 0) * slices // gi.profile.compute_slices

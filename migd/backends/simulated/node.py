@@ -58,9 +58,26 @@ MIB = 1024 * 1024
 DEFAULT_DRIVER_VERSION = "580.95.05"
 DEFAULT_CUDA_VERSION = 13000  # nvmlSystemGetCudaDriverVersion encoding: 1000*major + 10*minor
 
-# NVML_COMPUTE_INSTANCE_PROFILE_* index -> compute slices (nvml.h); REV1 and 7_SLICE_NVL
-# (0x7, 0x8) are special-purpose CI profiles the simulator does not offer.
-CI_PROFILE_SLICES: dict[int, int] = {0x0: 1, 0x1: 2, 0x2: 3, 0x3: 4, 0x4: 7, 0x5: 8, 0x6: 6}
+# NVML_COMPUTE_INSTANCE_PROFILE_* index -> compute slices (nvml.h). 0x7 is
+# COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1: a second 1-slice entry, which NVIDIA's DRA driver
+# skips because it has "the same number of slices" as 1_SLICE (k8s-dra-driver-gpu,
+# cmd/gpu-kubelet-plugin/nvlib.go, inspectMigProfilesAndPlacements). The simulator reports
+# it under the plain 1-slice profile's id (REV1_REPORTED_ID), the case in which a reader
+# that does not de-duplicate lists every 1-slice CI twice (docs/nvml.md). 7_SLICE_NVL
+# (0x8) is not offered.
+CI_PROFILE_1_SLICE_REV1 = 0x7
+CI_PROFILE_SLICES: dict[int, int] = {
+    0x0: 1,
+    0x1: 2,
+    0x2: 3,
+    0x3: 4,
+    0x4: 7,
+    0x5: 8,
+    0x6: 6,
+    CI_PROFILE_1_SLICE_REV1: 1,
+}
+#: The profile id ``nvmlGpuInstanceGetComputeInstanceProfileInfo`` reports for REV1.
+REV1_REPORTED_ID = 0x0
 
 
 class SimCudaError(RuntimeError):
