@@ -30,6 +30,11 @@ class GpuInfo:
     mode was read). A GPU whose MIG mode is unknown must not be given work: it may
     well be a MIG GPU.
     ``model`` is the catalog key (``A100-40GB``) or ``None`` for an unknown model.
+    ``persistence_mode``: whether the driver stays initialised while the GPU is idle
+    (``None``: NVML could not say); without it an idle GPU can be de-initialised and
+    lose its MIG instances. ``compute_mode``: ``"DEFAULT"``, ``"EXCLUSIVE_PROCESS"`` or
+    ``"PROHIBITED"`` (``None``: unknown); MPS is only enforced under
+    ``EXCLUSIVE_PROCESS`` (docs/mps.md).
     """
 
     index: int
@@ -45,6 +50,8 @@ class GpuInfo:
     model: str | None
     compute_capability: tuple[int, int] | None = None
     mig_mode_error: str | None = None
+    persistence_mode: bool | None = None
+    compute_mode: str | None = None
 
     @property
     def mig_mode_known(self) -> bool:
