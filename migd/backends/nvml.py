@@ -116,6 +116,9 @@ _ERROR_NAMES: dict[int, str] = {
 # "if profile isn't supported").
 _ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
 
+# nvmlComputeMode_t (nvml.h): 1, EXCLUSIVE_THREAD, was removed from the driver.
+COMPUTE_MODE_NAMES: dict[int, str] = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
+
 _NOT_AVAILABLE_UINT = 0xFFFFFFFF  # gpuInstanceId of a process outside MIG
 
 # Engines a profile takes from the GPU's shared pool (nvmlGpuInstanceProfileInfo_t);
@@ -483,6 +486,21 @@ class NvmlBackend:
             gpu,
             lambda: tuple(int(v) for v in nvml.nvmlDeviceGetCudaComputeCapability(handle)),
         )
+        persistence = self._degradable(
+            "read persistence mode", gpu, lambda: int(nvml.nvmlDeviceGetPersistenceMode(handle))
+        )
+        if persistence == 0:
+            self._log_once(
+                f"persistence:{gpu}",
+                "GPU %d (%s) has persistence mode off: when it goes idle the driver may "
+                "de-initialise it and its MIG instances are lost; enable nvidia-persistenced "
+                "(docs/operations.md)",
+                gpu,
+                uuid,
+            )
+        compute_mode = self._degradable(
+            "read compute mode", gpu, lambda: int(nvml.nvmlDeviceGetComputeMode(handle))
+        )
         total_mib = int(memory.total) // MIB
         pci_device_id = int(pci.pciDeviceId)
         info = GpuInfo(
@@ -499,6 +517,8 @@ class NvmlBackend:
             model=catalog.detect_model(pci_device_id, name, total_mib),
             compute_capability=(capability[0], capability[1]) if capability else None,
             mig_mode_error=mig_error,
+            persistence_mode=None if persistence is None else persistence != 0,
+            compute_mode=None if compute_mode is None else COMPUTE_MODE_NAMES.get(compute_mode),
         )
         self._infos[gpu] = info
         return info

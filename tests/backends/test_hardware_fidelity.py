@@ -3,6 +3,9 @@ behaving like the hardware there (each simulated behaviour is cited in docs/nvml
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from sim_support import Sim
 
 from migd.backends.simulated import FakePynvml
@@ -40,3 +43,37 @@ def test_each_compute_instance_is_listed_once_and_destroyed_once(sim: Sim) -> No
     backend.destroy_instance(0, created.gi_id)
     assert backend.list_instances(0) == []
     assert node.instances(0) == []
+
+
+# -- defects 4 and 5: persistence and compute mode are read at discovery --------------------
+
+
+def test_discovery_reports_persistence_and_compute_mode(sim: Sim) -> None:
+    backend, _node = sim(
+        '[[gpu]]\nmodel = "A100-40GB"\n'
+        '[[gpu]]\nmodel = "H100-80GB"\npersistence_mode = false\n'
+        'compute_mode = "exclusive_process"\n'
+    )
+    first, second = backend.discover()
+    assert (first.persistence_mode, first.compute_mode) == (True, "DEFAULT")
+    assert (second.persistence_mode, second.compute_mode) == (False, "EXCLUSIVE_PROCESS")
+
+
+def test_persistence_mode_off_is_warned_about_once(
+    sim: Sim, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend, _node = sim('[[gpu]]\nmodel = "A100-40GB"\npersistence_mode = false\n')
+    with caplog.at_level(logging.WARNING, logger="migd.backends.nvml"):
+        backend.discover()
+        backend.discover()
+    warnings = [r.getMessage() for r in caplog.records if "persistence mode off" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "nvidia-persistenced" in warnings[0]
+
+
+def test_an_unreadable_persistence_or_compute_mode_is_unknown_not_an_error(sim: Sim) -> None:
+    backend, node = sim("1xA100-40GB")
+    node.fail_next("nvmlDeviceGetPersistenceMode", api.NVML_ERROR_NOT_SUPPORTED)
+    node.fail_next("nvmlDeviceGetComputeMode", api.NVML_ERROR_NO_PERMISSION)
+    (info,) = backend.discover()
+    assert (info.persistence_mode, info.compute_mode) == (None, None)

@@ -51,6 +51,7 @@ from migd.backends.simulated.node import (
     SimNode,
     SimProcess,
 )
+from migd.backends.simulated.specs import COMPUTE_MODES
 from migd.core.geometry import Profile
 
 # pynvml functions that nvml.h marks "Requires privileged user" / root.
@@ -358,6 +359,15 @@ class FakePynvml:
         info.used = used * MIB
         info.free = (total - used) * MIB
         return info
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        # nvml.h: "For Linux only"; a MIG device handle is not a GPU (INVALID_ARGUMENT).
+        gpu = self._device("nvmlDeviceGetPersistenceMode", handle)
+        return api.NVML_FEATURE_ENABLED if gpu.spec.persistence_mode else api.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        gpu = self._device("nvmlDeviceGetComputeMode", handle)
+        return COMPUTE_MODES[gpu.spec.compute_mode]
 
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
         gpu, _gi, _ci = self._device_or_mig("nvmlDeviceGetCudaComputeCapability", handle)

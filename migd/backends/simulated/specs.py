@@ -63,6 +63,10 @@ class SimInstanceSpec:
     compute_instances: tuple[tuple[int, str | None], ...] | None = None
 
 
+#: Compute modes by NVML value (nvml.h ``nvmlComputeMode_t``; 1, EXCLUSIVE_THREAD, is gone).
+COMPUTE_MODES = {"DEFAULT": 0, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
+
+
 @dataclass(frozen=True, slots=True)
 class SimProcessSpec:
     """A CUDA process already running when the node starts.
@@ -99,6 +103,12 @@ class SimGpuSpec:
     latency: Mapping[int, tuple[float, float]] | None = field(default=None, hash=False)
     idle_used_mib: int = 0  # memory NVML reports used on the idle whole GPU (MIG off)
     mig_idle_used_mib: int = 0  # and on each idle GPU instance (driver reservations)
+    # nvmlDeviceGetPersistenceMode: on, as `nvidia-persistenced` keeps it on a node set up
+    # per docs/operations.md; a description can turn it off to see the warning.
+    persistence_mode: bool = True
+    # nvmlDeviceGetComputeMode: "DEFAULT" (the driver's default), "EXCLUSIVE_PROCESS",
+    # "PROHIBITED" (nvidia-smi -c).
+    compute_mode: str = "DEFAULT"
 
     @classmethod
     def for_model(cls, model: str, **overrides: Any) -> SimGpuSpec:
@@ -260,6 +270,8 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
         "latency",
         "idle_used_mib",
         "mig_idle_used_mib",
+        "persistence_mode",
+        "compute_mode",
     }
     unknown = set(entry) - allowed
     if unknown:
@@ -292,6 +304,17 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
                     f"{key} must be a whole number of MiB >= 0", where=f"{where}.{key}"
                 )
             overrides[key] = value
+    if "persistence_mode" in entry:
+        overrides["persistence_mode"] = bool(entry["persistence_mode"])
+    if "compute_mode" in entry:
+        mode = str(entry["compute_mode"]).upper()
+        if mode not in COMPUTE_MODES:
+            raise ConfigError(
+                f"unknown compute_mode {entry['compute_mode']!r}",
+                where=f"{where}.compute_mode",
+                hint="one of " + ", ".join(COMPUTE_MODES),
+            )
+        overrides["compute_mode"] = mode
     instances: list[SimInstanceSpec] = []
     for i, inst in enumerate(entry.get("instances", [])):
         if isinstance(inst, Mapping):
