@@ -1017,7 +1017,11 @@ class NodeScheduler:
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
                 inst.status = InstanceStatus.READY
                 if inst.mps_pool is not None:  # an MPS host: its shares' leases go active
-                    inst.mps_pool = replace(inst.mps_pool, device_uuid=uuid or "")
+                    # The pool holds what NVML reports for the new MIG device, not the
+                    # profile's nominal size (issue 13, defect 7).
+                    inst.mps_pool = replace(
+                        inst.mps_pool, device_uuid=uuid or "", memory_total_mib=memory
+                    )
                     for waiting in self._leases_on(inst):
                         if waiting.state is LeaseState.PREPARING:
                             self._activate_mps_share(waiting, gpu, inst, now_s)
