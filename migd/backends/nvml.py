@@ -920,13 +920,16 @@ class NvmlBackend:
             ComputeInstance(ci_id=ci_id, uuid=devices[(gi_id, ci_id)][0], slices=slices)
             for ci_id, slices in sorted(cis)
         )
+        first = devices.get((gi_id, computes[0].ci_id)) if computes else None
         return MigInstance(
             gpu=gpu,
             gi_id=gi_id,
             profile_id=int(info.profileId),
             start=int(info.placement.start),
             size=int(info.placement.size),
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=self._mig_memory_total(
+                gpu, None if first is None else first[1], profile
+            ),
             compute_instances=computes,
         )
 
@@ -1116,17 +1119,35 @@ class NvmlBackend:
         except BaseException:
             self._roll_back(gpu, gi, ci)
             raise
+        cached = self._cached_mig_device(gpu, ids)
         return MigInstance(
             gpu=gpu,
             gi_id=ids[0],
             profile_id=profile.profile_id,
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=self._mig_memory_total(
+                gpu, None if cached is None else cached[1], profile
+            ),
             compute_instances=(
                 ComputeInstance(ci_id=ids[1], uuid=uuid, slices=profile.compute_slices),
             ),
         )
+
+    def _mig_memory_total(self, gpu: int, handle: Any, profile: Profile) -> int:
+        """What NVML reports as the MIG device's memory total, else the profile's size.
+
+        The instance's real capacity is what a CUDA job on it sees; the profile's
+        ``memorySizeMB`` is nominal, and an MPS pool on the instance must not promise
+        more than the device has (issue 13, defect 7). A read NVML refuses falls back.
+        """
+        if handle is None:
+            return profile.memory_mib
+        nvml = self._n()
+        total = self._degradable(
+            "read MIG device memory", gpu, lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        )
+        return profile.memory_mib if not total else total // MIB
 
     def _new_mig_uuid(self, gpu: int, ids: MigIds, ci_device: Any) -> str:
         """The MIG UUID of a compute instance just made (GI id, CI id ``ids``).

@@ -827,7 +827,8 @@ class SimNode:
                 return gpu.spec.memory_total_mib, used
             _, gi = self.lookup_gi(gi_serial)
             used = sum(p.used_mib for p in self._processes.values() if p.gi_serial == gi_serial)
-            return gi.profile.memory_mib, used
+            total = gpu.spec.mig_memory_mib.get(gi.profile.name, gi.profile.memory_mib)
+            return total, used
 
     def reserved_mib(self, index: int, gi_serial: int | None = None) -> int:
         """MiB the driver holds on an idle device: ``idle_used_mib`` on a whole GPU,

@@ -106,6 +106,10 @@ class SimGpuSpec:
     # nvmlDeviceGetPersistenceMode: on, as `nvidia-persistenced` keeps it on a node set up
     # per docs/operations.md; a description can turn it off to see the warning.
     persistence_mode: bool = True
+    # Memory total NVML reports for a MIG device of a profile (by name), where it differs
+    # from the profile's nominal memorySizeMB; unknown for real GPUs until a probe records
+    # it (docs/nvml.md).
+    mig_memory_mib: Mapping[str, int] = field(default_factory=dict, hash=False)
     # nvmlDeviceGetComputeMode: "DEFAULT" (the driver's default), "EXCLUSIVE_PROCESS",
     # "PROHIBITED" (nvidia-smi -c).
     compute_mode: str = "DEFAULT"
@@ -272,6 +276,7 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
         "mig_idle_used_mib",
         "persistence_mode",
         "compute_mode",
+        "mig_memory_mib",
     }
     unknown = set(entry) - allowed
     if unknown:
@@ -304,6 +309,16 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
                     f"{key} must be a whole number of MiB >= 0", where=f"{where}.{key}"
                 )
             overrides[key] = value
+    if "mig_memory_mib" in entry:
+        table = entry["mig_memory_mib"]
+        if not isinstance(table, Mapping) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in table.values()
+        ):
+            raise ConfigError(
+                "mig_memory_mib maps profile names to MiB > 0",
+                where=f"{where}.mig_memory_mib",
+            )
+        overrides["mig_memory_mib"] = {str(k): int(v) for k, v in table.items()}
     if "persistence_mode" in entry:
         overrides["persistence_mode"] = bool(entry["persistence_mode"])
     if "compute_mode" in entry:
