@@ -67,7 +67,7 @@ from migd.core.mps import (
     parse_limit_mib,
     share_environment,
 )
-from migd.errors import MpsError
+from migd.errors import GpuBusy, MpsError
 from migd.ports import Clock, SystemClock
 
 PID_FILE_NAME = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe dir
@@ -135,6 +135,21 @@ class MpsDaemonStartFailed(MpsError):
     default_hint = (
         "see control.log in the device's MPS log directory; check that the GPU/MIG UUID "
         "exists (`nvidia-smi -L`) and that nothing else uses that pipe directory"
+    )
+
+
+class MpsDeviceBusy(MpsError, GpuBusy):
+    """An MPS device cannot be torn down now: its server has clients, or cannot say."""
+
+    default_hint = "migd destroys the instance once its MPS clients are gone"
+
+
+class MpsServerStillRunning(MpsDeviceBusy):
+    """The control daemon quit, but its server still shows as an NVML compute process."""
+
+    default_hint = (
+        "an MPS server normally exits within seconds of `quit`; see server.log in the "
+        "device's MPS log directory. migd tries the teardown again later"
     )
 
 
@@ -256,6 +271,9 @@ class MpsManagerConfig:
         command_timeout_s: limit for each front-end command.
         start_timeout_s: how long a new daemon may take to answer.
         quit_timeout_s: how long ``quit`` may take before the daemon is killed.
+        server_exit_timeout_s: how long a device's MPS server may still show as an NVML
+            compute process after its daemon quit, before a teardown gives up
+            (:meth:`MpsManager.stop_for_teardown`).
         prestart_server: start the server (``start_server -uid``) with the first share,
             so a broken GPU shows up at lease time rather than in the job.
         env: environment for the daemon and commands (``PATH`` from migd by default).
@@ -272,6 +290,7 @@ class MpsManagerConfig:
     command_timeout_s: float = 10.0
     start_timeout_s: float = 30.0
     quit_timeout_s: float = 30.0
+    server_exit_timeout_s: float = 10.0
     prestart_server: bool = True
     env: Mapping[str, str] | None = None
     systemd_scope: bool | None = None
@@ -630,6 +649,65 @@ class MpsManager:
             daemon = self._daemons.get(device_uuid)
             if daemon is not None:
                 self._stop(daemon)
+
+    def stop_for_teardown(
+        self, device_uuid: str, device_pids: Callable[[], Collection[int]]
+    ) -> None:
+        """Before the MIG instance behind ``device_uuid`` is destroyed: stop its MPS daemon
+        and wait, bounded, until its servers have left the device's NVML process list.
+
+        The MPS server is a compute process on its device until it exits (MPS docs,
+        "Quick Start": the server is what holds the CUDA context), and it exits a moment
+        *after* the control daemon's ``quit`` returns; a destroy in between fails with
+        IN_USE or finds "processes" on the instance. ``device_pids`` lists the PIDs NVML
+        reports on the device (e.g. ``backend.processes(gpu, mig_uuid)``); it is polled
+        until none of the servers is among them, for at most
+        ``config.server_exit_timeout_s``. A device without a daemon of this manager
+        returns at once.
+
+        Raises:
+            MpsDeviceBusy: the server has clients, or the daemon cannot say: never tear
+                the device down then.
+            MpsServerStillRunning: a server still shows on the device after the timeout.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is None:
+                return
+            servers: set[int] = set(daemon.known_servers)
+            if _pid_alive(daemon.record.pid):
+                try:
+                    listed = _live_pids(self._command(daemon, "get_server_list"))
+                    clients = list(self._clients(daemon, listed))
+                except MpsError as exc:
+                    raise MpsDeviceBusy(
+                        f"the MPS daemon on {device_uuid} does not say whether it has "
+                        f"clients ({exc}); not tearing the device down",
+                        device_uuid=device_uuid,
+                    ) from exc
+                if clients:
+                    raise MpsDeviceBusy(
+                        f"the MPS server on {device_uuid} has {len(clients)} client(s) "
+                        f"({', '.join(map(str, sorted(clients)))}); not tearing it down",
+                        device_uuid=device_uuid,
+                        clients=sorted(clients),
+                    )
+                servers.update(listed)
+            self._stop(daemon)
+        timeout = self.config.server_exit_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            left = sorted(servers.intersection(device_pids()))
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise MpsServerStillRunning(
+                    f"MPS server(s) {', '.join(map(str, left))} still run on {device_uuid} "
+                    f"{timeout:g} s after its control daemon quit; not destroying the instance",
+                    device_uuid=device_uuid,
+                    servers=left,
+                )
+            time.sleep(_POLL_S)
 
     def shutdown(self, keep: Collection[str] = ()) -> None:
         """Stop every daemon this manager started or adopted, and nothing else.
