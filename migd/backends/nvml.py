@@ -116,6 +116,10 @@ _ERROR_NAMES: dict[int, str] = {
 # "if profile isn't supported").
 _ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
 
+# Looks (after the first) for a new compute instance's MIG device handle: with a 0.2 s
+# back-off doubling each time, about 6 s in all.
+MIG_HANDLE_RETRIES = 5
+
 # nvmlComputeMode_t (nvml.h): 1, EXCLUSIVE_THREAD, was removed from the driver.
 COMPUTE_MODE_NAMES: dict[int, str] = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
 
@@ -472,7 +476,7 @@ class NvmlBackend:
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
             name = _text(nvml.nvmlDeviceGetName(handle))
             pci = nvml.nvmlDeviceGetPciInfo(handle)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        total_mib = self._gpu_memory_total(gpu, handle, int(pci.pciDeviceId), name)
         mig_error: str | None = None
         try:
             mig_current, mig_pending = self._mig_mode(gpu)
@@ -501,7 +505,6 @@ class NvmlBackend:
         compute_mode = self._degradable(
             "read compute mode", gpu, lambda: int(nvml.nvmlDeviceGetComputeMode(handle))
         )
-        total_mib = int(memory.total) // MIB
         pci_device_id = int(pci.pciDeviceId)
         info = GpuInfo(
             index=gpu,
@@ -522,6 +525,28 @@ class NvmlBackend:
         )
         self._infos[gpu] = info
         return info
+
+    def _gpu_memory_total(self, gpu: int, handle: Any, pci_device_id: int, name: str) -> int:
+        """The whole GPU's memory in MiB.
+
+        In MIG mode nvml.h gives the parent's aggregate "only if the caller has
+        appropriate privileges"; without them (a probe run as a normal user) the catalog's
+        size for the model stands in, and 0 where the model is unknown.
+        """
+        try:
+            with nvml_errors("read GPU memory", gpu=gpu):
+                return int(self._n().nvmlDeviceGetMemoryInfo(handle).total) // MIB
+        except GpuPermissionDenied as err:
+            model = catalog.detect_model(pci_device_id, name)
+            known = catalog.builtin_models().get(model or "")
+            self._log_once(
+                f"memory:{gpu}",
+                "%s; using the catalog's size for %s",
+                err,
+                model or "an unknown model (0)",
+                level=logging.INFO,
+            )
+            return known.memory_mib if known is not None else 0
 
     def _info(self, gpu: int) -> GpuInfo:
         return self._infos.get(gpu) or self._read_gpu(gpu)
@@ -1175,6 +1200,13 @@ class NvmlBackend:
             if nvml_error_code(exc) is None and not _is_library_mismatch(exc):
                 raise  # not NVML saying no: a bug
         found = self._mig_device(gpu, ids)
+        # A new MIG device's handle can appear a moment after the creation returned
+        # (docs/nvml.md): look again, with the destroy retries' back-off, before giving up.
+        for attempt in range(MIG_HANDLE_RETRIES):
+            if found is not None:
+                break
+            self._sleep(self._retry_backoff_s * (2**attempt))
+            found = self._mig_devices(gpu).get(ids)
         if found is None:
             raise GpuError(
                 f"GPU {gpu}: the new compute instance {ids[1]} of GPU instance {ids[0]} has "

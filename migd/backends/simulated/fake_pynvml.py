@@ -346,6 +346,12 @@ class FakePynvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         gpu, gi, _ci = self._device_or_mig("nvmlDeviceGetMemoryInfo", handle)
+        if gi is None and gpu.mig_current and not self.node.is_root:
+            # nvml.h (nvmlDeviceGetMemoryInfo): "In MIG mode, if device handle is provided,
+            # the API returns aggregate information, only if the caller has appropriate
+            # privileges. Per-instance information can be queried by using specific MIG
+            # device handles."
+            raise api.NVMLError(api.NVML_ERROR_NO_PERMISSION)
         gi_serial = gi.serial if gi is not None else None
         total, used = self.node.memory_mib(gpu.index, gi_serial)
         used += self.node.reserved_mib(gpu.index, gi_serial)
@@ -614,7 +620,7 @@ class FakePynvml:
         if not 0 <= index < self.node.max_mig_devices(gpu.index):
             # nvml.h: INVALID_ARGUMENT "if device, index or migDevice reference is invalid".
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
-        found = self.node.mig_devices(gpu.index).get(index)
+        found = self.node.mig_device_at(gpu.index, index)
         if found is None:
             # nvml.h: NOT_FOUND "if no valid MIG device was found at index".
             raise api.NVMLError(api.NVML_ERROR_NOT_FOUND)
@@ -693,7 +699,8 @@ class FakePynvml:
         return api.nvmlFriendlyObject(
             {
                 "pid": proc.pid,
-                "usedGpuMemory": proc.used_mib * MIB,
+                # pynvml turns NVML_VALUE_NOT_AVAILABLE_ulonglong into None.
+                "usedGpuMemory": proc.used_mib * MIB if self.node.used_memory_visible else None,
                 "gpuInstanceId": gi_id,
                 "computeInstanceId": ci_id,
             }
