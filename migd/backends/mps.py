@@ -477,6 +477,7 @@ class MpsManager:
         # device -> (status dict, monotonic time it was read): what `migctl status` shows,
         # refreshed off the daemon's event loop by refresh_status() (never blocks a reader).
         self._status_cache: dict[str, tuple[dict[str, Any], float]] = {}
+        self._server_watchers: list[Callable[[str, Collection[int]], None]] = []
 
     # -- paths
 
@@ -649,6 +650,21 @@ class MpsManager:
             daemon = self._daemons.get(device_uuid)
             if daemon is not None:
                 self._stop(daemon)
+
+    def watch_servers(self, watcher: Callable[[str, Collection[int]], None]) -> None:
+        """Call ``watcher(device_uuid, server_pids)`` whenever this manager starts or finds
+        servers on a device.
+
+        The simulated GPU uses it to list each MPS server as a compute process on its
+        device, as NVML does (``SimNode.track_mps_servers``). A watcher that raises is
+        ignored: it must not break MPS.
+        """
+        self._server_watchers.append(watcher)
+
+    def _servers_seen(self, daemon: _Daemon) -> None:
+        for watcher in self._server_watchers:
+            with contextlib.suppress(Exception):
+                watcher(daemon.record.device_uuid, frozenset(daemon.known_servers))
 
     def stop_for_teardown(
         self, device_uuid: str, device_pids: Callable[[], Collection[int]]
@@ -1279,6 +1295,8 @@ class MpsManager:
                 log_dir=daemon.record.log_dir,
             )
         daemon.known_servers = set(servers)
+        if started:
+            self._servers_seen(daemon)
         return started
 
     def _stop(self, daemon: _Daemon) -> None:
@@ -1364,7 +1382,10 @@ class MpsManager:
                     )
                     daemon.known_servers = servers
                     return [self._recover_server(daemon, detail)]
+                new_servers = servers - daemon.known_servers
                 daemon.known_servers = servers
+                if new_servers:  # started by the control daemon for a client
+                    self._servers_seen(daemon)
         if not problem:
             daemon.healthy = True
             return []

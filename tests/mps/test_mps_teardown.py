@@ -74,3 +74,13 @@ def test_a_device_with_clients_is_not_torn_down(env: Env) -> None:
 
 def test_a_device_without_a_daemon_returns_at_once(env: Env) -> None:
     env.manager().stop_for_teardown(MIG, lambda: pytest.fail("NVML need not be asked"))
+
+
+def test_watchers_learn_of_each_server_the_manager_starts(env: Env) -> None:
+    manager = env.manager()
+    seen: list[tuple[str, frozenset[int]]] = []
+    manager.watch_servers(lambda uuid, pids: seen.append((uuid, frozenset(pids))))
+    manager.watch_servers(lambda uuid, pids: 1 / 0)  # a broken watcher changes nothing
+    manager.ensure_share(MIG, share())
+    server = server_of(env, manager.pipe_dir(MIG))
+    assert seen == [(MIG, frozenset({server}))]
