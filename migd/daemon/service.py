@@ -993,7 +993,9 @@ class Daemon:
         work = self.sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
         if mps_device and self.mps is not None and lease.gpu is not None:
             # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
-            self.workers[lease.gpu].executor.submit(self.mps.release, mps_device, lease.lease_id)
+            self.workers[lease.gpu].executor.submit(
+                self.mps.release_share, mps_device, lease.lease_id
+            )
         self.save(lease)
         peak = self.lease_peaks.pop(lease.lease_id, None)
         # (the state change itself is logged by save(): every lease transition is)
