@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from migd.core.mps import (
     MPS_CLIENT_DEVICE_INDEX,
@@ -69,6 +69,9 @@ from migd.core.mps import (
 )
 from migd.errors import GpuBusy, MpsError
 from migd.ports import Clock, SystemClock
+
+if TYPE_CHECKING:
+    from migd.core.scheduler import Lease
 
 PID_FILE_NAME = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe dir
 CONTROL_SOCKET_NAME = "control"  # "Starting control daemon using socket <pipe>/control"
@@ -402,44 +405,6 @@ class _Daemon:
     healthy: bool = True
     last_error: str = ""
     reported: tuple[str, str] | None = None  # (problem, detail) from a client's report
-
-
-# -- what the manager needs of migd's leases (structural: no import of migd.daemon) ------------
-
-
-class _LeaseRequestLike(Protocol):
-    @property
-    def memory_mib(self) -> int: ...
-
-    @property
-    def mps_clients(self) -> int: ...
-
-    @property
-    def mps_thread_percentage(self) -> int | None: ...
-
-
-class LeaseLike(Protocol):
-    """A lease as :mod:`migd.core.scheduler` has it (``Lease``)."""
-
-    @property
-    def lease_id(self) -> str: ...
-
-    @property
-    def owner_uid(self) -> int: ...
-
-    @property
-    def memory_limit_mib(self) -> int | None: ...
-
-    @property
-    def mps_thread_percentage(self) -> int | None: ...
-
-    @property
-    def request(self) -> _LeaseRequestLike: ...
-
-
-class HasUuid(Protocol):
-    @property
-    def uuid(self) -> str: ...
 
 
 # -- the manager ------------------------------------------------------------------------------
@@ -915,7 +880,7 @@ class MpsManager:
 
     # -- for migd.daemon: leases instead of shares
 
-    def share_for(self, lease: LeaseLike) -> MpsShare:
+    def share_for(self, lease: Lease) -> MpsShare:
         """The MPS share of a lease: its id, owner, granted (else requested) memory, the
         client processes it declared and its compute share (``mps_thread_percentage``:
         the scheduler's, else the request's)."""
@@ -928,7 +893,7 @@ class MpsManager:
             thread_percentage=lease.mps_thread_percentage or request.mps_thread_percentage,
         )
 
-    def client_env(self, device_uuid: str, lease: LeaseLike) -> dict[str, str]:
+    def client_env(self, device_uuid: str, lease: Lease) -> dict[str, str]:
         """The job environment for ``lease`` on ``device_uuid``, without starting anything.
 
         The pipe directory depends only on the device, so the scheduler can hand out the
@@ -940,42 +905,6 @@ class MpsManager:
             device_uuid,
             str(self.log_dir(device_uuid, self._serves_uid(lease.owner_uid))),
         )
-
-    def ensure(self, device: HasUuid, lease: LeaseLike) -> dict[str, str]:
-        """:meth:`ensure_share` for a lease on a device (anything with ``.uuid``)."""
-        return self.ensure_share(device.uuid, self.share_for(lease))
-
-    def release(self, device_uuid: str, lease_id: str) -> None:
-        """:meth:`release_share` under the daemon's naming."""
-        self.release_share(device_uuid, lease_id)
-
-    def command(self, device_uuid: str, command: str) -> str:
-        """Send one control command to a managed device's daemon; return its output.
-
-        Raises:
-            MpsError: no daemon for the device, or the command failed.
-        """
-        with self._device_lock(device_uuid):
-            daemon = self._daemons.get(device_uuid)
-            if daemon is None:
-                raise MpsError(
-                    f"no MPS control daemon runs for {device_uuid}",
-                    hint="`migctl status` lists the MPS devices",
-                )
-            return self._command(daemon, command)
-
-    def environment(self, device_uuid: str, share_id: str) -> dict[str, str]:
-        """The environment of an active share (e.g. for a wrapper that reconnects).
-
-        Raises:
-            MpsError: no such active share.
-        """
-        with self._device_lock(device_uuid):
-            daemon = self._daemons.get(device_uuid)
-            share = None if daemon is None else daemon.shares.get(share_id)
-            if daemon is None or share is None:
-                raise MpsError(f"no active MPS share {share_id} on {device_uuid}")
-            return self._environment(daemon, share)
 
     # -- internals: daemons
 
