@@ -39,6 +39,7 @@ from migd.core.mps import (
     UserPolicy,
     can_admit,
     clear_waiting,
+    client_environment,
     mark_waiting,
     max_clients_for,
 )
@@ -1360,13 +1361,10 @@ def _partition_request(request: LeaseRequest) -> PartitionRequest:
 
 
 def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
-    """The client environment of an MPS share (the daemon substitutes its real pipe dir)."""
-    device = lease.mig_uuid or gpu.uuid
-    env = {
-        "CUDA_VISIBLE_DEVICES": device,
-        "NVIDIA_VISIBLE_DEVICES": device,
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-    }
-    if lease.mps_thread_percentage is not None:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(lease.mps_thread_percentage)
-    return env
+    """The client environment of an MPS share (the daemon adds its real pipe dir): the
+    granted limit, in the one format :func:`migd.core.mps.client_environment` writes."""
+    return client_environment(
+        lease.mig_uuid or gpu.uuid,
+        lease.memory_limit_mib or lease.request.memory_mib,
+        lease.mps_thread_percentage,
+    )

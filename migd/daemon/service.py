@@ -62,6 +62,7 @@ from migd.core.scheduler import (
     Origin,
     SchedulerPolicy,
     Work,
+    default_mps_env,
 )
 from migd.core.states import StateSpace, state_space
 from migd.daemon.auth import Authorizer, Peer
@@ -1277,15 +1278,9 @@ class Daemon:
                 gpu.health = f"mps_profile {mps_profile!r}: {exc.message}"
 
     def _mps_env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
-        device = lease.mig_uuid or gpu.uuid
-        env = {
-            "CUDA_VISIBLE_DEVICES": device,
-            "NVIDIA_VISIBLE_DEVICES": device,
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-        }
-        if self.mps is not None:
-            env.update(self.mps.client_env(device, lease))
-        return env
+        if self.mps is None:
+            return default_mps_env(gpu, lease)
+        return dict(self.mps.client_env(lease.mig_uuid or gpu.uuid, lease))
 
     async def _ensure_mps(self, lease: Lease) -> None:
         device = lease.mps_device_uuid

@@ -106,3 +106,20 @@ def test_thread_percentage_is_set_on_the_daemon_and_the_running_server(env: Env)
     assert fake_status(env, manager)["default_thread_percentage"] == 100.0
     manager.release_share(GPU, "c")
     assert fake_status(env, manager)["default_thread_percentage"] == 60.0
+
+
+# -- issue 11: the client environment is built in one place, with one limit format ---------
+
+
+def test_the_schedulers_mps_environment_is_the_managers_without_the_pipe() -> None:
+    from migd.core.mps import client_environment
+    from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu, default_mps_env
+
+    gpu = ManagedGpu(0, GPU, "H100-80GB", "H100", 81559, GpuMode.MPS)
+    lease = Lease("L1", LeaseRequest("1.0", 5000), 1000, 1, 0.0, memory_limit_mib=6144)
+    lease.mps_thread_percentage = 40
+    env = default_mps_env(gpu, lease)
+    # The granted limit, not the request, in the one format.
+    assert env == client_environment(GPU, 6144, 40)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == GPU
