@@ -17,7 +17,7 @@ Implementations:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -289,6 +289,19 @@ class MpsControl(Protocol):
 
     def stop_device(self, device_uuid: str) -> None:
         """Stop the device's daemon (before its MIG instance is destroyed)."""
+        ...
+
+    def stop_for_teardown(
+        self, device_uuid: str, device_pids: Callable[[], Collection[int]]
+    ) -> None:
+        """Before the device's MIG instance is destroyed: refuse (GpuBusy) while its server
+        has clients, stop its daemon, and wait, bounded, until its servers are gone from
+        ``device_pids()`` (NVML's processes on the device); GpuBusy if they stay."""
+        ...
+
+    def watch_servers(self, watcher: Callable[[str, Collection[int]], None]) -> None:
+        """Have ``watcher(device_uuid, server_pids)`` called for servers the manager starts
+        (the simulated GPU lists them as compute processes)."""
         ...
 
     def check_health(self) -> MpsHealthReport:
