@@ -16,11 +16,11 @@ from typing import Any
 import structlog
 
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
-from migd.errors import GpuBusy, MigdError
+from migd.errors import MigdError
 from migd.ports import GpuInfo, GpuProcess, MpsControl
 
 log = structlog.get_logger("migd")
@@ -66,15 +66,9 @@ class MpsSupervisor:
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
         """The job environment of an MPS share (the scheduler's ``mps_env``)."""
-        device = lease.mig_uuid or gpu.uuid
-        env = {
-            "CUDA_VISIBLE_DEVICES": device,
-            "NVIDIA_VISIBLE_DEVICES": device,
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-        }
-        if self.mps is not None:
-            env.update(self.mps.client_env(device, lease))
-        return env
+        if self.mps is None:
+            return default_mps_env(gpu, lease)
+        return dict(self.mps.client_env(lease.mig_uuid or gpu.uuid, lease))
 
     async def start(self) -> None:
         """Adopt the daemons an earlier migd left (at start-up, before reconciling)."""
@@ -207,24 +201,19 @@ class MpsSupervisor:
         self.leases.after_change(sched.schedule(now, mono))
 
     def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
-        """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon.
+        """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon and
+        wait (bounded, in the MPS manager) until its server has left the instance's NVML
+        process list.
 
         Raises:
-            GpuBusy: the instance's MPS server has clients (or cannot say): never destroy it.
+            GpuBusy: the instance's MPS server has clients (or cannot say), or is still on
+                the instance after the wait: never destroy it then.
         """
         mps = self.mps
-        if mps is None or not mig_uuid or not mps.manages(mig_uuid):
+        if mps is None or not mig_uuid:
             return
-        try:
-            clients = mps.client_count(mig_uuid)
-        except MigdError as exc:
-            raise GpuBusy(
-                f"the MPS daemon on {mig_uuid} does not say whether it has clients ({exc}); "
-                "not destroying the instance"
-            ) from exc
-        if clients:
-            raise GpuBusy(f"the MPS server on {mig_uuid} has {clients} client(s); not destroying")
-        mps.stop_device(mig_uuid)
+        backend = self.ctx.backend
+        mps.stop_for_teardown(mig_uuid, lambda: [p.pid for p in backend.processes(gpu, mig_uuid)])
         log.info("mps.stopped_for_destroy", gpu=gpu, device=mig_uuid)
 
     def usage(self, lease: Lease, procs: list[GpuProcess]) -> list[GpuProcess]:
