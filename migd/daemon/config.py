@@ -132,6 +132,11 @@ class MpsSection(_Section):
     max_clients: int = Field(48, ge=1, le=128)
     multi_user: bool = False
     idle_stop_s: float = Field(300.0, ge=0)
+    require_exclusive_process: bool = Field(
+        False,
+        description="offer MPS only on GPUs in EXCLUSIVE_PROCESS compute mode "
+        "(nvidia-smi -c; migd never sets it)",
+    )
 
 
 class GpuOverride(_Section):
@@ -174,6 +179,7 @@ RESTART_KEYS = (
     "api.socket",
     "gpu",
     "policy.profiles",
+    "mps.require_exclusive_process",
 )
 
 
