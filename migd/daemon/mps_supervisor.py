@@ -28,6 +28,23 @@ log = structlog.get_logger("migd")
 MPS_UNHEALTHY = "MPS daemon cannot be restarted"
 
 
+def mps_compute_mode_warning(info: GpuInfo) -> str:
+    """Why MPS on this GPU is weaker than NVIDIA's recipe ("" when it is not).
+
+    NVIDIA's MPS recipe, its device plugin (``cmd/mps-control-daemon/mps/daemon.go``) and
+    its DRA driver (``sharing.go``) put MPS GPUs in EXCLUSIVE_PROCESS compute mode; migd
+    only reads it (``GpuInfo.compute_mode``).
+    """
+    if info.compute_mode == "EXCLUSIVE_PROCESS":
+        return ""
+    mode = info.compute_mode or "unknown"
+    return (
+        f"compute mode is {mode}, not EXCLUSIVE_PROCESS: a job that unsets "
+        f"CUDA_MPS_PIPE_DIRECTORY runs outside MPS without a memory limit "
+        f"(`nvidia-smi -i {info.index} -c EXCLUSIVE_PROCESS`)"
+    )
+
+
 class MpsSupervisor:
     """See the module docstring. ``ctx.mps`` is ``None`` when migd runs no MPS daemons;
     every method is then a no-op (or the plain environment)."""
@@ -49,12 +66,25 @@ class MpsSupervisor:
     def configure(
         self, gpu: ManagedGpu, info: GpuInfo, mps_in_mig: bool, mps_profile: str | None
     ) -> None:
-        """MPS settings of a GPU: MPS inside MIG instances, and its compute slices."""
+        """MPS settings of a GPU: MPS inside MIG instances, and its compute slices.
+
+        With ``mps.require_exclusive_process``, a GPU not in EXCLUSIVE_PROCESS compute
+        mode gets no MPS: an MPS GPU is reported unhealthy (no work), a MIG GPU hosts no
+        MPS instances. Without that mode a job that unsets ``CUDA_MPS_PIPE_DIRECTORY``
+        runs outside MPS, without a memory limit (docs/operations.md).
+        """
         if gpu.space is not None:
             gpu.compute_slices = gpu.space.geometry.compute_slices
         elif gpu.mode is GpuMode.MPS:
             with contextlib.suppress(MigdError):  # a MIG-capable model used whole
                 gpu.compute_slices = self.ctx.backend.geometry(info.index).compute_slices
+        weak = mps_compute_mode_warning(info)
+        if weak and self.ctx.config.mps.require_exclusive_process:
+            if gpu.mode is GpuMode.MPS and gpu.health == "ok":
+                gpu.health = f"{weak}; mps.require_exclusive_process keeps MPS off it"
+            if mps_in_mig and gpu.mode is GpuMode.MIG:
+                log.warning("mps.not_offered", gpu=info.index, reason=weak)
+            return
         if not mps_in_mig or gpu.mode is not GpuMode.MIG:
             return
         gpu.mps_in_mig = True
