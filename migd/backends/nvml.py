@@ -40,6 +40,24 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
+from migd.backends.nvml_codes import (
+    NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_GPU_NOT_FOUND,
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_INSUFFICIENT_RESOURCES,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_NO_PERMISSION,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_RESET_REQUIRED,
+    NVML_ERROR_TIMEOUT,
+    NVML_ERROR_UNINITIALIZED,
+    error_name,
+)
 from migd.core import catalog
 from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
 from migd.errors import (
@@ -63,53 +81,6 @@ from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInst
 _log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
-
-# NVML return codes (nvml.h; the same values in pynvml and the simulated module). Kept here
-# so the translation does not depend on the module object it is given.
-NVML_ERROR_UNINITIALIZED = 1
-NVML_ERROR_INVALID_ARGUMENT = 2
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NO_PERMISSION = 4
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_TIMEOUT = 10
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_RESET_REQUIRED = 16
-NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
-NVML_ERROR_IN_USE = 19
-NVML_ERROR_INSUFFICIENT_RESOURCES = 23
-NVML_ERROR_GPU_NOT_FOUND = 28
-
-_ERROR_NAMES: dict[int, str] = {
-    NVML_ERROR_UNINITIALIZED: "NVML_ERROR_UNINITIALIZED",
-    NVML_ERROR_INVALID_ARGUMENT: "NVML_ERROR_INVALID_ARGUMENT",
-    NVML_ERROR_NOT_SUPPORTED: "NVML_ERROR_NOT_SUPPORTED",
-    NVML_ERROR_NO_PERMISSION: "NVML_ERROR_NO_PERMISSION",
-    5: "NVML_ERROR_ALREADY_INITIALIZED",
-    NVML_ERROR_NOT_FOUND: "NVML_ERROR_NOT_FOUND",
-    7: "NVML_ERROR_INSUFFICIENT_SIZE",
-    8: "NVML_ERROR_INSUFFICIENT_POWER",
-    NVML_ERROR_DRIVER_NOT_LOADED: "NVML_ERROR_DRIVER_NOT_LOADED",
-    NVML_ERROR_TIMEOUT: "NVML_ERROR_TIMEOUT",
-    11: "NVML_ERROR_IRQ_ISSUE",
-    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML_ERROR_LIBRARY_NOT_FOUND",
-    NVML_ERROR_FUNCTION_NOT_FOUND: "NVML_ERROR_FUNCTION_NOT_FOUND",
-    14: "NVML_ERROR_CORRUPTED_INFOROM",
-    NVML_ERROR_GPU_IS_LOST: "NVML_ERROR_GPU_IS_LOST",
-    NVML_ERROR_RESET_REQUIRED: "NVML_ERROR_RESET_REQUIRED",
-    17: "NVML_ERROR_OPERATING_SYSTEM",
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
-    NVML_ERROR_IN_USE: "NVML_ERROR_IN_USE",
-    20: "NVML_ERROR_MEMORY",
-    21: "NVML_ERROR_NO_DATA",
-    NVML_ERROR_INSUFFICIENT_RESOURCES: "NVML_ERROR_INSUFFICIENT_RESOURCES",
-    27: "NVML_ERROR_NOT_READY",
-    NVML_ERROR_GPU_NOT_FOUND: "NVML_ERROR_GPU_NOT_FOUND",
-    29: "NVML_ERROR_INVALID_STATE",
-    999: "NVML_ERROR_UNKNOWN",
-}
 
 # Codes that mean "this profile index does not exist here" when enumerating profiles
 # (nvml.h: enumerate "until the API returns NVML_ERROR_INVALID_ARGUMENT"; NOT_SUPPORTED
@@ -174,7 +145,7 @@ def translate_nvml_error(
             ``InvalidStart`` for a placement start the profile does not allow).
         **details: structured context for the error.
     """
-    name = _ERROR_NAMES.get(code, f"NVML error {code}")
+    name = error_name(code)
     where = f" on GPU {gpu}" if gpu is not None else ""
     message = f"{op}{where} failed: {name}"
     info: dict[str, Any] = {"op": op, "nvml_error": name, **details}

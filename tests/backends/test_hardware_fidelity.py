@@ -173,3 +173,18 @@ def test_a_process_can_outlive_its_lease_and_keep_its_memory(sim: Sim) -> None:
         backend.destroy_instance(0, inst.gi_id)
     node.detach(pid)
     backend.destroy_instance(0, inst.gi_id)
+
+
+# -- issue 11: one NVML error table --------------------------------------------------------
+
+
+def test_the_backend_and_the_simulator_share_one_error_table() -> None:
+    from migd.backends import nvml_codes
+    from migd.backends.nvml import translate_nvml_error
+
+    assert api.ERROR_STRINGS is nvml_codes.ERROR_STRINGS
+    for name in nvml_codes.__all__:
+        if name.startswith("NVML_ERROR_"):
+            code = getattr(nvml_codes, name)
+            assert getattr(api, name) == code
+            assert translate_nvml_error(code, op="x").details["nvml_error"] == name
