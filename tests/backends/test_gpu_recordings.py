@@ -36,6 +36,7 @@ def load_script(name: str) -> ModuleType:
 
 
 CALIBRATE = load_script("mig_calibrate")
+PROBE = load_script("gpu_probe")
 
 # What a replay compares: the driver's answers, not timings or idle memory.
 PLACEMENT_KEYS = ("profile_id", "start", "gi_id", "size", "ci_ids", "memory_total_mib", "error")
@@ -79,6 +80,22 @@ def test_the_simulator_answers_as_the_recorded_gpu_did(path: Path) -> None:
     recorded = comparable(record)
     for key in recorded:
         assert replayed[key] == recorded[key], f"{path.name}: the simulator differs in {key}"
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=[p.name for p in RECORDINGS])
+def test_the_simulator_rebuilt_from_a_probe_reports_the_same(path: Path) -> None:
+    record = json.loads(path.read_text())
+    if record.get("schema") != PROBE.PROBE_SCHEMA:
+        pytest.skip(f"{path.name}: not a probe record ({record.get('schema')})")
+    node = SimNode.from_probe(path)
+    node.set_root(bool(record.get("is_root", True)))
+    replayed = PROBE.probe(NvmlBackend(PROBE.ReadOnlyNvml(FakePynvml(node))))
+    for recorded, again in zip(record["gpus"], replayed["gpus"], strict=True):
+        for key in ("uuid", "memory_total_mib", "mig_current", "persistence_mode", "compute_mode"):
+            assert again[key] == recorded[key], f"{path.name}: {key}"
+        if "mig" in recorded:
+            assert again["mig"]["profiles"] == recorded["mig"]["profiles"], path.name
+            assert again["mig"]["instances"] == recorded["mig"]["instances"], path.name
 
 
 def test_recordings_made_by_the_simulator_are_named_synthetic() -> None:

@@ -539,7 +539,24 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
         spec,
         idle_used_mib=found.get("idle_used_mib", IDLE_USED_MIB),
         mig_idle_used_mib=found.get("mig_idle_used_mib", MIG_IDLE_USED_MIB),
+        mig_memory_mib=_mig_memory(mig, geometry),
+        persistence_mode=gpu.get("persistence_mode") is not False,
+        compute_mode=str(gpu.get("compute_mode") or "DEFAULT"),
     )
+
+
+def _mig_memory(mig: Mapping[str, Any], geometry: Geometry | None) -> dict[str, int]:
+    """MIG device memory totals NVML reported (``memory_total_nvml_mib``) where they
+    differ from the profile's nominal size, by profile name."""
+    if geometry is None:
+        return {}
+    out: dict[str, int] = {}
+    for inst in mig.get("instances") or []:
+        total = inst.get("memory_total_nvml_mib")
+        profile = next((p for p in geometry.profiles if p.profile_id == inst["profile_id"]), None)
+        if isinstance(total, int) and profile is not None and total != profile.memory_mib:
+            out[profile.name] = total
+    return out
 
 
 def _idle_used(gpu: Mapping[str, Any], mig: Mapping[str, Any]) -> dict[str, int]:
