@@ -78,7 +78,8 @@ plan (GPU_UUID=${GPU_UUID:-?} MPS_CONTROL=$MPS_CONTROL LIMIT_MIB=$LIMIT_MIB DEFA
  4. a client over its env limit (0=${LIMIT_MIB}M)
  5. a client without the variable (the daemon's default, ${DEFAULT_MIB}M)
  6. a client whose variable is above the default; one with the MB suffix (0=$((LIMIT_MIB / 2))MB)
- 7. a held client with a compute share: its server's clients, limit and percentage
+ 7. a held client with a compute share: its server's clients, limit and percentage, and
+    NVML's process listing meanwhile (scripts/gpu_probe.py -> probe_during_mps.json)
  7b. two clients of one job at once, each under the job's limit (is the limit per process?)
  7c. a second user's client while the first user's client runs (SECOND_USER=${SECOND_USER:-unset})
  7d. a client that faults (illegal address in a kernel), then the server and a new client
@@ -255,14 +256,22 @@ if hold_s:
 print(json.dumps(result), flush=True)
 PY
 
+# record CMD...: run a client program; its one JSON line goes to clients.jsonl and the
+# summary in a single write each, so clients running at once never interleave their lines.
+record() {
+  local out
+  out=$("$@" 2>>"$SUMMARY")
+  printf '%s\n' "$out" >>"$CLIENTS"
+  printf '%s\n' "$out" >>"$SUMMARY"
+}
+
 # client LABEL TARGET_MIB [VAR=VALUE...]: run one client with the job environment migd gives
 client() {
   local label=$1 target=$2
   shift 2
   note "client $label: allocate $target MiB with $*"
-  env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
-    CUDA_VISIBLE_DEVICES="$GPU_UUID" "$@" "$PYTHON" "$WORK/client.py" "$label" "$target" \
-    2>>"$SUMMARY" | tee -a "$CLIENTS" >>"$SUMMARY"
+  record env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
+    CUDA_VISIBLE_DEVICES="$GPU_UUID" "$@" "$PYTHON" "$WORK/client.py" "$label" "$target"
 }
 
 {
@@ -329,6 +338,9 @@ for server in $servers; do
   ctl "get_client_list $server" "get_device_pinned_mem_limit $server 0" \
     "get_active_thread_percentage $server" >/dev/null
 done
+# NVML's view meanwhile (read-only): is the server a compute process, the client an MPS one?
+"$PYTHON" "$HERE/gpu_probe.py" -o "$RUN_DIR/probe_during_mps.json" >>"$SUMMARY" 2>&1
+echo "[gpu_probe exit $?]" >>"$SUMMARY"
 wait "$held"
 
 note "7b. two clients of one job at once, each allocating 3/4 of the job's ${LIMIT_MIB} MiB"
@@ -346,9 +358,9 @@ if [[ -n ${SECOND_USER:-} && $(id -u) == 0 ]]; then
   sleep 3
   note "client second_user ($SECOND_USER): expect it to wait for the first user's server"
   start=$(date +%s)
-  timeout 60 runuser -u "$SECOND_USER" -- env CUDA_MPS_PIPE_DIRECTORY="$PIPE" \
+  record timeout 60 runuser -u "$SECOND_USER" -- env CUDA_MPS_PIPE_DIRECTORY="$PIPE" \
     CUDA_VISIBLE_DEVICES="$GPU_UUID" "${SECOND_PYTHON:-/usr/bin/python3}" "$WORK/client.py" \
-    second_user 256 2>>"$SUMMARY" | tee -a "$CLIENTS" >>"$SUMMARY"
+    second_user 256
   echo "[second user's client took $(($(date +%s) - start)) s]" >>"$SUMMARY"
   wait "$holder"
   ctl get_server_list >/dev/null
@@ -392,8 +404,8 @@ PY
 HOLD_S=8 client bystander 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
 bystander=$!
 sleep 2
-env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" CUDA_VISIBLE_DEVICES="$GPU_UUID" \
-  timeout 60 "$PYTHON" "$WORK/fault.py" 2>>"$SUMMARY" | tee -a "$CLIENTS" >>"$SUMMARY"
+record env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
+  CUDA_VISIBLE_DEVICES="$GPU_UUID" timeout 60 "$PYTHON" "$WORK/fault.py"
 wait "$bystander"
 ctl get_server_list >/dev/null
 client after_fault 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M"
@@ -405,7 +417,9 @@ sleep 3
 start=$(date +%s)
 note "stop: quit daemon ${DAEMON_PID:-?} while client $live runs"
 ctl quit >/dev/null
-echo "[quit returned after $(($(date +%s) - start)) s; client still running: $(kill -0 "$live" 2>/dev/null && echo yes || echo no)]" >>"$SUMMARY"
+still=no
+kill -0 "$live" 2>/dev/null && still=yes
+echo "[quit returned after $(($(date +%s) - start)) s; client still running: $still]" >>"$SUMMARY"
 wait "$live"
 stop_daemon
 ctl get_server_list >/dev/null
