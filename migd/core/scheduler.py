@@ -807,11 +807,15 @@ class NodeScheduler:
         smallest = min(p.memory_mib for p in gpu.space.profiles)
         return request.memory_mib < smallest
 
-    def _new_host_pool(self, gpu: ManagedGpu, profile: Profile, uuid: str | None) -> MpsPool:
+    def _new_host_pool(
+        self, gpu: ManagedGpu, profile: Profile, uuid: str | None, memory_mib: int | None = None
+    ) -> MpsPool:
+        """An MPS host's pool: as large as NVML says its MIG device is (``memory_mib``, an
+        existing instance's), else the profile's nominal size until it exists."""
         assert gpu.space is not None
         return MpsPool(
             device_uuid=uuid or f"{gpu.uuid}/{profile.name}",
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=memory_mib or profile.memory_mib,
             reserve_mib=self.policy.mps_reserve_mib,
             max_clients=max_clients_for(
                 self.policy.mps_max_clients,
@@ -907,7 +911,7 @@ class NodeScheduler:
             # A host belongs to no lease (many share it): created with no owner.
             inst, work = self._take_partition(gpu, decision, lease.lease_id, None)
             action = f"mps-host-{decision.action}"
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
             # A new MPS host is demand for its profile, like a request sized to it.
             assert gpu.space is not None
             self.demand.observe(gpu.space.geometry.model, decision.profile.profile_id, now_s)
@@ -1225,7 +1229,7 @@ class NodeScheduler:
         if inst is None or inst.uuid != lease.mig_uuid or inst.lease_id is not None:
             return False
         if inst.mps_pool is None:
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
         inst.mps_pool = replace(inst.mps_pool, shares=(*inst.mps_pool.shares, request))
         inst.idle_since_s = None
         if inst.origin is Origin.UNEXPLAINED:  # its processes are the MPS server's and jobs'

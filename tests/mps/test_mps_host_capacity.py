@@ -35,3 +35,28 @@ def test_the_host_pool_takes_the_reported_total_once_the_instance_exists() -> No
     assert host.mps_pool is not None
     assert host.mps_pool.memory_total_mib == REPORTED_MIB
     assert host.mps_pool.capacity_mib == REPORTED_MIB - 512
+
+
+def test_a_host_restored_after_a_restart_keeps_the_reported_total() -> None:
+    from migd.core.scheduler import Lease, LeaseRequest
+
+    gpu = mig_gpu(mps_in_mig=True)
+    node = NodeScheduler([gpu])
+    profile = gpu.space.member("1g.5gb")  # type: ignore[union-attr]
+    node.resync(0, [(profile, 6, 13, "MIG-host", REPORTED_MIB)], {"MIG-host"}, 1.0)
+    share = Lease(
+        "a",
+        LeaseRequest("job", 1000, mode="mps"),
+        1000,
+        1,
+        0.0,
+        mode="mps",
+        gpu=0,
+        start=6,
+        mig_uuid="MIG-host",
+        memory_limit_mib=1000,
+    )
+    node.leases[share.lease_id] = share
+    assert node.restore_mps_share(gpu, share)
+    (host,) = gpu.instances
+    assert host.mps_pool is not None and host.mps_pool.memory_total_mib == REPORTED_MIB
