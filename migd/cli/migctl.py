@@ -95,6 +95,7 @@ def render_status(status: dict[str, Any]) -> str:
         if gpu.get("reachability") is not None:
             head += f"  reachability {gpu['reachability']}/{gpu['reachability_max']}"
         lines.append(head)
+        lines.extend(f"  WARNING: {warning}" for warning in gpu.get("warnings", []))
         bar = slice_bar(gpu)
         if bar:
             lines.append("  " + bar)

@@ -39,6 +39,7 @@ from migd.core.mps import (
     UserPolicy,
     can_admit,
     clear_waiting,
+    client_environment,
     mark_waiting,
     max_clients_for,
 )
@@ -863,11 +864,15 @@ class NodeScheduler:
         smallest = min(p.memory_mib for p in gpu.space.profiles)
         return request.memory_mib < smallest
 
-    def _new_host_pool(self, gpu: ManagedGpu, profile: Profile, uuid: str | None) -> MpsPool:
+    def _new_host_pool(
+        self, gpu: ManagedGpu, profile: Profile, uuid: str | None, memory_mib: int | None = None
+    ) -> MpsPool:
+        """An MPS host's pool: as large as NVML says its MIG device is (``memory_mib``, an
+        existing instance's), else the profile's nominal size until it exists."""
         assert gpu.space is not None
         return MpsPool(
             device_uuid=uuid or f"{gpu.uuid}/{profile.name}",
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=memory_mib or profile.memory_mib,
             reserve_mib=self.policy.mps_reserve_mib,
             max_clients=max_clients_for(
                 self.policy.mps_max_clients,
@@ -963,7 +968,7 @@ class NodeScheduler:
             # A host belongs to no lease (many share it): created with no owner.
             inst, work = self._take_partition(gpu, decision, lease.lease_id, None)
             action = f"mps-host-{decision.action}"
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
             # A new MPS host is demand for its profile, like a request sized to it.
             assert gpu.space is not None
             self.demand.observe(gpu.space.geometry.model, decision.profile.profile_id, now_s)
@@ -1087,7 +1092,11 @@ class NodeScheduler:
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
                 inst.status = InstanceStatus.READY
                 if inst.mps_pool is not None:  # an MPS host: its shares' leases go active
-                    inst.mps_pool = replace(inst.mps_pool, device_uuid=uuid or "")
+                    # The pool holds what NVML reports for the new MIG device, not the
+                    # profile's nominal size (issue 13, defect 7).
+                    inst.mps_pool = replace(
+                        inst.mps_pool, device_uuid=uuid or "", memory_total_mib=memory
+                    )
                     for waiting in self._leases_on(inst):
                         if waiting.state is LeaseState.PREPARING:
                             self._activate_mps_share(waiting, gpu, inst, now_s)
@@ -1334,7 +1343,7 @@ class NodeScheduler:
         if inst is None or inst.uuid != lease.mig_uuid or inst.lease_id is not None:
             return False
         if inst.mps_pool is None:
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
         inst.mps_pool = replace(inst.mps_pool, shares=(*inst.mps_pool.shares, request))
         inst.idle_since_s = None
         if inst.origin is Origin.UNEXPLAINED:  # its processes are the MPS server's and jobs'
@@ -1479,13 +1488,10 @@ def _partition_request(request: LeaseRequest) -> PartitionRequest:
 
 
 def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
-    """The client environment of an MPS share (the daemon substitutes its real pipe dir)."""
-    device = lease.mig_uuid or gpu.uuid
-    env = {
-        "CUDA_VISIBLE_DEVICES": device,
-        "NVIDIA_VISIBLE_DEVICES": device,
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-    }
-    if lease.mps_thread_percentage is not None:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(lease.mps_thread_percentage)
-    return env
+    """The client environment of an MPS share (the daemon adds its real pipe dir): the
+    granted limit, in the one format :func:`migd.core.mps.client_environment` writes."""
+    return client_environment(
+        lease.mig_uuid or gpu.uuid,
+        lease.memory_limit_mib or lease.request.memory_mib,
+        lease.mps_thread_percentage,
+    )

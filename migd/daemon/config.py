@@ -134,6 +134,11 @@ class MpsSection(_Section):
     max_clients: int = Field(48, ge=1, le=128)
     multi_user: bool = False
     idle_stop_s: float = Field(300.0, ge=0)
+    require_exclusive_process: bool = Field(
+        False,
+        description="offer MPS only on GPUs in EXCLUSIVE_PROCESS compute mode "
+        "(nvidia-smi -c; migd never sets it)",
+    )
 
 
 class MetricsSection(_Section):
@@ -229,6 +234,7 @@ RESTART_KEYS = (
     "policy.profiles",
     "metrics",
     "health",
+    "mps.require_exclusive_process",
 )
 
 

@@ -62,6 +62,13 @@ class Reconciler:
                 health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
                 f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
             )
+        if info.persistence_mode is False:
+            log.warning(
+                "gpu.persistence_off",
+                gpu=info.index,
+                hint="an idle GPU can be de-initialised and lose its MIG instances; "
+                "enable nvidia-persistenced (docs/operations.md)",
+            )
         override = config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
         mps_in_mig = bool(override and override.mps_in_mig)
