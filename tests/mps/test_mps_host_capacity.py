@@ -30,7 +30,7 @@ def test_the_host_pool_takes_the_reported_total_once_the_instance_exists() -> No
     (create,) = [op for op in work.ops if isinstance(op, CreateOp)]
     nominal = create.profile.memory_mib
     assert nominal > REPORTED_MIB
-    node.work_done(work, {create.start: (7, "MIG-host", REPORTED_MIB)}, 1.0)
+    node.work_done(work, {create.start: (7, "MIG-host", REPORTED_MIB)}, 1.0, 1.0)
     (host,) = gpu.instances
     assert host.mps_pool is not None
     assert host.mps_pool.memory_total_mib == REPORTED_MIB
