@@ -260,7 +260,7 @@ class Ops:
             memory = await on_gpu(gpu, backend.memory, gpu, device, timeout_s=10.0)
             procs = await on_gpu(gpu, backend.processes, gpu, device, timeout_s=10.0)
             if lease.mode == "mps":  # the device is shared: only this job's processes
-                procs = await on_gpu(gpu, self.mps.usage, lease, procs, timeout_s=10.0)
+                procs = await on_gpu(gpu, self.mps.usage, lease.owner_pid, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
         self.leases.note_peak(

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import gc
 import signal
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -132,7 +131,10 @@ class Daemon:
 
     # -- start-up ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    def open(self) -> None:
+        """Open the state db, discover and manage the GPUs, build the scheduler and the
+        GPU threads: everything but reconciling, the socket and the loops (tests drive
+        the parts from here with a manual clock)."""
         ctx = self.ctx
         cfg = ctx.config
         cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +157,12 @@ class Daemon:
             if gpu.uuid in draining:
                 gpu.draining = True
         self.executor.add_gpus(managed)
+
+    async def start(self) -> None:
+        ctx = self.ctx
+        cfg = ctx.config
+        self.open()
+        managed = list(ctx.sched.gpus.values())
         await self.mps.start()
         await self.reconciler.reconcile()
         await self.mps.reattach()
@@ -259,8 +267,8 @@ class Daemon:
             DaemonUnavailable("migd is stopping", hint="the wrapper retries after restart"),
             reason="migd stopped while waiting",
         )
-        deadline = time.monotonic() + ctx.config.daemon.shutdown_grace_s
-        while time.monotonic() < deadline and self.executor.busy():
+        deadline = ctx.clock.monotonic() + ctx.config.daemon.shutdown_grace_s
+        while ctx.clock.monotonic() < deadline and self.executor.busy():
             await asyncio.sleep(0.05)
         self.mps.shutdown()
         for lease in ctx.sched.active_leases():
