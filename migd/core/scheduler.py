@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
+from migd.core.health import GpuHealth
 from migd.core.leases import LeaseEvent, LeaseState, next_state
 from migd.core.mps import (
     DeviceKind,
@@ -258,7 +259,8 @@ class ManagedGpu:
     space: StateSpace | None = None
     instances: list[ManagedInstance] = field(default_factory=list)
     draining: bool = False
-    health: str = "ok"
+    #: Conditions that keep new work off the GPU, each owned by its source (core.health).
+    health: GpuHealth = field(default_factory=GpuHealth)
     exclusive_lease: str | None = None  # EXCLUSIVE-mode bookkeeping
     mps_pool: MpsPool | None = None  # MPS-mode accounting (migd.core.mps)
     used_mib: int | None = None
@@ -277,7 +279,7 @@ class ManagedGpu:
 
     @property
     def available(self) -> bool:
-        return not self.draining and self.health == "ok"
+        return not self.draining and self.health.available
 
     def instance_at(
         self, start: int, status: InstanceStatus | None = None
@@ -300,7 +302,9 @@ class ManagedGpu:
 
     def view(self) -> GpuView:
         assert self.space is not None
-        reason = "draining" if self.draining else ("" if self.health == "ok" else self.health)
+        reason = (
+            "draining" if self.draining else ("" if self.health.available else str(self.health))
+        )
         return GpuView(
             index=self.index,
             space=self.space,
@@ -1235,8 +1239,9 @@ class NodeScheduler:
         try:
             gpu.space.key_of((i.profile, i.start) for i in gpu.instances)
         except Exception as exc:
-            gpu.health = f"layout not understood: {exc}"
-            notes.append(gpu.health)
+            reason = f"layout not understood: {exc}"
+            gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
+            notes.append(reason)
         return self._outcome(notes=notes)
 
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
@@ -1443,7 +1448,7 @@ class NodeScheduler:
                 why = (
                     "draining"
                     if g.draining
-                    else (g.health if g.health != "ok" else "busy instances in the way")
+                    else (str(g.health) if not g.health.available else "busy instances in the way")
                 )
                 try:
                     state = describe(g.space, g.view().key)

@@ -159,8 +159,8 @@ class GpuExecutor:
                 error=error.to_dict(),
             )
             if isinstance(exc, TimeoutError):
-                gpu.health = "an NVML call hung; the watchdog will restart migd"
-                self.tripped = gpu.health
+                self.tripped = "an NVML call hung; the watchdog will restart migd"
+                gpu.health.raise_("watchdog", self.tripped, now)
                 return
             for note in await self.resync(work.gpu):
                 log.info("resync", gpu=work.gpu, note=note)

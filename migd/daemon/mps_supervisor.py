@@ -62,7 +62,8 @@ class MpsSupervisor:
             try:
                 gpu.mps_profile = gpu.space.member(mps_profile).name
             except MigdError as exc:
-                gpu.health = f"mps_profile {mps_profile!r}: {exc.message}"
+                reason = f"mps_profile {mps_profile!r}: {exc.message}"
+                gpu.health.raise_("startup", reason, self.ctx.clock.now())
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
         """The job environment of an MPS share (the scheduler's ``mps_env``)."""
@@ -202,13 +203,13 @@ class MpsSupervisor:
         for uuid in report.affected_devices:
             detail = next(e.detail for e in report.events if e.device_uuid == uuid)
             self.clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
+        now = self.ctx.clock.now()
         sick = {u: g for u in report.failed_devices if (g := self._gpu_of_device(u))}
         for uuid, gpu in sick.items():
-            gpu.health = f"{MPS_UNHEALTHY}: {uuid}"
+            gpu.health.raise_("mps", f"{MPS_UNHEALTHY}: {uuid}", now)
         sick_gpus = {gpu.index for gpu in sick.values()}
         for gpu in self.ctx.sched.gpus.values():
-            if gpu.health.startswith(MPS_UNHEALTHY) and gpu.index not in sick_gpus:
-                gpu.health = "ok"
+            if gpu.index not in sick_gpus and gpu.health.clear("mps"):
                 log.info("mps.recovered", gpu=gpu.index)
 
     def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:

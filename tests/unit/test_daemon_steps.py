@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from migd.backends.simulated import simulated_backend
+from migd.core.health import Condition, GpuHealth
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
 from migd.daemon.config import validate_config
@@ -196,8 +197,23 @@ def test_an_mps_health_report_flags_leases_and_marks_the_gpu_until_it_serves(
     gpu = parts.daemon.ctx.sched.gpus[0]
     assert lease.mps_device_uuid == gpu.uuid
     parts.daemon.mps.apply_health(Report((Event(gpu.uuid, "daemon_gone", ok=False),)))
-    assert gpu.health.startswith(MPS_UNHEALTHY) and not gpu.available
+    [condition] = gpu.health.conditions.values()
+    assert (condition.source, condition.since) == ("mps", parts.clock.now())
+    assert condition.reason == f"{MPS_UNHEALTHY}: {gpu.uuid}" and not gpu.available
     assert "MPS clients lost" in lease.warning and "daemon_gone" in lease.warning
     assert ("mps.clients_lost", lease.lease_id) in parts.history()
     parts.daemon.mps.apply_health(Report())  # the next check finds it serving
-    assert gpu.health == "ok" and gpu.available
+    assert str(gpu.health) == "ok" and gpu.available and not gpu.health.conditions
+
+
+def test_each_health_source_clears_only_its_own_condition() -> None:
+    health = GpuHealth()
+    assert health.available and str(health) == "ok"
+    assert health.raise_("mps", "MPS daemon cannot be restarted", 10.0)
+    assert health.raise_("watchdog", "an NVML call hung", 11.0)
+    assert not health.raise_("mps", "MPS daemon cannot be restarted", 12.0)  # same: kept
+    assert health.conditions["mps"] == Condition("mps", "MPS daemon cannot be restarted", 10.0)
+    assert str(health) == "MPS daemon cannot be restarted; an NVML call hung"
+    assert health.clear("mps") and not health.clear("mps")
+    assert not health.available and list(health.conditions) == ["watchdog"]
+    assert health.clear("watchdog") and health.available
