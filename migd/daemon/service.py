@@ -24,14 +24,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from pydantic import BaseModel
 
 from migd import __version__
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
 from migd.daemon.api_server import ApiServer, not_simulated, socket_access
-from migd.daemon.auth import Authorizer
-from migd.daemon.config import MigdConfig, changed_restart_keys
+from migd.daemon.auth import Authorizer, forget_accounts
+from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
@@ -71,6 +72,24 @@ def scheduler_policy(config: MigdConfig) -> SchedulerPolicy:
         mps_max_clients=config.mps.max_clients,
         mps_multi_user=config.mps.multi_user,
     )
+
+
+def keep_restart_keys(old: MigdConfig, new: MigdConfig) -> MigdConfig:
+    """``new`` with the value of every key in ``RESTART_KEYS`` taken from ``old``: what a
+    reload applies (``changed_restart_keys`` reports those it could not)."""
+
+    def keep(into: BaseModel, source: BaseModel, path: list[str]) -> BaseModel:
+        head, *rest = path
+        value = getattr(source, head)
+        if rest:
+            value = keep(getattr(into, head), value, rest)
+        return into.model_copy(update={head: value})
+
+    merged: BaseModel = new
+    for dotted in RESTART_KEYS:
+        merged = keep(merged, old, dotted.split("."))
+    assert isinstance(merged, MigdConfig)
+    return merged
 
 
 class Daemon:
@@ -205,22 +224,9 @@ class Daemon:
             log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
             ctx.notifier.ready("reload failed; old configuration kept")
             return {"reloaded": False, "error": exc.to_dict()}
-        old = ctx.config
-        needs_restart = changed_restart_keys(old, new)
-        ctx.config = new.model_copy(
-            update={
-                "daemon": new.daemon.model_copy(
-                    update={
-                        "state_dir": old.daemon.state_dir,
-                        "runtime_dir": old.daemon.runtime_dir,
-                    }
-                ),
-                "backend": old.backend,
-                "api": new.api.model_copy(update={"socket": old.api.socket}),
-                "gpu": old.gpu,
-                "policy": new.policy.model_copy(update={"profiles": old.policy.profiles}),
-            }
-        )
+        needs_restart = changed_restart_keys(ctx.config, new)
+        ctx.config = keep_restart_keys(ctx.config, new)
+        forget_accounts()  # users and groups may have changed with the configuration
         ctx.auth = Authorizer(ctx.config.api)
         if self.api.bound:
             try:

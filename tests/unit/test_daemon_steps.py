@@ -16,10 +16,11 @@ from migd.backends.simulated import simulated_backend
 from migd.core.health import Condition, GpuHealth
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
-from migd.daemon.config import validate_config
+from migd.daemon import auth
+from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
 from migd.daemon.mps_supervisor import MPS_UNHEALTHY
 from migd.daemon.periodic import Timers, Watchdog
-from migd.daemon.service import Daemon
+from migd.daemon.service import Daemon, keep_restart_keys
 from migd.daemon.systemd import Notifier
 from migd.ports import ManualClock
 
@@ -217,3 +218,33 @@ def test_each_health_source_clears_only_its_own_condition() -> None:
     assert health.clear("mps") and not health.clear("mps")
     assert not health.available and list(health.conditions) == ["watchdog"]
     assert health.clear("watchdog") and health.available
+
+
+def test_a_reload_keeps_every_restart_key_and_takes_every_other(tmp_path: Path) -> None:
+    old = validate_config({"daemon": {"state_dir": str(tmp_path / "a")}})
+    new = validate_config(
+        {
+            "daemon": {"state_dir": str(tmp_path / "b"), "runtime_dir": str(tmp_path / "r")},
+            "backend": {"kind": "simulated"},
+            "api": {"socket": str(tmp_path / "b.sock"), "request_timeout_s": 3.0},
+            "gpu": [{"match": "0", "mode": "off"}],
+            "policy": {"profiles": "classic", "queue": "size"},
+        }
+    )
+    assert changed_restart_keys(old, new) == list(RESTART_KEYS)  # each one differs
+    merged = keep_restart_keys(old, new)
+    assert changed_restart_keys(old, merged) == []
+    for dotted in RESTART_KEYS:
+        kept, was = merged, old
+        for part in dotted.split("."):
+            kept, was = getattr(kept, part), getattr(was, part)
+        assert kept == was, dotted
+    assert merged.api.request_timeout_s == 3.0 and merged.policy.queue == "size"
+
+
+def test_sighup_forgets_cached_group_memberships() -> None:
+    auth._group_ids(0, 0)
+    auth._user_name(0)
+    assert auth._group_ids.cache_info().currsize and auth._user_name.cache_info().currsize
+    auth.forget_accounts()
+    assert auth._group_ids.cache_info().currsize == 0 == auth._user_name.cache_info().currsize
