@@ -144,7 +144,7 @@ class Lease:
     updated_s: float = 0.0
     gpu: int | None = None
     gpu_uuid: str | None = None
-    mode: str | None = None  # granted: mig / mps / exclusive
+    mode: GpuMode | None = None  # granted: MIG, MPS or EXCLUSIVE (never OFF)
     profile: str | None = None
     start: int | None = None
     mig_uuid: str | None = None
@@ -162,11 +162,15 @@ class Lease:
     warning: str = ""
     warning_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.mode is not None:  # the state db and JSON give the value
+            self.mode = GpuMode(self.mode)
+
     @property
     def mps_device_uuid(self) -> str | None:
         """The MPS device an ``mps`` lease runs on: its MIG instance (MPS inside MIG) or
         its whole GPU."""
-        if self.mode != "mps":
+        if self.mode is not GpuMode.MPS:
             return None
         return self.mig_uuid or self.gpu_uuid
 
@@ -758,7 +762,7 @@ class NodeScheduler:
         gpu = self.gpus[decision.gpu]
         inst, work = self._take_partition(gpu, decision, lease.lease_id, lease.lease_id)
         self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mig"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MIG
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
         lease.decision = decision.to_dict()
@@ -831,7 +835,7 @@ class NodeScheduler:
         self._event(lease, LeaseEvent.PLAN, now_s)
         share = self._mps_request(lease, gpu.compute_slices)
         gpu.mps_pool = mps_admit(self.mps_pool(gpu), share)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
         lease.memory_limit_mib = lease.request.memory_mib
         lease.mps_thread_percentage = share.thread_percentage
         lease.decision = {
@@ -977,7 +981,7 @@ class NodeScheduler:
         inst.mps_pool = mps_admit(inst.mps_pool, share)
         inst.idle_since_s = None
         self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
         lease.profile, lease.start = inst.profile.name, inst.start
         lease.memory_limit_mib = share.memory_mib
         lease.mps_thread_percentage = share.thread_percentage
@@ -1038,7 +1042,7 @@ class NodeScheduler:
     def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
         self._event(lease, LeaseEvent.PLAN, now_s)
         gpu.exclusive_lease = lease.lease_id
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "exclusive"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.EXCLUSIVE
         lease.memory_limit_mib = gpu.memory_total_mib
         lease.env = {"CUDA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_VISIBLE_DEVICES": gpu.uuid}
         lease.decision = {"action": "exclusive", "gpu": gpu.index, "reason": "whole GPU"}
@@ -1264,7 +1268,7 @@ class NodeScheduler:
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
-            if lease.mode == "mig":
+            if lease.mode is GpuMode.MIG:
                 inst = gpu.instance_of(lease_id)
                 if inst is not None:
                     # A CREATING instance stays untouchable by its status; work_done then
@@ -1277,9 +1281,9 @@ class NodeScheduler:
                             and inst.origin is not Origin.UNEXPLAINED
                         ):
                             work.extend(self._teardown(gpu, [inst]))
-            elif lease.mode == "mps":
+            elif lease.mode is GpuMode.MPS:
                 work.extend(self._release_mps(gpu, lease, now_s))
-            elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
+            elif lease.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease == lease_id:
                 gpu.exclusive_lease = None
         work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
@@ -1301,7 +1305,7 @@ class NodeScheduler:
         gone = ""
         if gpu is None or gpu.uuid != lease.gpu_uuid:
             gone = "its GPU is gone"
-        elif lease.mode == "mig":
+        elif lease.mode is GpuMode.MIG:
             inst = gpu.instance_at(lease.start) if lease.start is not None else None
             if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
                 gone = "its MIG instance is gone"
@@ -1309,10 +1313,10 @@ class NodeScheduler:
                 inst.lease_id, inst.idle_since_s = lease.lease_id, None
                 if inst.origin is Origin.UNEXPLAINED:
                     inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode == "mps":
+        elif lease.mode is GpuMode.MPS:
             if not self.restore_mps_share(gpu, lease):
                 gone = "its MIG instance is gone"
-        elif lease.mode == "exclusive":
+        elif lease.mode is GpuMode.EXCLUSIVE:
             gpu.exclusive_lease = lease.lease_id
         if gone:
             self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)

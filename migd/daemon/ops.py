@@ -255,16 +255,16 @@ class Ops:
             return {"state": lease.state.value}
         gpu, on_gpu, backend = lease.gpu, self.executor.on_gpu, self.ctx.backend
         # MIG: the instance; MPS: its device (a MIG instance or the whole GPU).
-        device = lease.mig_uuid if lease.mode in ("mig", "mps") else None
+        device = lease.mig_uuid if lease.mode in (GpuMode.MIG, GpuMode.MPS) else None
         try:
             memory = await on_gpu(gpu, backend.memory, gpu, device, timeout_s=10.0)
             procs = await on_gpu(gpu, backend.processes, gpu, device, timeout_s=10.0)
-            if lease.mode == "mps":  # the device is shared: only this job's processes
+            if lease.mode is GpuMode.MPS:  # the device is shared: only this job's processes
                 procs = await on_gpu(gpu, self.mps.usage, lease.owner_pid, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
         self.leases.note_peak(
-            lease.lease_id, known_sum(procs) if lease.mode == "mps" else memory.used_mib
+            lease.lease_id, known_sum(procs) if lease.mode is GpuMode.MPS else memory.used_mib
         )
         return {
             "state": lease.state.value,
@@ -273,7 +273,7 @@ class Ops:
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
-            "scope": "job" if lease.mode == "mps" else "device",
+            "scope": "job" if lease.mode is GpuMode.MPS else "device",
         }
 
     async def report(self, call: Call) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class Reaper:
         ctx = self.ctx
         for lease, reason in self.holders_gone(now):
             still_used = False
-            if lease.mode == "mig" and lease.mig_uuid and lease.gpu is not None:
+            if lease.mode is GpuMode.MIG and lease.mig_uuid and lease.gpu is not None:
                 try:
                     still_used = bool(
                         await self.executor.on_gpu(
@@ -181,7 +181,7 @@ def sample_plan(ctx: DaemonContext, gpu: ManagedGpu) -> SamplePlan:
     plan = SamplePlan(gpu.index)
     plan.instances = [i.uuid for i in gpu.instances if i.uuid and i.status is InstanceStatus.READY]
     for lease in ctx.sched.active_leases():
-        if lease.gpu == gpu.index and lease.mode == "mps":
+        if lease.gpu == gpu.index and lease.mode is GpuMode.MPS:
             plan.shares.setdefault(lease.mig_uuid, []).append((lease.lease_id, lease.owner_pid))
     return plan
 
