@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
@@ -66,15 +66,11 @@ class MpsSupervisor:
                 gpu.health.raise_("startup", reason, self.ctx.clock.now())
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
-        """The job environment of an MPS share (the scheduler's ``mps_env``)."""
-        device = lease.mig_uuid or gpu.uuid
-        env = {
-            "CUDA_VISIBLE_DEVICES": device,
-            "NVIDIA_VISIBLE_DEVICES": device,
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-        }
+        """The job environment of an MPS share (the scheduler's ``mps_env``): the core's,
+        with the pipe and log directories of migd's daemon for the device."""
+        env = default_mps_env(gpu, lease)
         if self.mps is not None:
-            env.update(self.mps.client_env(device, lease))
+            env.update(self.mps.client_env(lease.mig_uuid or gpu.uuid, lease))
         return env
 
     async def start(self) -> None:
