@@ -248,3 +248,43 @@ def test_sighup_forgets_cached_group_memberships() -> None:
     assert auth._group_ids.cache_info().currsize and auth._user_name.cache_info().currsize
     auth.forget_accounts()
     assert auth._group_ids.cache_info().currsize == 0 == auth._user_name.cache_info().currsize
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, LeaseState | None, LeaseState, float]] = []
+
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
+        self.seen.append((lease.lease_id, old, new, now))
+
+
+class Broken:
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
+        raise RuntimeError("a bug in a metrics exporter")
+
+
+def test_lease_observers_see_each_net_transition_and_a_broken_one_stops_nothing(
+    parts: Parts,
+) -> None:
+    recorder = Recorder()
+    parts.daemon.leases.add_observer(Broken())
+    parts.daemon.leases.add_observer(recorder)
+    first = parts.lease(28000)  # granted at once (MPS): new -> active, one transition
+    waiting = parts.lease(20000, wait_s=None)
+    t = parts.clock.now()
+    assert recorder.seen == [
+        (first.lease_id, None, LeaseState.ACTIVE, t),
+        (waiting.lease_id, None, LeaseState.QUEUED, t),
+    ]
+    parts.clock.advance(5.0)
+    parts.daemon.leases.release(first, "done")  # frees room: the waiting one is granted
+    assert recorder.seen[2:] == [
+        (first.lease_id, LeaseState.ACTIVE, LeaseState.RELEASED, t + 5.0),
+        (waiting.lease_id, LeaseState.QUEUED, LeaseState.ACTIVE, t + 5.0),
+    ]
+    stored = parts.daemon.ctx.db.get_lease(waiting.lease_id)
+    assert stored is not None and stored.state is LeaseState.ACTIVE  # the store still saw it
