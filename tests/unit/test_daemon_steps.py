@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from migd.backends.mps import HealthEvent, HealthReport
 from migd.backends.simulated import simulated_backend
 from migd.core.health import Condition, GpuHealth
 from migd.core.leases import LeaseState
@@ -168,42 +169,20 @@ def test_the_watchdog_step_pings_only_while_every_gpu_thread_answers(parts: Part
     assert parts.notifier.sent.count("WATCHDOG=1") == 3
 
 
-@dataclass(frozen=True)
-class Event:
-    device_uuid: str
-    detail: str
-    ok: bool
-
-    def to_dict(self) -> dict[str, object]:
-        return {"detail": self.detail, "ok": self.ok}
-
-
-@dataclass(frozen=True)
-class Report:
-    events: tuple[Event, ...] = ()
-
-    @property
-    def affected_devices(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(e.device_uuid for e in self.events))
-
-    @property
-    def failed_devices(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(e.device_uuid for e in self.events if not e.ok))
-
-
 def test_an_mps_health_report_flags_leases_and_marks_the_gpu_until_it_serves(
     parts: Parts,
 ) -> None:
     lease = parts.lease(1000)
     gpu = parts.daemon.ctx.sched.gpus[0]
     assert lease.mps_device_uuid == gpu.uuid
-    parts.daemon.mps.apply_health(Report((Event(gpu.uuid, "daemon_gone", ok=False),)))
+    lost = HealthEvent(gpu.uuid, "daemon_gone", "pid 77 gone", "restart_failed", ok=False)
+    parts.daemon.mps.apply_health(HealthReport((lost,)))
     [condition] = gpu.health.conditions.values()
     assert (condition.source, condition.since) == ("mps", parts.clock.now())
     assert condition.reason == f"{MPS_UNHEALTHY}: {gpu.uuid}" and not gpu.available
-    assert "MPS clients lost" in lease.warning and "daemon_gone" in lease.warning
+    assert "MPS clients lost" in lease.warning and "pid 77 gone" in lease.warning
     assert ("mps.clients_lost", lease.lease_id) in parts.history()
-    parts.daemon.mps.apply_health(Report())  # the next check finds it serving
+    parts.daemon.mps.apply_health(HealthReport())  # the next check finds it serving
     assert str(gpu.health) == "ok" and gpu.available and not gpu.health.conditions
 
 
