@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
+from migd.core.health import GpuHealth
 from migd.core.leases import LeaseEvent, LeaseState, next_state
 from migd.core.mps import (
     DeviceKind,
@@ -144,7 +145,7 @@ class Lease:
     updated_s: float = 0.0
     gpu: int | None = None
     gpu_uuid: str | None = None
-    mode: str | None = None  # granted: mig / mps / exclusive
+    mode: GpuMode | None = None  # granted: MIG, MPS or EXCLUSIVE (never OFF)
     profile: str | None = None
     start: int | None = None
     mig_uuid: str | None = None
@@ -162,11 +163,15 @@ class Lease:
     warning: str = ""
     warning_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.mode is not None:  # the state db and JSON give the value
+            self.mode = GpuMode(self.mode)
+
     @property
     def mps_device_uuid(self) -> str | None:
         """The MPS device an ``mps`` lease runs on: its MIG instance (MPS inside MIG) or
         its whole GPU."""
-        if self.mode != "mps":
+        if self.mode is not GpuMode.MPS:
             return None
         return self.mig_uuid or self.gpu_uuid
 
@@ -259,7 +264,8 @@ class ManagedGpu:
     space: StateSpace | None = None
     instances: list[ManagedInstance] = field(default_factory=list)
     draining: bool = False
-    health: str = "ok"
+    #: Conditions that keep new work off the GPU, each owned by its source (core.health).
+    health: GpuHealth = field(default_factory=GpuHealth)
     exclusive_lease: str | None = None  # EXCLUSIVE-mode bookkeeping
     mps_pool: MpsPool | None = None  # MPS-mode accounting (migd.core.mps)
     used_mib: int | None = None
@@ -278,7 +284,7 @@ class ManagedGpu:
 
     @property
     def available(self) -> bool:
-        return not self.draining and self.health == "ok"
+        return not self.draining and self.health.available
 
     def instance_at(
         self, start: int, status: InstanceStatus | None = None
@@ -301,7 +307,9 @@ class ManagedGpu:
 
     def view(self) -> GpuView:
         assert self.space is not None
-        reason = "draining" if self.draining else ("" if self.health == "ok" else self.health)
+        reason = (
+            "draining" if self.draining else ("" if self.health.available else str(self.health))
+        )
         return GpuView(
             index=self.index,
             space=self.space,
@@ -755,7 +763,7 @@ class NodeScheduler:
         gpu = self.gpus[decision.gpu]
         inst, work = self._take_partition(gpu, decision, lease.lease_id, lease.lease_id)
         self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mig"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MIG
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
         lease.decision = decision.to_dict()
@@ -828,7 +836,7 @@ class NodeScheduler:
         self._event(lease, LeaseEvent.PLAN, now_s)
         share = self._mps_request(lease, gpu.compute_slices)
         gpu.mps_pool = mps_admit(self.mps_pool(gpu), share)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
         lease.memory_limit_mib = lease.request.memory_mib
         lease.mps_thread_percentage = share.thread_percentage
         lease.decision = {
@@ -978,7 +986,7 @@ class NodeScheduler:
         inst.mps_pool = mps_admit(inst.mps_pool, share)
         inst.idle_since_s = None
         self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
         lease.profile, lease.start = inst.profile.name, inst.start
         lease.memory_limit_mib = share.memory_mib
         lease.mps_thread_percentage = share.thread_percentage
@@ -1039,7 +1047,7 @@ class NodeScheduler:
     def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
         self._event(lease, LeaseEvent.PLAN, now_s)
         gpu.exclusive_lease = lease.lease_id
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "exclusive"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.EXCLUSIVE
         lease.memory_limit_mib = gpu.memory_total_mib
         lease.env = {"CUDA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_VISIBLE_DEVICES": gpu.uuid}
         lease.decision = {"action": "exclusive", "gpu": gpu.index, "reason": "whole GPU"}
@@ -1244,8 +1252,9 @@ class NodeScheduler:
         try:
             gpu.space.key_of((i.profile, i.start) for i in gpu.instances)
         except Exception as exc:
-            gpu.health = f"layout not understood: {exc}"
-            notes.append(gpu.health)
+            reason = f"layout not understood: {exc}"
+            gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
+            notes.append(reason)
         return self._outcome(notes=notes)
 
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
@@ -1268,7 +1277,7 @@ class NodeScheduler:
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
-            if lease.mode == "mig":
+            if lease.mode is GpuMode.MIG:
                 inst = gpu.instance_of(lease_id)
                 if inst is not None:
                     # A CREATING instance stays untouchable by its status; work_done then
@@ -1281,9 +1290,9 @@ class NodeScheduler:
                             and inst.origin is not Origin.UNEXPLAINED
                         ):
                             work.extend(self._teardown(gpu, [inst]))
-            elif lease.mode == "mps":
+            elif lease.mode is GpuMode.MPS:
                 work.extend(self._release_mps(gpu, lease, now_s))
-            elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
+            elif lease.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease == lease_id:
                 gpu.exclusive_lease = None
         work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
@@ -1305,7 +1314,7 @@ class NodeScheduler:
         gone = ""
         if gpu is None or gpu.uuid != lease.gpu_uuid:
             gone = "its GPU is gone"
-        elif lease.mode == "mig":
+        elif lease.mode is GpuMode.MIG:
             inst = gpu.instance_at(lease.start) if lease.start is not None else None
             if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
                 gone = "its MIG instance is gone"
@@ -1313,10 +1322,10 @@ class NodeScheduler:
                 inst.lease_id, inst.idle_since_s = lease.lease_id, None
                 if inst.origin is Origin.UNEXPLAINED:
                     inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode == "mps":
+        elif lease.mode is GpuMode.MPS:
             if not self.restore_mps_share(gpu, lease):
                 gone = "its MIG instance is gone"
-        elif lease.mode == "exclusive":
+        elif lease.mode is GpuMode.EXCLUSIVE:
             gpu.exclusive_lease = lease.lease_id
         if gone:
             self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
@@ -1452,7 +1461,7 @@ class NodeScheduler:
                 why = (
                     "draining"
                     if g.draining
-                    else (g.health if g.health != "ok" else "busy instances in the way")
+                    else (str(g.health) if not g.health.available else "busy instances in the way")
                 )
                 try:
                     state = describe(g.space, g.view().key)

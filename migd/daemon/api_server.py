@@ -15,16 +15,15 @@ import grp
 import os
 import socket
 import stat
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 
-from migd.api import Request, decode_request, error_reply, ok_reply
+from migd.api import LeaseRef, ReportRequest, Request, decode_request, error_reply, ok_reply
 from migd.core.scheduler import Lease
 from migd.daemon.auth import Peer
 from migd.daemon.config import ApiSection
@@ -52,11 +51,14 @@ class Access(Enum):
     OWNER = "owner"  # the lease named by the request's lease_id is the caller's (or admin)
 
 
-@dataclass(frozen=True)
-class Call:
-    """One decoded request as a handler gets it."""
+R = TypeVar("R")
 
-    request: Any  # the op's request model (migd.api); the table guarantees which
+
+@dataclass(frozen=True)
+class Call(Generic[R]):
+    """One decoded request as a handler gets it (``R``: the op's model in migd.api)."""
+
+    request: R
     peer: Peer
     reader: asyncio.StreamReader
     #: For ``Access.OWNER`` ops: the request's lease, ownership checked.
@@ -68,7 +70,7 @@ class Call:
         return self.lease
 
 
-Handler = Callable[[Call], Awaitable[Any]]
+Handler = Callable[[Call[Any]], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -237,11 +239,11 @@ class ApiServer:
             request_id = request.id
             if self.stopping.is_set():
                 raise DaemonUnavailable("migd is stopping", hint="retry in a few seconds")
-            began = time.perf_counter()
+            began = self.ctx.clock.monotonic()
             result = await self.handle(request, peer, reader)
             await _send(writer, ok_reply(request_id, result))
             self.ctx.latency_s[latency_class(request.op, result)].append(
-                time.perf_counter() - began
+                self.ctx.clock.monotonic() - began
             )
         except MigdError as exc:
             if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):
@@ -269,7 +271,9 @@ class ApiServer:
         elif spec.access is Access.ADMIN:
             auth.require_admin(peer, verb)
         elif spec.access is Access.OWNER:
-            lease = self.lease_for(req.lease_id)  # type: ignore[union-attr]
+            if not isinstance(req, (LeaseRef, ReportRequest)):  # pragma: no cover
+                raise ProtocolError(f"op {req.op!r} names no lease; it cannot be OWNER")
+            lease = self.lease_for(req.lease_id)
             auth.require_owner(peer, lease.owner_uid, verb)
         return await spec.handler(Call(req, peer, reader, lease))
 

@@ -10,7 +10,6 @@ reports the result back to the scheduler and the lease service.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -138,7 +137,7 @@ class GpuExecutor:
                 # Written before the NVML call: after a crash mid-create, a GPU instance
                 # without a compute instance at this start is known to be migd's own.
                 ctx.db.remember_instance(gpu.uuid, op.start, op.profile.profile_id, None)
-        started = time.monotonic()
+        started = ctx.clock.monotonic()
         try:
             created = await self.on_gpu(work.gpu, self._execute, work, targets)
         except (MigdError, TimeoutError) as exc:
@@ -160,8 +159,8 @@ class GpuExecutor:
                 error=error.to_dict(),
             )
             if isinstance(exc, TimeoutError):
-                gpu.health = "an NVML call hung; the watchdog will restart migd"
-                self.tripped = gpu.health
+                self.tripped = "an NVML call hung; the watchdog will restart migd"
+                gpu.health.raise_("watchdog", self.tripped, now)
                 return
             for note in await self.resync(work.gpu):
                 log.info("resync", gpu=work.gpu, note=note)
@@ -177,7 +176,7 @@ class GpuExecutor:
                 ctx.db.remember_instance(
                     gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
                 )
-        elapsed = time.monotonic() - started
+        elapsed = ctx.clock.monotonic() - started
         log.info(
             "work.done",
             gpu=work.gpu,
@@ -233,11 +232,11 @@ class GpuExecutor:
 
             loop.run_in_executor(worker.executor, beat).add_done_callback(done)
 
-    def starved_gpus(self, stale_after: float) -> list[int]:
-        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds,
-        unless NVML work younger than ``daemon.work_timeout_s`` runs (see
-        :mod:`migd.daemon.periodic`, the watchdog)."""
-        now = self.ctx.clock.monotonic()
+    def starved_gpus(self, stale_after: float, mono: float | None = None) -> list[int]:
+        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds at
+        monotonic time ``mono`` (default: now), unless NVML work younger than
+        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.periodic.Watchdog`)."""
+        now = self.ctx.clock.monotonic() if mono is None else mono
         limit = self.ctx.config.daemon.work_timeout_s
         if any(
             w.busy_since_mono is not None and now - w.busy_since_mono < limit

@@ -106,36 +106,36 @@ class Ops:
 
     # -- ops anyone or readers may call -----------------------------------------------------
 
-    async def ping(self, call: Call) -> dict[str, Any]:
+    async def ping(self, call: Call[Any]) -> dict[str, Any]:
         return {"version": __version__, "pid": os.getpid(), "backend": self.ctx.config.backend.kind}
 
-    async def status(self, call: Call) -> dict[str, Any]:
+    async def status(self, call: Call[Any]) -> dict[str, Any]:
         return build_status(self.ctx)
 
-    async def list_leases(self, call: Call) -> dict[str, Any]:
-        req: StatusRequest = call.request
+    async def list_leases(self, call: Call[StatusRequest]) -> dict[str, Any]:
+        req = call.request
         sched, db = self.ctx.sched, self.ctx.db
         leases = sched.active_leases() if not req.all else db.recent_leases(500)
         return {"leases": [self.lease_view(lease, call.peer) for lease in leases]}
 
-    async def explain(self, call: Call) -> dict[str, Any]:
-        req: ExplainRequest = call.request
+    async def explain(self, call: Call[ExplainRequest]) -> dict[str, Any]:
+        req = call.request
         job_id = self._job_id(req.job_id)
         return explain_job(self.ctx, job_id, lambda lease: self.lease_view(lease, call.peer))
 
-    async def history(self, call: Call) -> dict[str, Any]:
-        req: HistoryRequest = call.request
+    async def history(self, call: Call[HistoryRequest]) -> dict[str, Any]:
+        req = call.request
         job = self._job_id(req.job_id) if req.job_id else None
         rows = self.ctx.db.history(limit=req.limit, job_id=job)
         return {"history": [r.to_dict() for r in rows]}
 
-    async def reload_config(self, call: Call) -> dict[str, Any]:
+    async def reload_config(self, call: Call[Any]) -> dict[str, Any]:
         return await self.reload()
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def lease(self, call: Call) -> dict[str, Any]:
-        req: LeaseRequestMsg = call.request
+    async def lease(self, call: Call[LeaseRequestMsg]) -> dict[str, Any]:
+        req = call.request
         ctx, peer = self.ctx, call.peer
         # The holder is the caller as the kernel names it (SO_PEERCRED, translated into
         # migd's PID namespace). A client may name another process of its own; a PID
@@ -208,10 +208,10 @@ class Ops:
         view["prepared"] = first_state is LeaseState.PREPARING
         return view
 
-    async def get_lease(self, call: Call) -> dict[str, Any]:
+    async def get_lease(self, call: Call[LeaseRef]) -> dict[str, Any]:
         return self.lease_view(call.owned, call.peer)
 
-    async def heartbeat(self, call: Call) -> dict[str, Any]:
+    async def heartbeat(self, call: Call[LeaseRef]) -> dict[str, Any]:
         lease = call.owned
         if lease.state is not LeaseState.ACTIVE:
             raise LeaseNotFound(f"lease {lease.lease_id} is {lease.state.value}, not active")
@@ -219,15 +219,15 @@ class Ops:
         self.leases.save(lease)
         return {"state": lease.state.value}
 
-    async def release(self, call: Call) -> dict[str, Any]:
-        req: LeaseRef = call.request
+    async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
+        req = call.request
         return self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
 
-    async def release_job(self, call: Call) -> dict[str, Any]:
+    async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of
         the job, anyone else only their own (a job id alone proves nothing: any user can
         name any job)."""
-        req: ReleaseJobRequest = call.request
+        req = call.request
         peer = call.peer
         # Job ids are GlobalJobIds (unique across access points); a caller that knows the
         # slot narrows it further, so a bare ClusterId.ProcId cannot hit another schedd's job.
@@ -254,22 +254,22 @@ class Ops:
             released.append(lease.lease_id)
         return {"released": released}
 
-    async def usage(self, call: Call) -> dict[str, Any]:
+    async def usage(self, call: Call[LeaseRef]) -> dict[str, Any]:
         lease = call.owned
         if lease.gpu is None or lease.state is not LeaseState.ACTIVE:
             return {"state": lease.state.value}
         gpu, on_gpu, backend = lease.gpu, self.executor.on_gpu, self.ctx.backend
         # MIG: the instance; MPS: its device (a MIG instance or the whole GPU).
-        device = lease.mig_uuid if lease.mode in ("mig", "mps") else None
+        device = lease.mig_uuid if lease.mode in (GpuMode.MIG, GpuMode.MPS) else None
         try:
             memory = await on_gpu(gpu, backend.memory, gpu, device, timeout_s=10.0)
             procs = await on_gpu(gpu, backend.processes, gpu, device, timeout_s=10.0)
-            if lease.mode == "mps":  # the device is shared: only this job's processes
-                procs = await on_gpu(gpu, self.mps.usage, lease, procs, timeout_s=10.0)
+            if lease.mode is GpuMode.MPS:  # the device is shared: only this job's processes
+                procs = await on_gpu(gpu, self.mps.usage, lease.owner_pid, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
         self.leases.note_peak(
-            lease.lease_id, known_sum(procs) if lease.mode == "mps" else memory.used_mib
+            lease.lease_id, known_sum(procs) if lease.mode is GpuMode.MPS else memory.used_mib
         )
         return {
             "state": lease.state.value,
@@ -278,11 +278,11 @@ class Ops:
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
-            "scope": "job" if lease.mode == "mps" else "device",
+            "scope": "job" if lease.mode is GpuMode.MPS else "device",
         }
 
-    async def report(self, call: Call) -> dict[str, Any]:
-        req: ReportRequest = call.request
+    async def report(self, call: Call[ReportRequest]) -> dict[str, Any]:
+        req = call.request
         lease = call.owned
         if req.event == "mps_client_error":
             message = str(req.data.get("message", "")).strip()[:4096]
@@ -305,8 +305,8 @@ class Ops:
 
     # -- GPUs -------------------------------------------------------------------------------
 
-    async def gpu_op(self, call: Call) -> dict[str, Any]:
-        req: GpuRequest = call.request
+    async def gpu_op(self, call: Call[GpuRequest]) -> dict[str, Any]:
+        req = call.request
         peer, ctx = call.peer, self.ctx
         sched = ctx.sched
         gpu = self._gpu_ref(req.gpu)

@@ -43,25 +43,31 @@ class Reconciler:
         self.leases = leases
         self.mps = mps
         self.reap = reap
-        self.resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
         self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
 
     # -- how each GPU is managed ------------------------------------------------------------
 
     def manage(self, info: GpuInfo) -> ManagedGpu:
-        config, backend = self.ctx.config, self.ctx.backend
+        """How a discovered GPU is managed; what keeps it from work is its ``startup``
+        health condition."""
+        config, backend, now = self.ctx.config, self.ctx.backend, self.ctx.clock.now()
         if not info.mig_mode_known:
             # Unknown is not "no MIG": a MIG GPU managed whole would be handed out wrongly.
-            return ManagedGpu(
+            unknown = ManagedGpu(
                 index=info.index,
                 uuid=info.uuid,
                 model=info.model or info.name,
                 name=info.name,
                 memory_total_mib=info.memory_total_mib,
                 mode=GpuMode.OFF,
-                health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
-                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
             )
+            unknown.health.raise_(
+                "startup",
+                f"{info.mig_mode_error}; no work on this GPU: restart migd once "
+                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
+                now,
+            )
+            return unknown
         if info.persistence_mode is False:
             log.warning(
                 "gpu.persistence_off",
@@ -72,7 +78,7 @@ class Reconciler:
         override = config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
         mps_in_mig = bool(override and override.mps_in_mig)
-        health = "ok"
+        health = ""
         space = None
         mode: GpuMode
         if wanted == "off":
@@ -122,8 +128,9 @@ class Reconciler:
             memory_total_mib=info.memory_total_mib,
             mode=mode,
             space=space,
-            health=health,
         )
+        if health:
+            gpu.health.raise_("startup", health, now)
         self.mps.configure(gpu, info, mps_in_mig, override.mps_profile if override else None)
         return gpu
 
@@ -185,7 +192,7 @@ class Reconciler:
     def needs_resync(self, gpu: ManagedGpu) -> bool:
         """Instances that had processes without a lease are adopted once they empty;
         a GPU an earlier resync found wanting is judged again."""
-        return gpu.index in self.resync_health or any(
+        return "resync" in gpu.health.conditions or any(
             i.origin is Origin.UNEXPLAINED for i in gpu.instances
         )
 
@@ -208,13 +215,12 @@ class Reconciler:
             instances = await self.executor.on_gpu(index, ctx.backend.list_instances, index)
             in_use = await self.executor.on_gpu(index, self._instances_in_use, index, instances)
         except (MigdError, TimeoutError) as exc:
-            gpu.health = f"cannot read instances: {exc}"
-            self.resync_health[index] = gpu.health
-            return [gpu.health]
-        # Nothing below waits: the books and the health change in one step.
-        if gpu.health == self.resync_health.pop(index, None):
-            gpu.health = "ok"  # an earlier resync's verdict; judged afresh below
-        health_before = gpu.health
+            reason = f"cannot read instances: {exc}"
+            gpu.health.raise_("resync", reason, ctx.clock.now())
+            return [reason]
+        # Nothing below waits: the books and the health change in one step. An earlier
+        # resync's verdict is judged afresh below (no other source's is touched).
+        gpu.health.clear("resync")
         observed: list[tuple[Profile, int, int | None, str | None, int]] = []
         notes: list[str] = []
         untouchable: dict[int, str] = {}  # start -> why migd must leave it alone
@@ -261,18 +267,20 @@ class Reconciler:
                     notes.append(f"{managed}: unexplained ({why})")
                 managed.origin, managed.note = Origin.UNEXPLAINED, why
         if foreign:
-            gpu.health = (
+            gpu.health.raise_(
+                "resync",
                 "instances of profiles outside policy.profiles ("
                 + ", ".join(sorted({p.name for p in foreign}))
-                + "): no new work on this GPU until they are gone or policy.profiles lists them"
+                + "): no new work on this GPU until they are gone or policy.profiles lists them",
+                now,
             )
         if unknown:
-            gpu.health = (
+            gpu.health.raise_(
+                "resync",
                 f"{', '.join(unknown)} of a profile migd's geometry does not have: no new work "
-                "on this GPU until it is gone"
+                "on this GPU until it is gone",
+                now,
             )
-        if gpu.health != health_before:
-            self.resync_health[index] = gpu.health
         present = {m.start for m in gpu.instances}
         for managed in gpu.instances:
             if managed.start in own and managed.origin is Origin.ADOPTED:

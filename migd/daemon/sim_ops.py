@@ -27,8 +27,8 @@ class SimOps:
         for op in SIM_OPS:
             server.register(op, self.handle, Access.LEASE)
 
-    async def handle(self, call: Call) -> dict[str, Any]:
-        req: SimRequest = call.request
+    async def handle(self, call: Call[SimRequest]) -> dict[str, Any]:
+        req = call.request
         node = self.node
         try:
             if req.op == "sim_attach":

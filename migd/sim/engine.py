@@ -674,7 +674,7 @@ class Simulation:
         share = 1.0
         alloc = float(self.compute)
         unit_start, units = 0, self.geo.units
-        label = lease.mode
+        label = str(lease.mode)  # a plain str, like the profile names below
         if lease.mode == "mig":
             assert gpu.space is not None and lease.profile is not None and lease.start is not None
             prof = gpu.space.member(lease.profile)
