@@ -208,6 +208,9 @@ def test_a_reload_keeps_every_restart_key_and_takes_every_other(tmp_path: Path) 
             "api": {"socket": str(tmp_path / "b.sock"), "request_timeout_s": 3.0},
             "gpu": [{"match": "0", "mode": "off"}],
             "policy": {"profiles": "classic", "queue": "size"},
+            "metrics": {"listen": "127.0.0.1:0"},
+            "health": {"xid_events": False},
+            "mps": {"require_exclusive_process": True},
         }
     )
     assert changed_restart_keys(old, new) == list(RESTART_KEYS)  # each one differs
