@@ -1,0 +1,93 @@
+"""The real daemon (simulated GPUs, persisted) against a faulty state disk and bad clients."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults.conftest import SmallDisk, mount_small_disk, unmount
+from tests.process.conftest import DaemonProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def state_disk(daemon: DaemonProcess) -> Iterator[SmallDisk]:
+    """The daemon's state directory on a 768 KiB tmpfs."""
+    disk = mount_small_disk(daemon.root / "state")
+    try:
+        yield disk
+    finally:
+        daemon.stop()
+        unmount(disk)
+
+
+def _three_leases(
+    daemon: DaemonProcess, sleepers: list[subprocess.Popen[bytes]]
+) -> list[dict[str, object]]:
+    daemon.extra_args += ["--set", f"backend.sim_state_file={daemon.root / 'sim-gpus.json'}"]
+    daemon.start()
+    leases = []
+    for n in range(3):
+        holder = subprocess.Popen(["sleep", "120"])
+        sleepers.append(holder)
+        leases.append(
+            daemon.client().lease(
+                job_id=f"1.{n}", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid
+            )
+        )
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait() == 0
+    return leases
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_faulty_state_disk_at_start_exits_for_a_retry_and_loses_no_lease(
+    daemon: DaemonProcess,
+    state_disk: SmallDisk,
+    sleepers: list[subprocess.Popen[bytes]],
+    fault: str,
+) -> None:
+    leases = _three_leases(daemon, sleepers)
+    db = state_disk.path / "migd.db"
+    saved = db.read_bytes()
+    if fault == "full":
+        state_disk.fill()
+    else:
+        state_disk.read_only()
+    offset = daemon.log_path.stat().st_size
+    daemon.start(wait_ready=False)
+    code = daemon.wait()
+    assert code not in (0, 2)  # non-zero: Restart=on-failure retries; 2 is a config error
+    failed = [
+        e
+        for e in daemon.log_events()
+        if e.get("event") == "daemon.start_failed" and e.get("error") == "state_disk"
+    ]
+    assert failed, daemon.log_path.read_text()[offset:]
+    assert ("full" if fault == "full" else "read-only") in failed[-1]["message"]
+    assert "df -h" in failed[-1]["hint"]
+    assert db.read_bytes() == saved
+    assert not [p for p in state_disk.files() if "corrupt" in p]
+    if fault == "full":
+        state_disk.free()
+    else:
+        state_disk.read_only(False)
+    daemon.read_notifications()
+    daemon.notifications.clear()  # wait for this start's READY=1
+    daemon.start()
+    for lease in leases:
+        after = daemon.client().call("get_lease", lease_id=lease["lease_id"])
+        assert after["state"] == "active" and after["mig_uuid"] == lease["mig_uuid"]
