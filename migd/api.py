@@ -12,13 +12,12 @@ replies, never removed or changed in meaning.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from migd.errors import MigdError, ProtocolError
-from migd.protocol import API_VERSION, MAX_NESTING, encode
+from migd.protocol import API_VERSION, MAX_NESTING, decode, encode
 
 JOB_ID = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 LEASE_ID = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -151,7 +150,7 @@ def decode_request(line: bytes) -> Request:
             wrong version, unknown op, bad fields.
     """
     try:
-        raw = json.loads(line)
+        raw = decode(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"not a JSON message: {exc}") from exc
     except RecursionError as exc:  # the C parser recurses once per nesting level
