@@ -91,6 +91,9 @@ class HistoryRequest(_Request):
     op: Literal["history"]
     job_id: JOB_ID | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] = 50
+    # Paging: rows older than this id (the reply's next_before_id); a page also stops at
+    # api.max_reply_bytes, so a reply's size is bounded however large the rows are.
+    before_id: Annotated[int | None, Field(ge=1)] = None
 
 
 class GpuRequest(_Request):
