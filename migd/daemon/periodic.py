@@ -136,7 +136,9 @@ class PeriodicTasks:
                     ctx.db.set_meta("demand", {"counts": sched.demand.snapshot(), "last_s": now})
                     leases.prune(all_terminal=True)
                 if tick % 3600 == 0:
-                    ctx.db.prune(ctx.config.daemon.history_keep)
+                    ctx.db.prune(
+                        ctx.config.daemon.history_keep, ctx.config.daemon.history_keep_bytes
+                    )
             except Exception as exc:
                 log.exception("timers.crashed", error=str(exc))
 

@@ -464,7 +464,7 @@ class StateStore:
         max_bytes: int | None = None,
     ) -> list[HistoryRow]:
         """Newest first: at most ``limit`` rows with ids below ``before_id`` (the cursor of
-        the next page: the last row's id), and at most ``max_bytes`` of event data (always
+        the next page: the last row's id), and about ``max_bytes`` of rows as JSON (always
         at least one row), so one reply stays bounded however large the rows are."""
         where: list[str] = []
         params: list[Any] = []
@@ -483,7 +483,8 @@ class StateStore:
         out: list[HistoryRow] = []
         size = 0
         for r in cur:
-            size += len(r[5])
+            # The row as a reply carries it: its data, its names, and ~64 bytes of keys.
+            size += len(r[5]) + len(r[4]) + len(r[3] or "") + len(r[2] or "") + 64
             if out and max_bytes is not None and size > max_bytes:
                 break
             out.append(HistoryRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])))

@@ -15,15 +15,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
 def state_disk(daemon: DaemonProcess) -> Iterator[SmallDisk]:
     """The daemon's state directory on a 768 KiB tmpfs."""
     disk = mount_small_disk(daemon.root / "state")
