@@ -119,7 +119,7 @@ class Daemon:
         if sim_node is not None:
             from migd.daemon.sim_ops import SimOps
 
-            SimOps(sim_node).register(self.api)
+            SimOps(sim_node, ctx).register(self.api)
         else:
             from migd.daemon.sim_ops import SIM_OPS
 

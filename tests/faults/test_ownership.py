@@ -19,6 +19,35 @@ from tests.process.conftest import DaemonProcess
 pytestmark = pytest.mark.slow
 
 
+# -- 10. simulated CUDA work checks ownership ----------------------------------------------------
+
+
+def test_sim_operations_check_ownership(
+    daemon: DaemonProcess, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    daemon.extra_args += ["--set", 'api.lease_users=["*"]']
+    daemon.start()
+    a_holder, a_cuda = sleeper_of(USER_A, sleepers), sleeper_of(USER_A, sleepers)
+    b_cuda = sleeper_of(USER_B, sleepers)
+    granted = call_as(
+        daemon, USER_A, "lease", job_id="10.0", gpu_memory_mib=4000, wait_s=10, holder_pid=a_holder
+    )
+    assert granted["ok"], granted
+    mig = granted["result"]["mig_uuid"]
+    assert call_as(daemon, USER_A, "sim_attach", pid=a_cuda, device_uuid=mig)["ok"]
+    assert call_as(daemon, USER_A, "sim_alloc", pid=a_cuda, mib=100)["ok"]
+    refused = [
+        call_as(daemon, USER_B, "sim_attach", pid=b_cuda, device_uuid=mig),
+        call_as(daemon, USER_B, "sim_alloc", pid=a_cuda, mib=100),
+        call_as(daemon, USER_B, "sim_free", pid=a_cuda, mib=100),
+        call_as(daemon, USER_B, "sim_detach", pid=a_cuda),
+        call_as(daemon, USER_B, "sim_attach", pid=a_cuda, device_uuid=mig),
+    ]
+    for outcome in refused:
+        assert outcome == {**outcome, "ok": False, "code": "not_authorized"}, outcome
+    assert call_as(daemon, USER_A, "sim_detach", pid=a_cuda)["ok"]
+
+
 # -- 11. what a non-owner sees -------------------------------------------------------------------
 
 
