@@ -111,6 +111,7 @@ class PeriodicTasks:
                     if self.reconciler.needs_resync(gpu):
                         for note in await self.reconciler.resync_gpu(gpu.index):
                             log.info("resync", gpu=gpu.index, note=note)
+                        self.reconciler.forget_explained(gpu.index)
                         self.leases.after_change(ctx.sched.schedule(now, mono))
             except Exception as exc:
                 log.exception("reaper.crashed", error=str(exc))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.faults.conftest import SmallDisk, mount_small_disk, unmount
-from tests.process.conftest import DaemonProcess
+from tests.process.conftest import DaemonProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +82,65 @@ def test_a_faulty_state_disk_at_start_exits_for_a_retry_and_loses_no_lease(
     for lease in leases:
         after = daemon.client().call("get_lease", lease_id=lease["lease_id"])
         assert after["state"] == "active" and after["mig_uuid"] == lease["mig_uuid"]
+
+
+# -- 7. notes describe the state after the leases are restored -----------------------------------
+
+
+def test_after_a_crash_restored_leases_leave_no_unexplained_note(
+    daemon: DaemonProcess, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    """kill -9 with jobs running on their instances: at restart the instances have
+    processes before their leases are back; once restored, they are explained."""
+    daemon.extra_args += ["--set", f"backend.sim_state_file={daemon.root / 'sim-gpus.json'}"]
+    daemon.start()
+    client = daemon.client()
+    leases = []
+    for n in range(4):
+        holder = subprocess.Popen(["sleep", "120"])
+        cuda = subprocess.Popen(["sleep", "120"])
+        sleepers += [holder, cuda]
+        lease = client.lease(job_id=f"7.{n}", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid)
+        client.call("sim_attach", pid=cuda.pid, device_uuid=lease["mig_uuid"])
+        leases.append(lease)
+    daemon.signal(signal.SIGKILL)
+    daemon.wait()
+    daemon.read_notifications()
+    daemon.notifications.clear()
+    daemon.start()
+    status = daemon.client().status()
+    assert not [note for note in status["notes"] if "unexplained" in note], status["notes"]
+    origins = {
+        inst["lease_id"]: inst["origin"] for gpu in status["gpus"] for inst in gpu["instances"]
+    }
+    assert all(origins[lease["lease_id"]] == "migd" for lease in leases), origins
+
+
+def test_an_unexplained_note_is_cleared_once_the_instance_is_explained(
+    daemon: DaemonProcess, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    """The holder dies while migd is down, its CUDA process runs on: unexplained (kept,
+    noted). When that process ends the instance is adopted, and the note goes."""
+    daemon.extra_args += ["--set", f"backend.sim_state_file={daemon.root / 'sim-gpus.json'}"]
+    daemon.start()
+    client = daemon.client()
+    holder = subprocess.Popen(["sleep", "120"])
+    cuda = subprocess.Popen(["sleep", "120"])
+    sleepers += [holder, cuda]
+    lease = client.lease(job_id="7.9", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid)
+    client.call("sim_attach", pid=cuda.pid, device_uuid=lease["mig_uuid"])
+    daemon.signal(signal.SIGKILL)
+    daemon.wait()
+    holder.kill()
+    holder.wait()
+    daemon.read_notifications()
+    daemon.notifications.clear()
+    daemon.start()
+
+    def unexplained() -> list[str]:
+        notes: list[str] = daemon.client().status()["notes"]
+        return [note for note in notes if "unexplained" in note]
+
+    assert unexplained()
+    daemon.client().call("sim_detach", pid=cuda.pid)
+    wait_for(lambda: not unexplained(), timeout_s=10, what="the note to be cleared")
