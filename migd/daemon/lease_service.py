@@ -18,7 +18,7 @@ import structlog
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, Work
 from migd.daemon.context import DaemonContext
-from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError
+from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 
 log = structlog.get_logger("migd")
 
@@ -50,6 +50,7 @@ class LeaseService:
         self.release_share = release_share
         self.waiters: dict[str, Waiter] = {}
         self._saved: dict[str, int] = {}  # lease id -> version last written
+        self._disk_logged = False  # the current state disk failure is logged
         self._logged: dict[str, LeaseState] = {}  # lease id -> state last logged
         self.work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
@@ -60,8 +61,17 @@ class LeaseService:
     # -- persistence and history ------------------------------------------------------------
 
     def save(self, lease: Lease) -> None:
-        self.ctx.db.save_lease(lease)
-        self._saved[lease.lease_id] = lease.version
+        """Persist ``lease``. A write the state disk refuses does not stop the change in
+        memory (the scheduler's books and the NVML work stay consistent with each other);
+        the lease stays unsaved and is written again by the next :meth:`after_change`
+        or :meth:`flush` once the disk takes writes. Requests that would *start* a change
+        are refused before it instead (``StateStore.require_writable``)."""
+        try:
+            self.ctx.db.save_lease(lease)
+        except StateDiskError as exc:
+            self._disk_failed(exc)
+        else:
+            self._saved[lease.lease_id] = lease.version
         if self._logged.get(lease.lease_id) is not lease.state:
             self._logged[lease.lease_id] = lease.state
             self._log_transition(lease)
@@ -125,13 +135,35 @@ class LeaseService:
 
     def record(self, event: str, lease: Lease | None = None, /, **data: Any) -> None:
         # Positional-only: a client's report may use any key, "event" and "lease" too.
-        self.ctx.db.record(
-            event,
-            data,
-            lease_id=lease.lease_id if lease else None,
-            job_id=lease.request.job_id if lease else data.get("job_id"),
-            t=self.ctx.clock.now(),
-        )
+        try:
+            self.ctx.db.record(
+                event,
+                data,
+                lease_id=lease.lease_id if lease else None,
+                job_id=lease.request.job_id if lease else data.get("job_id"),
+                t=self.ctx.clock.now(),
+            )
+        except StateDiskError as exc:
+            # The history misses this event; the log (journal) still has it.
+            self._disk_failed(exc)
+
+    def _disk_failed(self, exc: StateDiskError) -> None:
+        if not self._disk_logged:
+            self._disk_logged = True
+            log.error("state_disk.failing", message=exc.message, hint=exc.hint)
+
+    def flush(self) -> bool:
+        """While the state disk was failing: try it again, and once it takes writes,
+        write every lease changed meanwhile. True when nothing is left unsaved."""
+        db = self.ctx.db
+        if db.failing is None and not self._disk_logged:
+            return True
+        if not db.probe():
+            return False
+        log.info("state_disk.recovered")
+        self._disk_logged = False
+        self.after_change([])
+        return db.failing is None
 
     def lease_for(self, lease_id: str) -> Lease:
         lease = self.ctx.sched.leases.get(lease_id) or self.ctx.db.get_lease(lease_id)
@@ -159,7 +191,13 @@ class LeaseService:
         """
         sched = self.ctx.sched
         for lease_id, lease in list(sched.leases.items()):
-            if lease.state.terminal and (all_terminal or lease_id not in self.waiters):
+            # An ended lease the state disk has not taken yet stays until it is written.
+            unsaved = self._saved.get(lease_id) != lease.version
+            if (
+                lease.state.terminal
+                and not unsaved
+                and (all_terminal or lease_id not in self.waiters)
+            ):
                 sched.forget(lease_id)
         for book in (self._saved, self._logged, self.work_seconds, self.peaks):
             for lease_id in [k for k in book if k not in sched.leases]:

@@ -222,6 +222,9 @@ class Ops:
             owner_start_s=ctx.procs.start_time(holder),
             created_s=now,
         )
+        # A state disk that refuses writes refuses the request here, before the books
+        # change (a grant migd cannot record would be lost by the next restart).
+        ctx.db.require_writable()
         try:
             outcome = ctx.sched.submit(lease, now, mono)
         except NoCapacity as refusal:
@@ -351,6 +354,7 @@ class Ops:
                 f"(api.max_reports_per_lease = {api.max_reports_per_lease})",
                 hint="report only what changes the lease's story (OOM, exit, forecasts)",
             )
+        self.ctx.db.require_writable()  # a report the history cannot keep is refused
         self.leases.record(f"wrapper.{req.event}", lease, **req.data)
         # Nested, so a client's keys can neither clash with nor forge the log's own
         # fields (level, timestamp, event, lease_id).
@@ -369,6 +373,7 @@ class Ops:
         peer, ctx = call.peer, self.ctx
         sched = ctx.sched
         gpu = self._gpu_ref(req.gpu)
+        ctx.db.require_writable()  # a drain flag that cannot be kept would not survive
         now, mono = ctx.now()
         if req.op in ("drain", "resume"):
             sched.set_draining(gpu.index, req.op == "drain")

@@ -126,6 +126,9 @@ class PeriodicTasks:
             now, mono = ctx.now()
             sched = ctx.sched
             try:
+                # A failing state disk is retried every tick; once it takes writes, the
+                # leases changed meanwhile are written (recovery needs no restart).
+                leases.flush()
                 expired = sched.expire(now, mono)
                 for lease in expired:
                     leases.save(lease)

@@ -207,6 +207,13 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
         ],
         "queue": queue,
         "leases": counts,
+        # A node-level condition: while the state disk refuses writes, migd refuses new
+        # leases (state_disk errors) and serves everything else.
+        "state_disk": {
+            "ok": daemon.db.failing is None,
+            "reason": daemon.db.failing or "",
+            "since_s": daemon.db.failing_since,
+        },
         "notes": list(daemon.notes[-50:]),
     }
 

@@ -329,11 +329,18 @@ class StateStore:
                 f"the state database {self.path} is corrupt: {exc}",
                 hint="restart migd: it moves the file aside and re-adopts leases from the GPUs",
             )
-        error = _disk_error(self.path, exc, "write")
+        what = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+        state = _disk_state(self.path.parent) or str(exc)
         if self.failing is None:
             self.failing_since = time.time()
-        self.failing = f"state disk failing: {exc}"
-        return error
+        self.failing = f"the state disk refuses writes: {state} ({what})"
+        return StateDiskError(
+            f"migd cannot record changes in {self.path}: {state} ({exc}); the request "
+            "changed nothing",
+            path=str(self.path),
+            sqlite_error=what,
+            disk=state,
+        )
 
     def _recovered(self) -> None:
         self.failing = None
@@ -360,13 +367,22 @@ class StateStore:
         if self.failing is not None:
             self._recovered()
 
+    def require_writable(self) -> None:
+        """Before a request changes anything: one small write, so a full or read-only
+        state disk refuses the request while the books are still as they were.
+
+        Raises:
+            StateDiskError: the write failed (:attr:`failing` says why).
+        """
+        self._write(
+            "INSERT OR REPLACE INTO meta(key, value) VALUES('disk_probe', ?)",
+            (json.dumps(time.time()),),
+        )
+
     def probe(self) -> bool:
         """Try one small write; True (and :attr:`failing` cleared) when the disk takes it."""
         try:
-            self._write(
-                "INSERT OR REPLACE INTO meta(key, value) VALUES('disk_probe', ?)",
-                (json.dumps(time.time()),),
-            )
+            self.require_writable()
         except StateStoreError:
             return False
         return True

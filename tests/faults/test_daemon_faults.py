@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from migd.errors import StateDiskError
 from tests.faults.conftest import SmallDisk, mount_small_disk, unmount
 from tests.process.conftest import DaemonProcess, wait_for
 
@@ -144,3 +145,53 @@ def test_an_unexplained_note_is_cleared_once_the_instance_is_explained(
     assert unexplained()
     daemon.client().call("sim_detach", pid=cuda.pid)
     wait_for(lambda: not unexplained(), timeout_s=10, what="the note to be cleared")
+
+
+# -- 2. the state disk fills up while migd runs ---------------------------------------------------
+
+
+def test_a_full_state_disk_while_running_refuses_leases_cleanly_and_recovers(
+    daemon: DaemonProcess, state_disk: SmallDisk, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    daemon.extra_args += ["--set", f"backend.sim_state_file={daemon.root / 'sim-gpus.json'}"]
+    daemon.start()
+    client = daemon.client()
+    holder = subprocess.Popen(["sleep", "120"])
+    sleepers.append(holder)
+    kept = client.lease(job_id="2.0", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid)
+    state_disk.fill()
+    # SQLite reuses the WAL's space first: lease and release until a write needs more.
+    refused = None
+    for n in range(1, 400):
+        try:
+            lease = client.lease(
+                job_id=f"2.{n}", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid
+            )
+        except StateDiskError as exc:
+            refused = exc
+            break
+        client.release(lease["lease_id"])
+    assert refused is not None, "the state disk never filled up"
+    assert "full" in refused.message and "df -h" in refused.hint
+    for n in range(3):  # and so are the next ones, cleanly
+        with pytest.raises(StateDiskError):
+            client.lease(job_id=f"2.x{n}", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid)
+    status = client.status()  # reads are served
+    assert status["leases"]["preparing"] == 0 and status["leases"]["queued"] == 0
+    assert status["leases"]["active"] == 1
+    instances = [i for g in status["gpus"] for i in g["instances"]]
+    assert not [i for i in instances if i["status"] != "ready"], instances
+    assert status["state_disk"]["ok"] is False and "full" in status["state_disk"]["reason"]
+    assert [x["lease_id"] for x in client.call("leases")["leases"]] == [kept["lease_id"]]
+
+    state_disk.free()
+    wait_for(lambda: client.status()["state_disk"]["ok"], timeout_s=10, what="recovery")
+    again = client.lease(job_id="2.y", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid)
+    assert again["state"] == "active"
+    client.release(again["lease_id"])
+    daemon.signal(signal.SIGKILL)  # what was written meanwhile survives a crash
+    daemon.wait()
+    daemon.read_notifications()
+    daemon.notifications.clear()
+    daemon.start()
+    assert daemon.client().call("get_lease", lease_id=kept["lease_id"])["state"] == "active"

@@ -38,6 +38,10 @@ def _three_leases(disk: SmallDisk) -> Path:
     return path
 
 
+def _health(store: StateStore) -> tuple[str | None, float | None]:
+    return store.failing, store.failing_since
+
+
 def _untouched(disk: SmallDisk, path: Path, before: bytes) -> None:
     """The database is where it was, byte for byte, and nothing was moved aside (SQLite's
     own empty -wal/-shm files may appear)."""
@@ -112,7 +116,7 @@ def test_full_disk_while_running_fails_typed_keeps_reads_and_recovers(
     assert store.probe() is False
     small_disk.free()
     assert store.probe() is True
-    assert store.failing is None and store.failing_since is None
+    assert _health(store) == (None, None)
     store.save_lease(_lease(5000))
     store.close()
     assert "L5000" in {lease.lease_id for lease in StateStore(path).live_leases()}
