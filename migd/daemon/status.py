@@ -15,6 +15,8 @@ from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 
 STATUS_SCHEMA = 1
+#: Queued requests listed by status (the first, in policy order); queue_summary counts all.
+STATUS_QUEUE_SHOWN = 20
 
 
 def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] | None:
@@ -164,8 +166,17 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
     counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
     for lease in sched.active_leases():
         counts[lease.state.value] = counts.get(lease.state.value, 0) + 1
+    # The head of the queue and a summary, not the whole queue: with 10k waiting requests
+    # the full list made status take seconds and ~1.6 MB (one sort of the queue stays).
+    order = sched.queue.order(mono)
+    summary = {
+        "length": len(order),
+        "shown": 0,
+        "memory_mib": sum(item.memory_mib for item in order),
+        "oldest_waiting_s": round(max((i.age_s(mono) for i in order), default=0.0), 1),
+    }
     queue = []
-    for n, item in enumerate(sched.queue.order(mono), start=1):
+    for n, item in enumerate(order[:STATUS_QUEUE_SHOWN], start=1):
         queued = sched.leases.get(item.payload)
         if queued is None:
             continue
@@ -206,6 +217,7 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
             _gpu_status(daemon, g, now) for g in sorted(sched.gpus.values(), key=lambda g: g.index)
         ],
         "queue": queue,
+        "queue_summary": {**summary, "shown": len(queue)},
         "leases": counts,
         # A node-level condition: while the state disk refuses writes, migd refuses new
         # leases (state_disk errors) and serves everything else.

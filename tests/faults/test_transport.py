@@ -105,3 +105,41 @@ def test_an_oversized_message_is_refused_and_the_daemon_serves_on(daemon: Daemon
     reply = raw_call(daemon, b'{"version":1,"op":"ping","pad":"' + b"x" * 70_000 + b'"}\n')
     assert reply["ok"] is False and reply["error"]["code"] == "protocol_error"
     assert daemon.client().ping()
+
+
+# -- 5. status with a long queue ------------------------------------------------------------------
+
+
+def test_status_stays_small_and_fast_with_a_long_queue(
+    daemon: DaemonProcess, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    daemon.simulate = "1xA100-40GB"
+    daemon.start()
+    client = daemon.client(timeout_s=60)
+    holder = subprocess.Popen(["sleep", "300"])
+    sleepers.append(holder)
+    client.lease(job_id="5.0", gpu_memory_mib=40000, wait_s=10, holder_pid=holder.pid)
+    waiting = []
+    for n in range(1000):  # each request holds its connection while it waits
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(daemon.socket_path))
+        request = {"version": 1, "op": "lease", "job_id": f"5.{n + 1}", "gpu_memory_mib": 4000}
+        sock.sendall(json.dumps({**request, "wait_s": 600, "holder_pid": holder.pid}).encode())
+        sock.sendall(b"\n")
+        waiting.append(sock)
+    try:
+        wait_for(
+            lambda: client.status()["leases"]["queued"] == 1000, timeout_s=60, what="1000 queued"
+        )
+        took = []
+        for _ in range(5):
+            began = time.perf_counter()
+            status = client.status()
+            took.append(time.perf_counter() - began)
+        assert status["queue_summary"]["length"] == 1000
+        assert [item["job_id"] for item in status["queue"]] == [f"5.{n}" for n in range(1, 21)]
+        assert len(json.dumps(status)) < 32 * 1024
+        assert sorted(took)[2] < 0.2, took
+    finally:
+        for sock in waiting:
+            sock.close()
