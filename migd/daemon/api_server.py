@@ -29,6 +29,7 @@ from migd.core.scheduler import Lease
 from migd.daemon.auth import Peer
 from migd.daemon.config import ApiSection
 from migd.daemon.context import DaemonContext
+from migd.daemon.paths import check_directory_chain
 from migd.errors import (
     ConfigError,
     DaemonUnavailable,
@@ -390,32 +391,8 @@ def check_socket_path(path: Path) -> None:
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o755, parents=True)
-    ours = (0, os.geteuid())
-    for directory in (parent, *parent.parents):
-        st = directory.lstat()
-        if stat.S_ISLNK(st.st_mode):
-            raise ConfigError(
-                f"{directory} is a symlink; refusing to put the socket under it",
-                where=where,
-                hint=f"give the real path ({directory} -> {os.path.realpath(directory)})",
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{directory} is not a directory", where=where)
-        if st.st_uid not in ours:
-            raise ConfigError(
-                f"{directory} belongs to uid {st.st_uid}, who could replace the socket",
-                where=where,
-                hint="use a directory owned by root, such as /run/migd",
-            )
-        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        sticky_root = st.st_mode & stat.S_ISVTX and st.st_uid == 0
-        if writable and (directory == parent or not sticky_root):
-            who = "world" if st.st_mode & stat.S_IWOTH else "group"
-            raise ConfigError(
-                f"{directory} is {who}-writable; another user could replace the socket",
-                where=where,
-                hint="use a private directory such as /run/migd (the systemd unit creates it)",
-            )
+    # The rules every directory migd creates things in follows (migd.daemon.paths).
+    check_directory_chain(parent, where, purpose="the socket")
     if path.is_symlink():
         raise ConfigError(f"{path} is a symlink; refusing to use it", where=where)
     if path.exists():

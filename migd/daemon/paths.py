@@ -126,8 +126,12 @@ def ensure_dir(
                     hint=f"remove {current}; migd creates it again",
                 )
         if parts:
-            os.fchmod(fd, mode)
-            if owner is not None and os.geteuid() == 0:
+            st = os.fstat(fd)
+            # Only when something changes: a read-only state disk must still be usable
+            # far enough for the store to say what is wrong with it.
+            if stat.S_IMODE(st.st_mode) != mode:
+                os.fchmod(fd, mode)
+            if owner is not None and os.geteuid() == 0 and (st.st_uid, st.st_gid) != owner:
                 os.fchown(fd, owner[0], owner[1])
         return current
     finally:

@@ -38,6 +38,7 @@ from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
+from migd.daemon.paths import ensure_dir
 from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
@@ -135,7 +136,10 @@ class Daemon:
     async def start(self) -> None:
         ctx = self.ctx
         cfg = ctx.config
-        cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        # Checked like the socket's directory, and never through a symlink (paths.py).
+        state_dir, runtime_dir = cfg.daemon.state_dir, cfg.daemon.runtime_dir
+        ensure_dir(state_dir.parent, state_dir.name, 0o700, where="daemon.state_dir")
+        ensure_dir(runtime_dir.parent, runtime_dir.name, 0o755, where="daemon.runtime_dir")
         ctx.store = store = StateStore(cfg.daemon.state_dir / "migd.db")
         store.checkpoint_in_background()
         if store.recovered_from is not None:

@@ -195,3 +195,28 @@ def test_a_full_state_disk_while_running_refuses_leases_cleanly_and_recovers(
     daemon.notifications.clear()
     daemon.start()
     assert daemon.client().call("get_lease", lease_id=kept["lease_id"])["state"] == "active"
+
+
+# -- 6. what migd creates is never redirected ----------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", ["state", "run"])
+def test_a_symlinked_state_or_runtime_directory_is_refused_at_start(
+    daemon: DaemonProcess, setting: str
+) -> None:
+    real = daemon.root / f"real-{setting}"
+    real.mkdir(mode=0o700)
+    target = daemon.root / setting
+    if setting == "run":  # the socket lives elsewhere: only the runtime directory is wrong
+        daemon.extra_args += ["--socket", str(daemon.root / "sock" / "migd.sock")]
+        (daemon.root / "sock").mkdir(mode=0o755)
+    else:
+        (daemon.root / "run").mkdir(mode=0o755)
+    target.symlink_to(real)
+    daemon.config_path.write_text("version = 1\n")
+    daemon.start(wait_ready=False)
+    assert daemon.wait() == 1
+    failed = [e for e in daemon.log_events() if e.get("event") == "daemon.start_failed"]
+    assert failed and "symlink" in failed[-1]["message"], daemon.log_path.read_text()
+    assert f"daemon.{'state_dir' if setting == 'state' else 'runtime_dir'}" in failed[-1]["message"]
+    assert list(real.iterdir()) == []  # nothing was created through the link
