@@ -238,7 +238,10 @@ def explain_job(
     for lease in daemon.sched.leases.values():
         if lease.request.job_id == job_id:
             leases[lease.lease_id] = lease
-    history = daemon.db.history(limit=200, job_id=job_id)
+    # Bounded like a history page: the reply stays small however large the rows are.
+    history = daemon.db.history(
+        limit=200, job_id=job_id, max_bytes=daemon.config.api.max_reply_bytes // 2
+    )
     return {
         "job_id": job_id,
         "leases": [

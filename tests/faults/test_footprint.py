@@ -59,3 +59,6 @@ def test_history_replies_are_pages_of_bounded_size(
     assert pages >= 3
     assert seen == sorted(set(seen), reverse=True)  # every row once, newest first
     assert len(seen) >= 800
+    # explain's history is bounded too (one job has ~800 KB of reports here)
+    explained = client.call("explain", job_id="9.0")
+    assert len(json.dumps(explained)) <= 512 * 1024 + 16 * 1024
