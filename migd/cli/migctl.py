@@ -85,7 +85,10 @@ def render_status(status: dict[str, Any]) -> str:
     if served:
         lines.append("service time p50/p99 ms (last 2048 each): " + ", ".join(served))
     for gpu in status["gpus"]:
-        health = "healthy" if gpu["healthy"] else f"UNHEALTHY: {gpu['health']}"
+        # Each condition gets its own line below (older daemons send only the summary).
+        health = "healthy" if gpu["healthy"] else "UNHEALTHY"
+        if not gpu["healthy"] and not gpu.get("conditions"):
+            health += f": {gpu['health']}"
         if gpu["draining"]:
             health += ", draining"
         head = (
@@ -95,6 +98,8 @@ def render_status(status: dict[str, Any]) -> str:
         if gpu.get("reachability") is not None:
             head += f"  reachability {gpu['reachability']}/{gpu['reachability_max']}"
         lines.append(head)
+        for condition in gpu.get("conditions") or []:
+            lines.append(f"  [{condition['source']}] {condition['reason']}")
         bar = slice_bar(gpu)
         if bar:
             lines.append("  " + bar)

@@ -15,7 +15,6 @@ import grp
 import os
 import socket
 import stat
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -248,11 +247,11 @@ class ApiServer:
             request_id = request.id
             if self.stopping.is_set():
                 raise DaemonUnavailable("migd is stopping", hint="retry in a few seconds")
-            began = time.perf_counter()
+            began = self.ctx.clock.monotonic()
             result = await self.handle(request, peer, reader)
             await self._send(writer, ok_reply(request_id, result))
             self.ctx.latency_s[latency_class(request.op, result)].append(
-                time.perf_counter() - began
+                self.ctx.clock.monotonic() - began
             )
         except MigdError as exc:
             if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):

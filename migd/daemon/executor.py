@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -125,7 +124,7 @@ class GpuExecutor:
                 ops=[str(op) for op in work.ops],
                 reason="an earlier operation on this GPU failed",
             )
-            sched.work_failed(work, GpuError("obsolete"), ctx.clock.now())
+            leases.apply(sched.work_failed(work, GpuError("obsolete"), ctx.clock.now()))
             return
         gpu = sched.gpus[work.gpu]
         targets: dict[int, tuple[int | None, str | None]] = {}
@@ -134,7 +133,7 @@ class GpuExecutor:
                 inst = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
                 targets[op.start] = (inst.gi_id, inst.uuid) if inst else (None, None)
         lease = sched.leases.get(work.lease_id or "")
-        started = time.monotonic()
+        started = ctx.clock.monotonic()
         try:
             for op in work.ops:
                 if isinstance(op, CreateOp):
@@ -147,7 +146,7 @@ class GpuExecutor:
         except (MigdError, TimeoutError) as exc:
             error = exc if isinstance(exc, MigdError) else GpuError("NVML call timed out")
             now, mono = ctx.now()
-            sched.work_failed(work, error, now)
+            leases.apply(sched.work_failed(work, error, now))
             log.warning(
                 "work.failed",
                 gpu=work.gpu,
@@ -163,15 +162,16 @@ class GpuExecutor:
                 error=error.to_dict(),
             )
             if isinstance(exc, TimeoutError):
-                gpu.health = "an NVML call hung; the watchdog will restart migd"
-                self.tripped = gpu.health
+                self.tripped = "an NVML call hung; the watchdog will restart migd"
+                gpu.health.raise_("watchdog", self.tripped, now)
                 return
             for note in await self.resync(work.gpu):
                 log.info("resync", gpu=work.gpu, note=note)
-            leases.after_change(sched.schedule(now, mono))
+            # The GPU's books were not trusted until it was re-read: place what fits now.
+            leases.apply(sched.schedule(now, mono))
             return
         now, mono = ctx.now()
-        sched.work_done(work, created, now)
+        outcome = sched.work_done(work, created, now, mono)
         # The work is done on the GPU whatever the state disk says: a row that cannot be
         # written only makes a restart call the instance adopted instead of migd's own.
         with contextlib.suppress(StateDiskError):
@@ -182,7 +182,7 @@ class GpuExecutor:
                     ctx.db.remember_instance(
                         gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
                     )
-        elapsed = time.monotonic() - started
+        elapsed = ctx.clock.monotonic() - started
         log.info(
             "work.done",
             gpu=work.gpu,
@@ -195,7 +195,7 @@ class GpuExecutor:
             leases.work_seconds[lease.lease_id] = round(elapsed, 3)  # for the grant's record
         elif work.kind == "teardown":
             leases.record("teardown", None, gpu=work.gpu, ops=[str(o) for o in work.ops])
-        leases.after_change(sched.schedule(now, mono))
+        leases.apply(outcome)
 
     def _execute(
         self, work: Work, targets: dict[int, tuple[int | None, str | None]]
@@ -238,11 +238,11 @@ class GpuExecutor:
 
             loop.run_in_executor(worker.executor, beat).add_done_callback(done)
 
-    def starved_gpus(self, stale_after: float) -> list[int]:
-        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds,
-        unless NVML work younger than ``daemon.work_timeout_s`` runs (see
-        :mod:`migd.daemon.periodic`, the watchdog)."""
-        now = self.ctx.clock.monotonic()
+    def starved_gpus(self, stale_after: float, mono: float | None = None) -> list[int]:
+        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds at
+        monotonic time ``mono`` (default: now), unless NVML work younger than
+        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.periodic.Watchdog`)."""
+        now = self.ctx.clock.monotonic() if mono is None else mono
         limit = self.ctx.config.daemon.work_timeout_s
         if any(
             w.busy_since_mono is not None and now - w.busy_since_mono < limit

@@ -38,7 +38,7 @@ from migd.daemon.lease_service import LeaseService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.periodic import known_sum
 from migd.daemon.status import build_status, explain_job
-from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NoCapacity, NotAuthorized
+from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
 
 _CLUSTER_PROC = re.compile(r"\d+\.\d+")
 log = structlog.get_logger("migd")
@@ -225,12 +225,11 @@ class Ops:
         # A state disk that refuses writes refuses the request here, before the books
         # change (a grant migd cannot record would be lost by the next restart).
         ctx.db.require_writable()
-        try:
-            outcome = ctx.sched.submit(lease, now, mono)
-        except NoCapacity as refusal:
+        outcome = ctx.sched.submit(lease, now, mono)
+        if outcome.refusal is not None:
             # Refused, but the same pass may have placed requests queued before it.
-            self.leases.after_change(list(refusal.started_work))
-            raise
+            self.leases.apply(outcome)
+            raise outcome.refusal
         self.leases.record(
             "submitted",
             lease,
@@ -240,8 +239,7 @@ class Ops:
             state=lease.state.value,
             queued_position=outcome.queued_position,
         )
-        self.leases.save(lease)
-        self.leases.after_change(outcome.work)
+        self.leases.apply(outcome)
         # Queued: no capacity now, the grant waits for other leases to end. Preparing: the
         # partition is being made for this request (NVML time, not queueing).
         first_state = lease.state
@@ -305,16 +303,16 @@ class Ops:
             return {"state": lease.state.value}
         gpu, on_gpu, backend = lease.gpu, self.executor.on_gpu, self.ctx.backend
         # MIG: the instance; MPS: its device (a MIG instance or the whole GPU).
-        device = lease.mig_uuid if lease.mode in ("mig", "mps") else None
+        device = lease.mig_uuid if lease.mode in (GpuMode.MIG, GpuMode.MPS) else None
         try:
             memory = await on_gpu(gpu, backend.memory, gpu, device, timeout_s=10.0)
             procs = await on_gpu(gpu, backend.processes, gpu, device, timeout_s=10.0)
-            if lease.mode == "mps":  # the device is shared: only this job's processes
-                procs = await on_gpu(gpu, self.mps.usage, lease, procs, timeout_s=10.0)
+            if lease.mode is GpuMode.MPS:  # the device is shared: only this job's processes
+                procs = await on_gpu(gpu, self.mps.usage, lease.owner_pid, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
         self.leases.note_peak(
-            lease.lease_id, known_sum(procs) if lease.mode == "mps" else memory.used_mib
+            lease.lease_id, known_sum(procs) if lease.mode is GpuMode.MPS else memory.used_mib
         )
         return {
             "state": lease.state.value,
@@ -323,7 +321,7 @@ class Ops:
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
-            "scope": "job" if lease.mode == "mps" else "device",
+            "scope": "job" if lease.mode is GpuMode.MPS else "device",
         }
 
     async def report(self, call: Call) -> dict[str, Any]:
@@ -376,23 +374,22 @@ class Ops:
         ctx.db.require_writable()  # a drain flag that cannot be kept would not survive
         now, mono = ctx.now()
         if req.op in ("drain", "resume"):
-            sched.set_draining(gpu.index, req.op == "drain")
+            outcome = sched.set_draining(gpu.index, req.op == "drain", now, mono)
             draining = sorted(g.uuid for g in sched.gpus.values() if g.draining)
             ctx.db.set_meta("draining", draining)
             self.leases.record(req.op, None, gpu=gpu.index, uid=peer.uid)
             log.info(f"gpu.{req.op}", gpu=gpu.index, uid=peer.uid)
-            if req.op == "resume":
-                self.leases.after_change(sched.schedule(now, mono))
+            self.leases.apply(outcome)
             return {"gpu": gpu.index, "draining": gpu.draining}
         if gpu.mode is not GpuMode.MIG:
             raise InvalidRequest(f"GPU {gpu.index} is not in MIG mode; nothing to reset")
         busy = [str(i) for i in gpu.instances if i.busy]
-        work = sched.reset(gpu.index)
+        outcome = sched.reset(gpu.index)
         self.leases.record("reset", None, gpu=gpu.index, uid=peer.uid, kept=busy)
-        self.leases.after_change(work)
+        self.leases.apply(outcome)
         return {
             "gpu": gpu.index,
-            "destroying": [str(op) for w in work for op in w.ops],
+            "destroying": [str(op) for w in outcome.work for op in w.ops],
             "kept_busy": busy,
         }
 

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from migd.core.geometry import Profile
-from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu, Origin
 from migd.core.states import StateSpace, state_space
 from migd.daemon.context import DaemonContext
@@ -44,29 +43,35 @@ class Reconciler:
         self.leases = leases
         self.mps = mps
         self.reap = reap
-        self.resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
         self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
 
     # -- how each GPU is managed ------------------------------------------------------------
 
     def manage(self, info: GpuInfo) -> ManagedGpu:
-        config, backend = self.ctx.config, self.ctx.backend
+        """How a discovered GPU is managed; what keeps it from work is its ``startup``
+        health condition."""
+        config, backend, now = self.ctx.config, self.ctx.backend, self.ctx.clock.now()
         if not info.mig_mode_known:
             # Unknown is not "no MIG": a MIG GPU managed whole would be handed out wrongly.
-            return ManagedGpu(
+            unknown = ManagedGpu(
                 index=info.index,
                 uuid=info.uuid,
                 model=info.model or info.name,
                 name=info.name,
                 memory_total_mib=info.memory_total_mib,
                 mode=GpuMode.OFF,
-                health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
-                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
             )
+            unknown.health.raise_(
+                "startup",
+                f"{info.mig_mode_error}; no work on this GPU: restart migd once "
+                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
+                now,
+            )
+            return unknown
         override = config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
         mps_in_mig = bool(override and override.mps_in_mig)
-        health = "ok"
+        health = ""
         space = None
         mode: GpuMode
         if wanted == "off":
@@ -116,8 +121,9 @@ class Reconciler:
             memory_total_mib=info.memory_total_mib,
             mode=mode,
             space=space,
-            health=health,
         )
+        if health:
+            gpu.health.raise_("startup", health, now)
         self.mps.configure(gpu, info, mps_in_mig, override.mps_profile if override else None)
         return gpu
 
@@ -152,7 +158,7 @@ class Reconciler:
             if gpu.mode is GpuMode.MIG and gpu.space is not None:
                 found += [(gpu.index, note) for note in await self.resync_gpu(gpu.index)]
         for lease in ctx.db.live_leases():
-            self._restore_lease(lease, now, mono)
+            self._restore_lease(lease, now)
         await self.reap(now, mono)
         # The GPUs are read before the leases are back, so an instance whose job kept
         # running through the restart looks unexplained until its lease is restored; the
@@ -162,58 +168,23 @@ class Reconciler:
             if self._still_true(index, note):
                 ctx.notes.append(f"GPU {index}: {note}")
                 log.info("reconcile.instance", gpu=index, note=note)
-        work = ctx.sched.schedule(now, mono)
-        self.executor.dispatch(work)
+        self.leases.apply(ctx.sched.schedule(now, mono))
 
-    def _restore_lease(self, lease: Lease, now: float, mono: float) -> None:
-        sched, leases = self.ctx.sched, self.leases
-        if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
-            # Its client's connection died with the old daemon; the wrapper asks again.
-            lease.state = LeaseState.QUEUED
-            sched.leases[lease.lease_id] = lease
-            sched.release(lease.lease_id, now, mono, reason="daemon restarted while waiting")
-            leases.save(lease)
-            leases.record("cancelled", lease, reason=lease.reason)
-            return
-        gpu = sched.gpus.get(lease.gpu if lease.gpu is not None else -1)
-        if gpu is None or gpu.uuid != lease.gpu_uuid:
-            lease.state = LeaseState.ACTIVE
-            sched.leases[lease.lease_id] = lease
-            sched.release(lease.lease_id, now, mono, reclaim=True, reason="its GPU is gone")
-            leases.save(lease)
-            leases.record("reclaimed", lease, reason=lease.reason)
-            return
-        sched.leases[lease.lease_id] = lease
-        if lease.mode == "mig":
-            inst = gpu.instance_at(lease.start) if lease.start is not None else None
-            if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
-                sched.release(
-                    lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
-                )
-                leases.save(lease)
-                leases.record("reclaimed", lease, reason=lease.reason)
-                return
-            inst.lease_id, inst.idle_since_s = lease.lease_id, None
-            if inst.origin is Origin.UNEXPLAINED:
-                inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode == "mps" and not sched.restore_mps_share(gpu, lease):
-            sched.release(
-                lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
+    def _restore_lease(self, lease: Lease, now: float) -> None:
+        outcome = self.ctx.sched.restore(lease, now)
+        if not outcome.transitions:
+            self.leases.restored(lease)
+            log.info(
+                "lease.restored",
+                lease_id=lease.lease_id,
+                job_id=lease.request.job_id,
+                gpu=lease.gpu,
+                mode=lease.mode,
+                holder_pid=lease.owner_pid,
             )
-            leases.save(lease)
-            leases.record("reclaimed", lease, reason=lease.reason)
-            return
-        elif lease.mode == "exclusive":
-            gpu.exclusive_lease = lease.lease_id
-        leases.restored(lease)
-        log.info(
-            "lease.restored",
-            lease_id=lease.lease_id,
-            job_id=lease.request.job_id,
-            gpu=lease.gpu,
-            mode=lease.mode,
-            holder_pid=lease.owner_pid,
-        )
+        for ended in outcome.ended:  # cancelled (it was waiting) or reclaimed (gone)
+            self.leases.record(ended.state.value, ended, reason=ended.reason)
+        self.leases.apply(outcome)
 
     def _still_true(self, index: int, note: str) -> bool:
         """False for a note that calls an instance unexplained which no longer is."""
@@ -244,7 +215,7 @@ class Reconciler:
     def needs_resync(self, gpu: ManagedGpu) -> bool:
         """Instances that had processes without a lease are adopted once they empty;
         a GPU an earlier resync found wanting is judged again."""
-        return gpu.index in self.resync_health or any(
+        return "resync" in gpu.health.conditions or any(
             i.origin is Origin.UNEXPLAINED for i in gpu.instances
         )
 
@@ -267,13 +238,12 @@ class Reconciler:
             instances = await self.executor.on_gpu(index, ctx.backend.list_instances, index)
             in_use = await self.executor.on_gpu(index, self._instances_in_use, index, instances)
         except (MigdError, TimeoutError) as exc:
-            gpu.health = f"cannot read instances: {exc}"
-            self.resync_health[index] = gpu.health
-            return [gpu.health]
-        # Nothing below waits: the books and the health change in one step.
-        if gpu.health == self.resync_health.pop(index, None):
-            gpu.health = "ok"  # an earlier resync's verdict; judged afresh below
-        health_before = gpu.health
+            reason = f"cannot read instances: {exc}"
+            gpu.health.raise_("resync", reason, ctx.clock.now())
+            return [reason]
+        # Nothing below waits: the books and the health change in one step. An earlier
+        # resync's verdict is judged afresh below (no other source's is touched).
+        gpu.health.clear("resync")
         observed: list[tuple[Profile, int, int | None, str | None, int]] = []
         notes: list[str] = []
         untouchable: dict[int, str] = {}  # start -> why migd must leave it alone
@@ -310,7 +280,9 @@ class Reconciler:
         )
         now, _ = ctx.now()
         own = ctx.db.own_instances(gpu.uuid)
-        notes += sched.resync(index, observed, busy, now)
+        resynced = sched.resync(index, observed, busy, now)
+        notes += resynced.notes
+        self.leases.apply(resynced)
         for managed in gpu.instances:
             why = untouchable.get(managed.start)
             if why and managed.lease_id is None and managed.status is InstanceStatus.READY:
@@ -318,18 +290,20 @@ class Reconciler:
                     notes.append(f"{managed}: unexplained ({why})")
                 managed.origin, managed.note = Origin.UNEXPLAINED, why
         if foreign:
-            gpu.health = (
+            gpu.health.raise_(
+                "resync",
                 "instances of profiles outside policy.profiles ("
                 + ", ".join(sorted({p.name for p in foreign}))
-                + "): no new work on this GPU until they are gone or policy.profiles lists them"
+                + "): no new work on this GPU until they are gone or policy.profiles lists them",
+                now,
             )
         if unknown:
-            gpu.health = (
+            gpu.health.raise_(
+                "resync",
                 f"{', '.join(unknown)} of a profile migd's geometry does not have: no new work "
-                "on this GPU until it is gone"
+                "on this GPU until it is gone",
+                now,
             )
-        if gpu.health != health_before:
-            self.resync_health[index] = gpu.health
         present = {m.start for m in gpu.instances}
         for managed in gpu.instances:
             if managed.start in own and managed.origin is Origin.ADOPTED:
@@ -337,9 +311,9 @@ class Reconciler:
         for start in set(own) - present:
             ctx.db.forget_instance(gpu.uuid, start)  # work that never reached the GPU
         teardown = sched.discard_incomplete(index, own)
-        for work in teardown:
+        for work in teardown.work:
             notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
-        self.executor.dispatch(teardown)
+        self.leases.apply(teardown)
         return notes
 
     def _instances_in_use(self, index: int, instances: list[MigInstance]) -> set[int]:

@@ -63,6 +63,9 @@ from migd.core.scheduler import (
     NodeScheduler,
     Work,
 )
+from migd.core.scheduler import (
+    Outcome as SchedOutcome,
+)
 from migd.core.states import StateSpace, state_space
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
 from migd.sim.jobs import PowerModel, SimJob, busy_fraction, demand_of, runtime_at
@@ -457,14 +460,11 @@ class Simulation:
         except RequestTooLarge as exc:
             self._refuse(attempt, exc.message)
             return
-        except NoCapacity as exc:
-            self._execute(node, list(exc.started_work))
-            self._dirty.add(node.index)
-            self._refuse(attempt, exc.message)
+        self._apply(node, outcome)
+        if outcome.refusal is not None:
+            self._refuse(attempt, outcome.refusal.message)
             return
         node.pending[attempt.lease_id] = attempt
-        self._execute(node, outcome.work)
-        self._dirty.add(node.index)
         self._max_queue = max(self._max_queue, len(node.scheduler.queue))
         if attempt.wait_s is not None and attempt.wait_s > 0:
             self._push(self.now + attempt.wait_s, "deadline", None)
@@ -551,16 +551,13 @@ class Simulation:
         lease = self._lease(attempt, 0.0, profile)
         try:
             outcome = node.scheduler.submit(lease, self.now, self.now)
-        except NoCapacity as exc:
-            self._execute(node, list(exc.started_work))
-            self._dirty.add(node.index)
-            return False
         except (RequestTooLarge, InvalidRequest):
+            return False
+        self._apply(node, outcome)
+        if outcome.refusal is not None:
             return False
         node.pending[attempt.lease_id] = attempt
         node.capacity = None
-        self._execute(node, outcome.work)
-        self._dirty.add(node.index)
         return True
 
     def _refuse(self, attempt: Attempt, why: str) -> None:
@@ -575,13 +572,11 @@ class Simulation:
     def _on_deadline(self, _: None) -> None:
         for node in self.nodes:
             expired = node.scheduler.expire(self.now, self.now)
-            for lease in expired:
-                self._dirty.add(node.index)
+            for lease in expired.ended:
                 attempt = node.pending.pop(lease.lease_id, None)
                 if attempt is not None:
                     self._refuse(attempt, "no partition before its deadline")
-            if expired:  # as the daemon does: what they blocked may go now
-                self._execute(node, node.scheduler.schedule(self.now, self.now))
+            self._apply(node, expired)
         if self.matcher is not None:
             for item in self.matcher.expired(self.now):
                 self._refuse(item.payload, "no partition before its deadline")
@@ -592,6 +587,12 @@ class Simulation:
         if isinstance(op, CreateOp):
             return self.costs.create_s(op.profile.compute_slices)
         return self.costs.destroy_s(op.profile.compute_slices)
+
+    def _apply(self, node: _Node, outcome: SchedOutcome) -> None:
+        """Act on a scheduler outcome as the daemon does: run its work (in simulated
+        time), and look at the node's leases again (grants start jobs)."""
+        self._execute(node, outcome.work)
+        self._dirty.add(node.index)
 
     def _execute(self, node: _Node, works: Sequence[Work]) -> None:
         for work in works:
@@ -646,10 +647,7 @@ class Simulation:
                     op.profile.memory_mib,
                 )
                 self._open_instances[key] = (op.profile.name, op.profile.memory_slices, at)
-        node.scheduler.work_done(work, created, self.now)
-        # as the daemon does after every finished work item: the queue may move now
-        self._execute(node, node.scheduler.schedule(self.now, self.now))
-        self._dirty.add(node_index)
+        self._apply(node, node.scheduler.work_done(work, created, self.now, self.now))
         self._sample(node_index, work.gpu)
 
     # -- running jobs --------------------------------------------------------------------------
@@ -676,7 +674,7 @@ class Simulation:
         share = 1.0
         alloc = float(self.compute)
         unit_start, units = 0, self.geo.units
-        label = lease.mode
+        label = str(lease.mode)  # a plain str, like the profile names below
         if lease.mode == "mig":
             assert gpu.space is not None and lease.profile is not None and lease.start is not None
             prof = gpu.space.member(lease.profile)
@@ -792,9 +790,7 @@ class Simulation:
         record = self.records[job.job_id]
         self.spans.append(run.span(lease_id, self.now, run.stop))
         node = self.nodes[run.node]
-        works = node.scheduler.release(lease_id, self.now, self.now, reason=run.stop)
-        self._execute(node, works)
-        self._dirty.add(node.index)
+        self._apply(node, node.scheduler.release(lease_id, self.now, self.now, reason=run.stop))
         self._negotiate = True
         if run.mode == "mps":
             self._rebalance_mps(run.node, run.gpu)
@@ -848,14 +844,9 @@ class Simulation:
 
     def _on_idle(self, node_index: int) -> None:
         node = self.nodes[node_index]
-        works = node.scheduler.idle_teardown(self.now)
-        self._execute(node, works)
-        if works:
-            # The torn-down slices are free in the intended layout at once (work on a GPU
-            # runs in order), but nothing in the scheduler re-runs the queue: the daemon
-            # has to, and so do we.
-            self._execute(node, node.scheduler.schedule(self.now, self.now))
-            self._dirty.add(node_index)
+        outcome = node.scheduler.idle_teardown(self.now, self.now)
+        if outcome.work:  # (its work places what the torn-down slices make room for)
+            self._apply(node, outcome)
             self._negotiate = True
 
     # -- bookkeeping -----------------------------------------------------------------------------

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -616,7 +615,17 @@ def test_usage_and_release_report_the_lease_peak(daemon: DaemonProcess) -> None:
     client.call("sim_attach", pid=pid, device_uuid=lease["mig_uuid"])
     try:
         client.call("sim_alloc", pid=pid, mib=3000)
-        time.sleep(1.6)  # the daemon's own sampling is once a second
+
+        def sampled() -> bool:  # the daemon's own sampling (once a second) saw it
+            inst = [
+                i
+                for g in client.status()["gpus"]
+                for i in g["instances"]
+                if i["uuid"] == lease["mig_uuid"]
+            ]
+            return bool(inst) and (inst[0]["memory_used_mib"] or 0) >= 3000
+
+        wait_for(sampled, what="the daemon to sample the allocation")
         client.call("sim_free", pid=pid, mib=3000)
         usage = client.call("usage", lease_id=lease["lease_id"])
         assert usage["device_used_mib"] < 3000 <= usage["peak_used_mib"]
