@@ -54,7 +54,10 @@ def _usable(gpu: dict[str, Any]) -> bool:
 
 def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     gpus = status["gpus"]
-    healthy_gpus = [g for g in gpus if _usable(g)]
+    # A state disk that refuses writes is node-level: migd refuses new leases meanwhile.
+    state_disk = status.get("state_disk") or {"ok": True, "reason": ""}
+    healthy_gpus = [g for g in gpus if _usable(g)] if state_disk["ok"] else []
+    queued = (status.get("queue_summary") or {}).get("length", len(status.get("queue", [])))
     largest = max(
         ((g["largest_placeable"] or {}).get("memory_mib", 0) for g in healthy_gpus), default=0
     )
@@ -66,7 +69,9 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
         f"MigdHealthyGpus = {len(healthy_gpus)}",
         f"MigdLargestPlaceableMB = {largest}",
         f"MigdFreeMB = {free}",
-        f"MigdQueued = {len(status.get('queue', []))}",
+        f"MigdQueued = {queued}",
+        f"MigdStateDiskOk = {_bool(bool(state_disk['ok']))}",
+        f"MigdNodeReason = {_classad_str(state_disk['reason'])}",
         f"MigdModes = {_classad_str(','.join(sorted({g['mode'] for g in gpus})))}",
         "- migd",
     ]

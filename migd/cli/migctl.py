@@ -135,7 +135,10 @@ def render_status(status: dict[str, Any]) -> str:
         if mps:
             lines.extend(_render_mps(mps))
     queue = status.get("queue", [])
-    lines.append(f"Queue: {len(queue)} waiting")
+    waiting = (status.get("queue_summary") or {}).get("length", len(queue))
+    lines.append(
+        f"Queue: {waiting} waiting" + (f" (first {len(queue)})" if waiting > len(queue) else "")
+    )
     for item in queue:
         lines.append(
             f"  {item['position']}. job {item['job_id']}  {format_mib(item['memory_mib'])}  "

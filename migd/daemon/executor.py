@@ -10,6 +10,7 @@ reports the result back to the scheduler and the lease service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import GpuMode, InstanceStatus, ManagedGpu, Work
 from migd.daemon.context import DaemonContext
 from migd.daemon.lease_service import LeaseService
-from migd.errors import GpuBusy, GpuError, MigdError
+from migd.errors import GpuBusy, GpuError, MigdError, StateDiskError
 
 T = TypeVar("T")
 log = structlog.get_logger("migd")
@@ -132,13 +133,15 @@ class GpuExecutor:
                 inst = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
                 targets[op.start] = (inst.gi_id, inst.uuid) if inst else (None, None)
         lease = sched.leases.get(work.lease_id or "")
-        for op in work.ops:
-            if isinstance(op, CreateOp):
-                # Written before the NVML call: after a crash mid-create, a GPU instance
-                # without a compute instance at this start is known to be migd's own.
-                ctx.db.remember_instance(gpu.uuid, op.start, op.profile.profile_id, None)
         started = ctx.clock.monotonic()
         try:
+            for op in work.ops:
+                if isinstance(op, CreateOp):
+                    # Written before the NVML call: after a crash mid-create, a GPU instance
+                    # without a compute instance at this start is known to be migd's own.
+                    # A state disk that refuses it fails the work (StateDiskError) before
+                    # NVML is touched, so the books give the capacity back.
+                    ctx.db.remember_instance(gpu.uuid, op.start, op.profile.profile_id, None)
             created = await self.on_gpu(work.gpu, self._execute, work, targets)
         except (MigdError, TimeoutError) as exc:
             error = exc if isinstance(exc, MigdError) else GpuError("NVML call timed out")
@@ -169,13 +172,16 @@ class GpuExecutor:
             return
         now, mono = ctx.now()
         outcome = sched.work_done(work, created, now, mono)
-        for op in work.ops:
-            if isinstance(op, DestroyOp):
-                ctx.db.forget_instance(gpu.uuid, op.start)
-            else:
-                ctx.db.remember_instance(
-                    gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
-                )
+        # The work is done on the GPU whatever the state disk says: a row that cannot be
+        # written only makes a restart call the instance adopted instead of migd's own.
+        with contextlib.suppress(StateDiskError):
+            for op in work.ops:
+                if isinstance(op, DestroyOp):
+                    ctx.db.forget_instance(gpu.uuid, op.start)
+                else:
+                    ctx.db.remember_instance(
+                        gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
+                    )
         elapsed = ctx.clock.monotonic() - started
         log.info(
             "work.done",

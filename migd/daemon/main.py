@@ -118,9 +118,12 @@ def build_mps(config: MigdConfig) -> Any:
 
     binary = config.mps.control_binary
     if config.backend.kind == "simulated" and shutil.which(binary) is None:
+        from migd.daemon.paths import ensure_dir
         from migd.testing import write_fake_mps_control
 
-        binary = str(write_fake_mps_control(config.daemon.runtime_dir / "sim-bin"))
+        runtime = config.daemon.runtime_dir  # checked, never through a symlink (paths.py)
+        bin_dir = ensure_dir(runtime.parent, f"{runtime.name}/sim-bin", 0o755)
+        binary = str(write_fake_mps_control(bin_dir))
     return MpsManager(
         config.daemon.runtime_dir,
         MpsManagerConfig(
@@ -168,12 +171,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         backend, procs, node = build_ports(config)
+        mps = build_mps(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
         return 1
     from migd.daemon.service import Daemon
 
-    mps = build_mps(config)
     if node is not None:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
         mps.watch_servers(node.track_mps_servers)

@@ -8,6 +8,7 @@ whose authorisation is already checked.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -87,6 +88,35 @@ class Ops:
             view.pop("env", None)  # another user's environment is not theirs to read
         return view
 
+    def _hidden_from(self, peer: Peer) -> frozenset[str]:
+        """The MIG device UUIDs ``peer`` may not see: those of live leases of other users.
+
+        A MIG UUID is the ``CUDA_VISIBLE_DEVICES`` value of the job that holds it, so a
+        reply must not pair another user's lease with it (docs/api.md, "What another
+        user sees"). Everything else of the lease stays visible (id, job, state, GPU,
+        profile, placement), and so do idle instances' UUIDs and GPU UUIDs.
+        """
+        if self.ctx.auth.is_admin(peer):
+            return frozenset()
+        gpu_uuids = {g.uuid for g in self.ctx.sched.gpus.values()}
+        return frozenset(
+            lease.mig_uuid
+            for lease in self.ctx.sched.leases.values()
+            if lease.owner_uid != peer.uid
+            and lease.mig_uuid
+            and lease.mig_uuid not in gpu_uuids
+            and not lease.state.terminal
+        )
+
+    def _for_peer(self, reply: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """``reply`` with every UUID ``peer`` may not see replaced by None (in strings that
+        merely contain one, by "<hidden>")."""
+        hidden = self._hidden_from(peer)
+        if not hidden:
+            return reply
+        scrubbed: dict[str, Any] = _scrub(reply, hidden)
+        return scrubbed
+
     def _job_id(self, given: str) -> str:
         """A job as admins name it: its GlobalJobId as the wrapper sends it, or the
         ``ClusterId.ProcId`` that ``condor_q`` shows when one schedd's job matches."""
@@ -110,24 +140,39 @@ class Ops:
         return {"version": __version__, "pid": os.getpid(), "backend": self.ctx.config.backend.kind}
 
     async def status(self, call: Call[Any]) -> dict[str, Any]:
-        return build_status(self.ctx)
+        return self._for_peer(build_status(self.ctx), call.peer)
 
     async def list_leases(self, call: Call[StatusRequest]) -> dict[str, Any]:
         req = call.request
         sched, db = self.ctx.sched, self.ctx.db
         leases = sched.active_leases() if not req.all else db.recent_leases(500)
-        return {"leases": [self.lease_view(lease, call.peer) for lease in leases]}
+        reply = {"leases": [self.lease_view(lease, call.peer) for lease in leases]}
+        return self._for_peer(reply, call.peer)
 
     async def explain(self, call: Call[ExplainRequest]) -> dict[str, Any]:
         req = call.request
         job_id = self._job_id(req.job_id)
-        return explain_job(self.ctx, job_id, lambda lease: self.lease_view(lease, call.peer))
+        reply = explain_job(self.ctx, job_id, lambda lease: self.lease_view(lease, call.peer))
+        return self._for_peer(reply, call.peer)
 
     async def history(self, call: Call[HistoryRequest]) -> dict[str, Any]:
+        """A page of the history, newest first: at most ``limit`` rows and
+        ``api.max_reply_bytes`` of event data; ``next_before_id`` asks for the next."""
         req = call.request
+        db = self.ctx.db
         job = self._job_id(req.job_id) if req.job_id else None
-        rows = self.ctx.db.history(limit=req.limit, job_id=job)
-        return {"history": [r.to_dict() for r in rows]}
+        rows = db.history(
+            limit=req.limit,
+            job_id=job,
+            before_id=req.before_id,
+            max_bytes=self.ctx.config.api.max_reply_bytes,
+        )
+        more = bool(rows) and bool(db.history(limit=1, job_id=job, before_id=rows[-1].id))
+        reply = {
+            "history": [r.to_dict() for r in rows],
+            "next_before_id": rows[-1].id if more else None,
+        }
+        return self._for_peer(reply, call.peer)
 
     async def reload_config(self, call: Call[Any]) -> dict[str, Any]:
         return await self.reload()
@@ -177,6 +222,9 @@ class Ops:
             owner_start_s=ctx.procs.start_time(holder),
             created_s=now,
         )
+        # A state disk that refuses writes refuses the request here, before the books
+        # change (a grant migd cannot record would be lost by the next restart).
+        ctx.db.require_writable()
         try:
             outcome = ctx.sched.submit(lease, now, mono)
         except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
@@ -292,6 +340,24 @@ class Ops:
                     hint='send {"message": "<the stderr line>"}',
                 )
             return await self.mps.client_error(lease, message)
+        # What one lease's owner can make migd store is bounded: each report's size and
+        # their number (1,500 reports of 60 KB grew the database by 191 MB in a second).
+        api = self.ctx.config.api
+        size = len(json.dumps(req.data, separators=(",", ":")))
+        if size > api.max_report_bytes:
+            raise InvalidRequest(
+                f"report data is {size} bytes of JSON; at most {api.max_report_bytes} "
+                "(api.max_report_bytes)",
+                hint="send a summary; keep large output in the job's own files",
+            )
+        recorded = self.ctx.db.count_events(lease.lease_id, "wrapper.")
+        if recorded >= api.max_reports_per_lease:
+            raise InvalidRequest(
+                f"lease {lease.lease_id} has recorded {recorded} reports already "
+                f"(api.max_reports_per_lease = {api.max_reports_per_lease})",
+                hint="report only what changes the lease's story (OOM, exit, forecasts)",
+            )
+        self.ctx.db.require_writable()  # a report the history cannot keep is refused
         self.leases.record(f"wrapper.{req.event}", lease, **req.data)
         # Nested, so a client's keys can neither clash with nor forge the log's own
         # fields (level, timestamp, event, lease_id).
@@ -310,6 +376,7 @@ class Ops:
         peer, ctx = call.peer, self.ctx
         sched = ctx.sched
         gpu = self._gpu_ref(req.gpu)
+        ctx.db.require_writable()  # a drain flag that cannot be kept would not survive
         now, mono = ctx.now()
         if req.op in ("drain", "resume"):
             outcome = sched.set_draining(gpu.index, req.op == "drain", now, mono)
@@ -338,3 +405,19 @@ class Ops:
         raise InvalidRequest(
             f"no GPU {ref!r} on this node", hint="use an index or UUID from `migctl status`"
         )
+
+
+def _scrub(value: Any, hidden: frozenset[str]) -> Any:
+    """A copy of a JSON-like ``value`` with the ``hidden`` strings taken out."""
+    if isinstance(value, str):
+        if value in hidden:
+            return None
+        if "MIG-" in value:
+            for secret in hidden:
+                value = value.replace(secret, "<hidden>")
+        return value
+    if isinstance(value, dict):
+        return {k: _scrub(v, hidden) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub(v, hidden) for v in value]
+    return value

@@ -105,6 +105,9 @@ class Timers:
     def step(self, now: float, mono: float) -> None:
         """One round at wall-clock ``now`` / monotonic ``mono`` (the loop: every second)."""
         ctx, leases, sched = self.ctx, self.leases, self.ctx.sched
+        # A failing state disk is retried every round; once it takes writes, the leases
+        # changed meanwhile are written (recovery needs no restart).
+        leases.flush()
         if self._next_housekeeping is None or self._next_history is None:
             self._next_housekeeping = mono + self.HOUSEKEEPING_EVERY_S
             self._next_history = mono + self.HISTORY_EVERY_S
@@ -119,7 +122,7 @@ class Timers:
             leases.prune(all_terminal=True)
         if mono >= self._next_history:
             self._next_history = mono + self.HISTORY_EVERY_S
-            ctx.db.prune(ctx.config.daemon.history_keep)
+            ctx.db.prune(ctx.config.daemon.history_keep, ctx.config.daemon.history_keep_bytes)
 
 
 class Watchdog:
@@ -264,6 +267,7 @@ class PeriodicTasks:
                     if self.reconciler.needs_resync(gpu):
                         for note in await self.reconciler.resync_gpu(gpu.index):
                             log.info("resync", gpu=gpu.index, note=note)
+                        self.reconciler.forget_explained(gpu.index)
                         # Judged afresh, the GPU may take work again: place what fits.
                         self.leases.apply(ctx.sched.schedule(now, mono))
             except Exception as exc:

@@ -40,6 +40,7 @@ from migd.daemon.lease_service import LeaseService
 from migd.daemon.metrics import MetricsService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
+from migd.daemon.paths import ensure_dir
 from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
@@ -149,7 +150,7 @@ class Daemon:
         if sim_node is not None:
             from migd.daemon.sim_ops import SimOps
 
-            SimOps(sim_node).register(self.api)
+            SimOps(sim_node, ctx).register(self.api)
         else:
             from migd.daemon.sim_ops import SIM_OPS
 
@@ -168,7 +169,10 @@ class Daemon:
         the parts from here with a manual clock)."""
         ctx = self.ctx
         cfg = ctx.config
-        cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        # Checked like the socket's directory, and never through a symlink (paths.py).
+        state_dir, runtime_dir = cfg.daemon.state_dir, cfg.daemon.runtime_dir
+        ensure_dir(state_dir.parent, state_dir.name, 0o700, where="daemon.state_dir")
+        ensure_dir(runtime_dir.parent, runtime_dir.name, 0o755, where="daemon.runtime_dir")
         ctx.store = store = StateStore(cfg.daemon.state_dir / "migd.db")
         store.checkpoint_in_background()
         if store.recovered_from is not None:

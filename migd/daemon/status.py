@@ -17,6 +17,8 @@ from migd.daemon.mps_supervisor import mps_compute_mode_warning
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
+#: Queued requests listed by status (the first, in policy order); queue_summary counts all.
+STATUS_QUEUE_SHOWN = 20
 
 
 def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] | None:
@@ -185,8 +187,17 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
     counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
     for lease in sched.active_leases():
         counts[lease.state.value] = counts.get(lease.state.value, 0) + 1
+    # The head of the queue and a summary, not the whole queue: with 10k waiting requests
+    # the full list made status take seconds and ~1.6 MB (one sort of the queue stays).
+    order = sched.queue.order(mono)
+    summary = {
+        "length": len(order),
+        "shown": 0,
+        "memory_mib": sum(item.memory_mib for item in order),
+        "oldest_waiting_s": round(max((i.age_s(mono) for i in order), default=0.0), 1),
+    }
     queue = []
-    for n, item in enumerate(sched.queue.order(mono), start=1):
+    for n, item in enumerate(order[:STATUS_QUEUE_SHOWN], start=1):
         queued = sched.leases.get(item.payload)
         if queued is None:
             continue
@@ -227,7 +238,15 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
             _gpu_status(daemon, g, now) for g in sorted(sched.gpus.values(), key=lambda g: g.index)
         ],
         "queue": queue,
+        "queue_summary": {**summary, "shown": len(queue)},
         "leases": counts,
+        # A node-level condition: while the state disk refuses writes, migd refuses new
+        # leases (state_disk errors) and serves everything else.
+        "state_disk": {
+            "ok": daemon.db.failing is None,
+            "reason": daemon.db.failing or "",
+            "since_s": daemon.db.failing_since,
+        },
         "notes": list(daemon.notes[-50:]),
     }
 
@@ -240,7 +259,10 @@ def explain_job(
     for lease in daemon.sched.leases.values():
         if lease.request.job_id == job_id:
             leases[lease.lease_id] = lease
-    history = daemon.db.history(limit=200, job_id=job_id)
+    # Bounded like a history page: the reply stays small however large the rows are.
+    history = daemon.db.history(
+        limit=200, job_id=job_id, max_bytes=daemon.config.api.max_reply_bytes // 2
+    )
     return {
         "job_id": job_id,
         "leases": [
