@@ -18,6 +18,11 @@ if ! command -v debootstrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v 
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
+# tests/packaging builds the .rpm with rpmbuild (Debian's rpm package).
+if ! command -v rpmbuild >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm >/dev/null
+fi
 
 echo "== ruff"; .venv/bin/ruff check .
 echo "== ruff format"; .venv/bin/ruff format --check .
