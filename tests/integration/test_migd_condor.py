@@ -1,8 +1,9 @@
 """migd through a real HTCondor 23.9 pool: wrapper, hook, cron ad and the OOM policy.
 
-migd runs inside the trixie chroot on simulated GPUs (2 x A100-40GB); the pool
-uses the shipped ``condor_config/`` files unchanged except for paths and faster
-intervals; jobs are submitted by a non-root user and run fake CUDA programs
+migd is installed in the trixie chroot from this tree's ``.deb`` packages (``migd``,
+``migd-ep``, ``migd-ap``: the HTCondor configuration comes from their drop-ins in
+``/usr/share/condor/config.d``, unchanged but for documented knobs) and runs on
+simulated GPUs (2 x A100-40GB); jobs are submitted by a non-root user and run fake CUDA programs
 (``migd.testing.simjob``) that allocate on their partition through migd.
 """
 
@@ -23,7 +24,7 @@ from condor_pool import CondorChroot, PersonalPool
 from migd.backends.simulated.hardware import MIG_IDLE_USED_MIB
 
 REPO = Path(__file__).resolve().parents[2]
-VENV = "/opt/migd-venv"
+VENV = "/opt/migd"  # the venv the migd package installs
 PY = f"{VENV}/bin/python"
 SOCKET = "/run/migd/migd.sock"
 A100_FULL_MIB = 40448
@@ -33,8 +34,9 @@ def shipped_config(name: str) -> str:
     return (REPO / "condor_config" / name).read_text()
 
 
+# What an admin sets in /etc/condor/config.d: the pool's largest partition, and (tests only)
+# a faster cron than the shipped 30 s.
 POOL_CONFIG = f"""
-MIGD_BIN = {VENV}/bin
 MIGD_MAX_VRAM = {A100_FULL_MIB}
 STARTD_CRON_MIGD_PERIOD = 2
 """
@@ -122,11 +124,8 @@ class Migd:
 
 
 @pytest.fixture(scope="module")
-def installed(condor_chroot: CondorChroot) -> CondorChroot:
-    condor_chroot.install_python_package(REPO)
-    # pip keeps an installed 0.1.0 as it is: reinstall this tree's code over it
-    condor_chroot.install_python_package(REPO, extra_args=("--force-reinstall", "--no-deps"))
-    return condor_chroot
+def installed(migd_installed: CondorChroot) -> CondorChroot:
+    return migd_installed
 
 
 @pytest.fixture
@@ -141,13 +140,8 @@ def migd(installed: CondorChroot) -> Iterator[Migd]:
 
 
 def gpu_pool(personal_pool: Callable[..., PersonalPool], extra: str = "") -> PersonalPool:
-    return personal_pool(
-        POOL_CONFIG + extra,
-        config_files={
-            "10-migd-execute.config": shipped_config("10-migd-execute.config"),
-            "20-migd-access-point.config": shipped_config("20-migd-access-point.config"),
-        },
-    )
+    """A personal pool (access and execute point) on the packaged drop-ins plus the knobs."""
+    return personal_pool(POOL_CONFIG + extra)
 
 
 def simjob(memory_mib: int, *job_args: str, **submit: str) -> dict[str, str]:
