@@ -19,7 +19,9 @@ from condor_pool import CondorChroot
 pytestmark = [pytest.mark.slow, pytest.mark.htcondor]
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_SYSTEMCTL = "/usr/local/sbin/systemctl"
+# dpkg runs maintainer scripts with its own PATH (no /usr/local): the stand-in goes where
+# systemd's would be (the chroot has no systemd)
+FAKE_SYSTEMCTL = "/usr/bin/systemctl"
 SYSTEMCTL_LOG = "/var/log/fake-systemctl.log"
 
 
@@ -157,9 +159,9 @@ def _apt(ch: CondorChroot, *args: str) -> None:
 
 
 def _start_migd(ch: CondorChroot, log: Path) -> subprocess.Popen[bytes]:
-    argv = ch.command(
-        ["migd", "--config", "/etc/migd/migd.toml", "--simulate", "1xA100-40GB"],
-    )
+    # the simulated GPU keeps its MIG layout across a restart in a file, as a real one does
+    sim = ["--simulate", "1xA100-40GB", "--set", "backend.sim_state_file=/var/lib/migd/sim.json"]
+    argv = ch.command(["migd", "--config", "/etc/migd/migd.toml", *sim])
     with log.open("ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=out, start_new_session=True)
     ch.protected_pids.add(proc.pid)
@@ -181,6 +183,7 @@ def test_install_upgrade_remove_purge_keep_leases_and_state(
     ch = trixie_chroot
     ch.run(["dpkg", "--purge", "migd-ep", "migd-ap", "migd"], check=False)
     ch.run(["rm", "-rf", "/tmp/migd-debs", "/var/lib/migd", "/run/migd"])
+    assert not ch.path(FAKE_SYSTEMCTL).exists(), "the chroot has systemd: no stand-in needed"
     ch.write_file(FAKE_SYSTEMCTL, FAKE, mode=0o755)
     ch.path("run/systemd/system").mkdir(parents=True, exist_ok=True)
     v1 = _deb(debs, "migd")
