@@ -230,7 +230,8 @@ def test_oom_at_the_largest_partition_is_held_with_a_reason(
 def test_request_larger_than_any_partition_is_held_at_once(
     migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
-    pool = gpu_pool(personal_pool)
+    # the schedd checks periodic holds every PERIODIC_EXPR_INTERVAL (60 s by default)
+    pool = gpu_pool(personal_pool, "PERIODIC_EXPR_INTERVAL = 5\n")
     cluster = pool.submit(simjob(100_000, "--start", "1G"))
     ads = pool.wait(
         cluster, timeout=60, until=lambda ads: bool(ads) and ads[0].get("JobStatus") == 5
