@@ -137,7 +137,10 @@ def load(pool: MultiNodePool) -> Load:
     node = pool.nodes[KILLED]
     cluster = result.clusters["small"]
     result.leases_before_kill = ap.wait_for(
-        lambda: [x for x in node.leases() if f"#{cluster}." in x["job_id"]],
+        # active, not preparing: a lease still being prepared is cancelled by the restart
+        lambda: [
+            x for x in node.leases() if f"#{cluster}." in x["job_id"] and x["state"] == "active"
+        ],
         timeout=90,
         interval=0.3,
         what=f"a small job's lease on {KILLED}",
@@ -301,7 +304,7 @@ def wave(load: Load) -> Wave:
     """2 x 4 whole-GPU jobs on the 4 A100s (ep1 x2, ep2, ep3; the A30 cannot hold one)."""
     pool = load.pool
     whole_gpus = 4
-    job = simjob(A100_FULL_MIB, "--start", "30G", "--steps", "4", "--step-s", "1")
+    job = simjob(A100_FULL_MIB, "--start", "30G", "--steps", "2", "--step-s", "1")
     cluster = pool.ap.submit({**job, "queue": str(2 * whole_gpus)})
     t0 = time.monotonic()
     ads = pool.ap.wait(cluster, timeout=240)
