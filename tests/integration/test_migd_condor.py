@@ -240,32 +240,6 @@ def test_request_larger_than_any_partition_is_held_at_once(
     assert ads[0].get("NumJobStarts", 0) == 0
 
 
-def test_many_jobs_share_the_gpus_and_nothing_leaks(
-    migd: Migd, personal_pool: Callable[..., PersonalPool]
-) -> None:
-    pool = gpu_pool(personal_pool, "NUM_CPUS = 16\n")
-    cluster = pool.submit(
-        simjob(4000, "--start", "2G", "--steps", "20", "--step-s", "0.3", queue="16")
-    )
-    peak = 0
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        active = [x for x in migd.leases() if x["state"] == "active"]
-        peak = max(peak, len(active))
-        if not pool.q(cluster):
-            break
-        time.sleep(0.5)
-    ads = pool.wait(cluster, timeout=120)
-    assert len(ads) == 16 and all(ad["ExitCode"] == 0 for ad in ads)
-    # two A100s hold 14 1g.5gb instances: more than one GPU's worth ran at once
-    assert 8 <= peak <= 14, peak
-    assert migd.leases() == []
-    status = migd.ctl("status", "--json")
-    assert not any(i["busy"] for g in status["gpus"] for i in g["instances"])
-    ended = [x for x in migd.leases(all_leases=True) if f"#{cluster}." in x["job_id"]]
-    assert {x["state"] for x in ended} == {"released"}
-
-
 def test_condor_rm_releases_the_lease(
     migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
