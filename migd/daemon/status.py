@@ -51,6 +51,15 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
         "mode": gpu.mode.value,
         "mig_current": info.mig_current if info else None,
         "mig_pending": info.mig_pending if info else None,
+        # condor_gpu_discovery's per-GPU properties (DriverVersion, MaxSupportedVersion,
+        # Capability): `migctl gpu-inventory` advertises them so require_gpus matches.
+        "driver_version": info.driver_version if info else None,
+        "cuda_version": info.cuda_version if info else None,
+        "compute_capability": (
+            f"{info.compute_capability[0]}.{info.compute_capability[1]}"
+            if info and info.compute_capability
+            else None
+        ),
         "health": gpu.health,
         "healthy": gpu.health == "ok",
         "draining": gpu.draining,
