@@ -95,15 +95,76 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def share_attr(share_id: str) -> str:
+    """The machine-ad attribute holding a GPU ID's property ad: ``GPU-ab12_s0`` -> ``GPU_ab12_s0``.
+
+    condor_gpu_discovery names its nested ads the same way (the ID with every
+    character that may not appear in an attribute name replaced by ``_``), and the
+    startd's ``AvailableGPUs`` list refers to them by that name.
+    """
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in share_id)
+
+
+def _device_uuid(uuid: str) -> str:
+    """``GPU-61342749-a9b5-...`` -> ``61342749-a9b5-...``: the starter prepends ``GPU-``."""
+    return uuid[4:] if uuid.startswith("GPU-") else uuid
+
+
+def _cuda_version_int(version: str) -> int | None:
+    """``"12.4"`` -> ``12040`` (cuDriverGetVersion's encoding, condor_gpu_discovery's
+    ``MaxSupportedVersion``)."""
+    major, _, minor = version.partition(".")
+    try:
+        return int(major) * 1000 + int(minor or 0) * 10
+    except ValueError:
+        return None
+
+
+def gpu_properties(gpu: dict[str, Any]) -> dict[str, str]:
+    """condor_gpu_discovery ``-properties`` of one GPU, as ClassAd literals.
+
+    ``DeviceUuid`` is the parent GPU's UUID without ``GPU-`` (the form
+    condor_gpu_discovery prints), so the starter's device-hiding expression
+    ``join(",",evalInEachContext(strcat("GPU-",DeviceUuid),AvailableGPUs))``
+    names the GPU the job's lease is on (docs/htcondor-notes.md (q)).
+    ``GlobalMemoryMb`` is the largest partition migd can give a job on it (the
+    full MIG profile on a MIG GPU), so ``gpus_minimum_memory`` matches exactly
+    the GPUs that can hold the job.
+    """
+    props = {
+        "DeviceUuid": _classad_str(_device_uuid(gpu["uuid"])),
+        "DeviceName": _classad_str(str(gpu.get("name") or "")),
+        "GlobalMemoryMb": str(int(gpu.get("vram_mib") or 0)),
+    }
+    capability = gpu.get("compute_capability")
+    if capability:
+        props["Capability"] = str(capability)
+    cuda = str(gpu.get("cuda_version") or "")
+    cuda_int = _cuda_version_int(cuda) if cuda else None
+    if cuda_int is not None:
+        # condor_gpu_discovery: DriverVersion is the CUDA driver API version as
+        # major.minor, MaxSupportedVersion the same as an integer (gpus_minimum_runtime).
+        props["DriverVersion"] = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}"
+        props["MaxSupportedVersion"] = str(cuda_int)
+    if gpu.get("driver_version"):
+        props["MigdDriverVersion"] = _classad_str(str(gpu["driver_version"]))
+    return props
+
+
 def render_inventory(gpus: list[dict[str, Any]], *, shares: int = 1) -> str:
-    """``DetectedGPUs`` for the startd: K distinct share IDs per managed GPU."""
-    ids = []
+    """``DetectedGPUs`` for the startd (K distinct share IDs per managed GPU) and one
+    nested property ad per ID, as ``condor_gpu_discovery -properties -nested`` prints."""
+    ids: list[str] = []
+    props: list[str] = []
     for g in gpus:
         if g.get("mode") == "off":
             continue
         base = short_uuid(g["uuid"])
-        ids += [f"{base}_s{n}" for n in range(shares)] if shares > 1 else [base]
-    return f'DetectedGPUs = "{", ".join(ids)}"\n'
+        own = [f"{base}_s{n}" for n in range(shares)] if shares > 1 else [base]
+        ids += own
+        body = "; ".join(f"{k}={v}" for k, v in gpu_properties(g).items())
+        props += [f'{share_attr(i)}=[ id="{i}"; {body}; ]' for i in own]
+    return "\n".join([f'DetectedGPUs="{", ".join(ids)}"', *props]) + "\n"
 
 
 def render_vram_inventory(gpus: list[dict[str, Any]]) -> str:
@@ -119,7 +180,17 @@ def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:
         for g in status["gpus"]:
             largest = max((i["memory_mib"] for i in g.get("instances", [])), default=0)
             full = g.get("full_profile_mib") or largest or g["memory_total_mib"]
-            out.append({"uuid": g["uuid"], "mode": g["mode"], "vram_mib": full})
+            out.append(
+                {
+                    "uuid": g["uuid"],
+                    "mode": g["mode"],
+                    "vram_mib": full,
+                    "name": g.get("name"),
+                    "compute_capability": g.get("compute_capability"),
+                    "cuda_version": g.get("cuda_version"),
+                    "driver_version": g.get("driver_version"),
+                }
+            )
         return out
     # The startd runs inventories once at start-up; if migd is not up yet, read NVML
     # (read-only) rather than advertise no GPUs for the startd's whole lifetime.
@@ -135,8 +206,17 @@ def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:
                     vram = backend.geometry(info.index).full_profile.memory_mib
                 except Exception:
                     vram = info.memory_total_mib
+            cap = info.compute_capability
             gpus.append(
-                {"uuid": info.uuid, "mode": "mig" if info.mig_current else "mps", "vram_mib": vram}
+                {
+                    "uuid": info.uuid,
+                    "mode": "mig" if info.mig_current else "mps",
+                    "vram_mib": vram,
+                    "name": info.name,
+                    "compute_capability": f"{cap[0]}.{cap[1]}" if cap else None,
+                    "cuda_version": info.cuda_version,
+                    "driver_version": info.driver_version,
+                }
             )
         return gpus
     finally:

@@ -316,7 +316,7 @@ def test_job_ad_fields_and_gpu_shares() -> None:
             "MigdHorizon": 300,
             "WantIOProxy": True,
         },
-        {"Name": "slot1_3@node", "AssignedGPUs": "GPU-61342749_s3", "MigdPinToAssignedGPU": True},
+        {"Name": "slot1_3@node", "AssignedGPUs": "GPU-61342749_s3"},
     )
     assert (spec.job_id, spec.memory_mib, spec.mode, spec.slot) == (
         "5.2",
@@ -329,9 +329,9 @@ def test_job_ad_fields_and_gpu_shares() -> None:
     unpinned = spec_from_ads(
         ["/bin/true"],
         {"ClusterId": 5, "ProcId": 2, "RequestVRAM": 9000},
-        {"AssignedGPUs": "GPU-61342749_s3", "VRAM": 9000},
+        {"AssignedGPUs": "GPU-61342749_s3", "MigdPinToAssignedGPU": False},
     )
-    assert unpinned.gpus is None  # migd chooses the GPU unless the node pins it
+    assert unpinned.gpus is None  # a node without device hiding may let migd choose
     assert physical_gpu("GPU-61342749_s12") == "GPU-61342749"
 
 

@@ -1,0 +1,151 @@
+"""HTCondor's own GPU submit language on a migd node, and the starter's device list.
+
+A real HTCondor 23.9 pool with migd on simulated GPUs (an A100 in MIG mode and a
+V100 that migd shares with MPS), the shipped ``condor_config/`` files: jobs that
+write ``require_gpus`` / ``gpus_minimum_memory`` / ``gpus_minimum_capability`` or
+no memory at all match and are right-sized; for every running job the starter's
+device-hiding expression, evaluated on the job's real slot ad, names exactly the
+GPU its lease is on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import classad2
+import pytest
+from condor_pool import CondorChroot, PersonalPool
+from test_migd_condor import PY, SOCKET, VENV, Migd, gpu_pool, installed, simjob
+
+__all__ = ["installed"]  # the module fixture, used by name below
+
+STARTER_HIDE_EXPR = 'join(",",evalInEachContext(strcat("GPU-",DeviceUuid),AvailableGPUs))'
+DEFAULT_VRAM = 6000
+
+
+class MixedMigd(Migd):
+    """migd on an A100 (MIG) and a V100 (MPS)."""
+
+    def start(self) -> None:
+        self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
+        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd"])
+        self.chroot.run(["chmod", "755", "/run/migd"])
+        argv = self.chroot.command(
+            [
+                f"{VENV}/bin/migd",
+                "--simulate",
+                "1xA100-40GB,1xV100-32GB",
+                "--state-dir",
+                "/var/lib/migd",
+                "--socket",
+                SOCKET,
+                "--log-format",
+                "json",
+                "--set",
+                'api.lease_users=["*"]',
+                "--set",
+                "reaper.interval_s=1.0",
+            ]
+        )
+        log = self.chroot.path("/var/log/migd-test.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=out)
+        self.chroot.protected_pids.add(self.proc.pid)
+        self.wait_for(lambda: self.ctl("status", "--json") is not None, "migd to answer")
+
+
+@pytest.fixture
+def mixed_migd(installed: CondorChroot) -> Iterator[MixedMigd]:
+    daemon = MixedMigd(installed)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        print(daemon.log()[-20000:])
+
+
+def long_job(**submit: str) -> dict[str, str]:
+    job = simjob(0, "--start", "1G", "--steps", "60", "--step-s", "0.5", **submit)
+    del job["request_VRAM"]
+    return job
+
+
+def slot_ad(pool: PersonalPool, name: str) -> Any:
+    """The slot's ad as the collector has it, in ClassAd text (nested ads intact)."""
+
+    def read() -> str | None:
+        proc = pool.condor(["condor_status", "-long", name], check=False)
+        return proc.stdout if proc.returncode == 0 and "AvailableGPUs" in proc.stdout else None
+
+    return classad2.parseOne(Migd.wait_for(read, f"the slot ad of {name}", timeout_s=30))
+
+
+def test_gpu_submit_lines_match_and_the_starter_sees_the_leased_gpu(
+    mixed_migd: MixedMigd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool, f"MIGD_DEFAULT_VRAM = {DEFAULT_VRAM}\n")
+    Migd.wait_for(
+        lambda: [ad for ad in pool.startd_ads() if ad.get("MigdHealthy") is True],
+        "the startd cron to publish migd's ad",
+    )
+    mig = pool.submit(
+        {**long_job(require_gpus="Capability >= 8.0"), "request_VRAM": "2000", "+MigdMode": '"mig"'}
+    )
+    mps = pool.submit(
+        long_job(
+            gpus_minimum_capability="7.0", gpus_maximum_capability="7.5", gpus_minimum_memory="3000"
+        )
+    )
+    unstated = pool.submit(long_job(require_gpus="Capability >= 8.0"))
+    plain = pool.submit({"executable": "/usr/bin/env", "request_cpus": "1", "request_memory": "64"})
+    clusters = (mig, mps, unstated)
+
+    def running() -> list[dict[str, Any]] | None:
+        ads = [ad for c in clusters for ad in pool.q(c)]
+        if len(ads) == 3 and all(ad.get("JobStatus") == 2 for ad in ads):
+            leases = {x["job_id"] for x in mixed_migd.leases() if x["state"] == "active"}
+            if {ad["GlobalJobId"] for ad in ads} <= leases:
+                return ads
+        return None
+
+    ads = Migd.wait_for(running, "the three GPU jobs to run with a lease", timeout_s=120)
+    by_job = {x["job_id"]: x for x in mixed_migd.leases()}
+    gpus = {g["uuid"]: g for g in mixed_migd.ctl("status", "--json")["gpus"]}
+    seen = {}
+    for ad in ads:
+        lease = by_job[ad["GlobalJobId"]]
+        slot = slot_ad(pool, ad["RemoteHost"])
+        allowed = classad2.ExprTree(STARTER_HIDE_EXPR).eval(slot)
+        # exactly the GPU the job's partition is on: the job can open its device files
+        assert allowed == lease["gpu_uuid"], (ad["ClusterId"], allowed, lease)
+        seen[ad["ClusterId"]] = (lease, gpus[lease["gpu_uuid"]])
+    # require_gpus / gpus_minimum_* matched the intended GPU, and the size is the stated one
+    assert seen[mig][0]["mode"] == "mig" and "A100" in seen[mig][1]["model"]
+    assert seen[mps][0]["mode"] == "mps" and "V100" in seen[mps][1]["model"]
+    assert seen[mps][0]["requested_mib"] == 3000
+    assert seen[unstated][0]["requested_mib"] == DEFAULT_VRAM
+    sources = {ad["ClusterId"]: (ad.get("MigdVRAMSource"), ad.get("RequestVRAM")) for ad in ads}
+    assert sources[mig] == ("request_VRAM", 2000)
+    assert sources[mps] == ("gpus_minimum_memory", 3000)
+    assert sources[unstated] == ("MIGD_DEFAULT_VRAM", DEFAULT_VRAM)
+    # a job without GPUs keeps HTCondor's stock CUDA_VISIBLE_DEVICES (no GPU)
+    [plain_ad] = pool.wait(plain, timeout=60)
+    env = dict(line.split("=", 1) for line in pool.job_output(plain).splitlines() if "=" in line)
+    assert plain_ad["ExitCode"] == 0 and env.get("CUDA_VISIBLE_DEVICES") == "10000", env
+    for c in clusters:
+        pool.rm(c)
+    assert PY  # the jobs ran the venv's python
+
+
+def test_a_gpu_memory_constraint_no_node_meets_is_held(
+    mixed_migd: MixedMigd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    cluster = pool.submit(long_job(gpus_minimum_memory="60000"))
+    [ad] = pool.wait(cluster, timeout=90)
+    assert ad["JobStatus"] == 5
+    assert "larger than the largest GPU partition" in ad["HoldReason"], ad["HoldReason"]
