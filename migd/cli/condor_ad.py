@@ -10,21 +10,39 @@ slot per GPU). The ``START`` expression in ``condor_config/`` uses
 ``gpu-inventory`` prints what ``MACHINE_RESOURCE_INVENTORY_GPUs`` expects: the
 *physical* GPUs (short UUIDs, as condor_gpu_discovery names them), independent
 of the MIG layout at the moment the startd starts, each listed as ``K``
-distinct shares ``GPU-xxxxxxxx_s0 .. _s{K-1}``: HTCondor 23.x collapses
-repeated IDs (HTCONDOR-2678, docs/htcondor-notes.md (e)), distinct ones work.
+distinct shares ``GPU-s00-xxxxxxxx .. GPU-s{K-1}-xxxxxxxx``, each with
+condor_gpu_discovery's property ad: HTCondor 23.x collapses repeated IDs
+(HTCONDOR-2678, docs/htcondor-notes.md (e)), distinct ones work.
 ``vram-inventory`` prints the node's GPU memory pool for
 ``MACHINE_RESOURCE_INVENTORY_VRAM``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from migd.errors import DaemonUnavailable
 
 
 def short_uuid(uuid: str) -> str:
     """``GPU-61342749-a9b5-...`` -> ``GPU-61342749`` (condor_gpu_discovery's default id)."""
     head, _, rest = uuid.partition("-")
     return f"{head}-{rest.split('-')[0]}" if rest else uuid
+
+
+def share_id(uuid: str, n: int) -> str:
+    """The ``n``-th HTCondor GPU ID of a physical GPU: ``GPU-s03-61342749``.
+
+    The share index comes first so that the IDs sort share by share across GPUs
+    (``GPU-s00-aaaa``, ``GPU-s00-bbbb``, ``GPU-s01-aaaa``, ...): HTCondor 23.9 keeps
+    a slot's GPU IDs sorted and gives a new job the first free one (checked in the
+    pool, docs/htcondor-notes.md (q)), so each job goes to the GPU with the fewest
+    jobs, and a GPU that just became free gets the next job. With the GPU first,
+    every job went to the first GPU until its shares ran out, and whole-GPU jobs
+    queued there while the other GPU idled.
+    """
+    return f"GPU-s{n:02d}-{short_uuid(uuid).removeprefix('GPU-')}"
 
 
 def _classad_str(text: str) -> str:
@@ -78,9 +96,10 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
             if g["mode"] == "off":
                 reason = reason or "not managed by migd (mode off)"
             lines += [
-                # AssignedGPUs holds share IDs (GPU-xxxxxxxx_sN): match on the GPU's prefix
-                f"SlotMergeConstraint = regexp({_classad_str(short_uuid(g['uuid']) + '_s')},"
-                ' AssignedGPUs ?: "")',
+                # AssignedGPUs holds share IDs (GPU-sNN-xxxxxxxx): match on the GPU's part
+                "SlotMergeConstraint = regexp("
+                + _classad_str("GPU-s[0-9]+-" + short_uuid(g["uuid"]).removeprefix("GPU-"))
+                + ', AssignedGPUs ?: "")',
                 f"MigdGpuHealthy = {_bool(ok)}",
                 f"MigdGpuMode = {_classad_str(g['mode'])}",
                 f"MigdGpuModel = {_classad_str(g['model'])}",
@@ -151,19 +170,71 @@ def gpu_properties(gpu: dict[str, Any]) -> dict[str, str]:
     return props
 
 
+def render_unavailable(message: str) -> str:
+    """The ad while migd does not answer: the startd keeps a cron job's last values, so
+    say unhealthy rather than leave a stale ``MigdHealthy = true``."""
+    return f"MigdHealthy = false\nMigdHealthReason = {_classad_str(message)}\n- migd update:true\n"
+
+
+def watch(
+    fetch: Callable[[], dict[str, Any]],
+    out: TextIO,
+    *,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+    per_gpu: bool = False,
+    interval_s: float = 0.5,
+    heartbeat_s: float = 60.0,
+    rounds: int | None = None,
+) -> None:
+    """``condor-ad --watch``: a publisher for ``STARTD_CRON_<name>_MODE = WaitForExit``.
+
+    The startd reads a running cron job's output as it arrives and publishes an ad at
+    every line that starts with ``-`` (``CronJob::StdoutHandler`` in HTCondor's
+    ``src/condor_utils/condor_cron_job.cpp``; docs/htcondor-notes.md (r)). So this
+    asks migd for its status every ``interval_s`` and writes a new ad only when it
+    differs from the last one written (``update:true`` sends it to the collector at
+    once), and the same ad again after ``heartbeat_s`` so a restarted collector
+    learns it. A freed partition reaches the slot ad within ``interval_s`` plus the
+    startd's update. ``rounds`` bounds the loop (tests); ``None`` runs until the
+    startd closes the pipe (``BrokenPipeError`` ends it).
+    """
+    last = ""
+    written_at = float("-inf")
+    n = 0
+    while rounds is None or n < rounds:
+        n += 1
+        try:
+            ad = render_condor_ad(fetch(), per_gpu=per_gpu)
+        except DaemonUnavailable as exc:
+            ad = render_unavailable(exc.message)
+        now = clock()
+        if ad != last or now - written_at >= heartbeat_s:
+            out.write(ad)
+            out.flush()
+            last, written_at = ad, now
+        sleep(interval_s)
+
+
+def max_vram(gpus: list[dict[str, Any]]) -> int:
+    """The largest partition this node can give one job (MiB): ``MIGD_MAX_VRAM`` for a
+    pool is the largest of its nodes' values."""
+    return max((int(g.get("vram_mib") or 0) for g in gpus if g.get("mode") != "off"), default=0)
+
+
 def render_inventory(gpus: list[dict[str, Any]], *, shares: int = 1) -> str:
-    """``DetectedGPUs`` for the startd (K distinct share IDs per managed GPU) and one
-    nested property ad per ID, as ``condor_gpu_discovery -properties -nested`` prints."""
+    """``DetectedGPUs`` for the startd (K distinct share IDs per managed GPU, share by
+    share across GPUs, see :func:`share_id`) and one nested property ad per ID, as
+    ``condor_gpu_discovery -properties -nested`` prints them."""
+    managed = [g for g in gpus if g.get("mode") != "off"]
     ids: list[str] = []
     props: list[str] = []
-    for g in gpus:
-        if g.get("mode") == "off":
-            continue
-        base = short_uuid(g["uuid"])
-        own = [f"{base}_s{n}" for n in range(shares)] if shares > 1 else [base]
-        ids += own
-        body = "; ".join(f"{k}={v}" for k, v in gpu_properties(g).items())
-        props += [f'{share_attr(i)}=[ id="{i}"; {body}; ]' for i in own]
+    for n in range(shares):
+        for g in managed:
+            i = share_id(g["uuid"], n) if shares > 1 else short_uuid(g["uuid"])
+            ids.append(i)
+            body = "; ".join(f"{k}={v}" for k, v in gpu_properties(g).items())
+            props.append(f'{share_attr(i)}=[ id="{i}"; {body}; ]')
     return "\n".join([f'DetectedGPUs="{", ".join(ids)}"', *props]) + "\n"
 
 

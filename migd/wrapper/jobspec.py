@@ -99,15 +99,21 @@ def _flag(ad: Mapping[str, Any], key: str) -> bool:
 
 
 _SHARE_SUFFIX = re.compile(r"_s\d+$")
+_SHARE_PREFIX = re.compile(r"^GPU-s\d+-")
 
 
 def physical_gpu(share_id: str) -> str:
-    """``GPU-61342749_s3`` -> ``GPU-61342749``: the GPU behind an advertised share ID.
+    """``GPU-s03-61342749`` -> ``GPU-61342749``: the GPU behind an advertised share ID.
 
     ``migctl gpu-inventory --shares K`` lists each GPU as K distinct IDs because
-    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678).
+    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678). IDs of earlier releases
+    (``GPU-61342749_s3``) are still understood: a startd keeps the IDs it read at
+    its start.
     """
-    return _SHARE_SUFFIX.sub("", share_id.strip())
+    text = share_id.strip()
+    if _SHARE_PREFIX.match(text):
+        return "GPU-" + _SHARE_PREFIX.sub("", text)
+    return _SHARE_SUFFIX.sub("", text)
 
 
 def job_id_of(job_ad: Mapping[str, Any]) -> str:

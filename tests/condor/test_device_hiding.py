@@ -21,7 +21,7 @@ from migd.cli.condor_ad import (
     gpus_for_inventory,
     render_inventory,
     share_attr,
-    short_uuid,
+    share_id,
 )
 from migd.wrapper.jobspec import spec_from_ads
 from tests.process.conftest import DaemonProcess
@@ -31,12 +31,13 @@ SHARES = 7
 
 
 def dynamic_slot_ad(inventory: str, share_ids: list[str], name: str) -> Any:
-    """A d-slot ad as the startd builds it from the GPU inventory: the assigned IDs,
-    ``AvailableGPUs`` listing their property ads, and the property ads themselves."""
-    refs = ", ".join(share_attr(i) for i in share_ids)
+    """A d-slot ad as the 23.9 startd builds it from the GPU inventory (seen with
+    ``condor_status -long``): the property ads as ``GPUs_<attr>``, the assigned IDs,
+    and ``AvailableGPUs`` listing the property ads of those IDs."""
+    refs = ", ".join("GPUs_" + share_attr(i) for i in share_ids)
     text = "\n".join(
         [
-            *inventory.strip().splitlines()[1:],  # the nested property ads
+            *("GPUs_" + line for line in inventory.strip().splitlines()[1:]),
             f'Name = "{name}"',
             f'AssignedGPUs = "{", ".join(share_ids)}"',
             f"AvailableGPUs = {{ {refs} }}",
@@ -71,7 +72,7 @@ def test_the_starter_expression_names_the_leased_gpu_for_mig_and_mps(
     for gpu in status["gpus"]:
         modes = ["mig", "mps"] if gpu["mode"] == "mig" else ["mps"]
         for n, mode in enumerate(modes):
-            share = f"{short_uuid(gpu['uuid'])}_s{SHARES - 1 - n}"
+            share = share_id(gpu["uuid"], SHARES - 1 - n)
             slot = dynamic_slot_ad(inventory, [share], f"slot1_{gpu['index']}{n}@node")
             job_ad = {
                 "GlobalJobId": f"ap#{gpu['index']}.{n}#1",
@@ -105,7 +106,7 @@ def test_without_device_uuid_the_starter_hides_every_gpu(node: DaemonProcess) ->
     # What migd advertised before: share IDs with no property ads. The expression is
     # then not a string, which the starter reads as "hide all".
     gpu = node.client().status()["gpus"][0]
-    share = f"{short_uuid(gpu['uuid'])}_s0"
+    share = share_id(gpu["uuid"], 0)
     bare = f'DetectedGPUs="{share}"\n'
     assert not isinstance(allowed_devices(dynamic_slot_ad(bare, [share], "slot1_1@n")), str)
 
@@ -116,15 +117,17 @@ def test_inventory_has_condor_gpu_discovery_properties(node: DaemonProcess) -> N
     first, *props = inventory.strip().splitlines()
     ids = [i.strip() for i in first.split("=", 1)[1].strip('"').split(",")]
     assert len(ids) == len(props) == 2 * len(status["gpus"])
+    # share by share across the GPUs, in the order HTCondor sorts them
+    assert ids == sorted(ids) and ids[:4] == [share_id(g["uuid"], 0) for g in status["gpus"]]
     ad = classad2.parseOne("\n".join(props))
     a100, v100 = status["gpus"][0], status["gpus"][2]
     prop = ad[share_attr(ids[0])]
     assert prop["id"] == ids[0] and prop["DeviceUuid"] == a100["uuid"].removeprefix("GPU-")
     assert prop["DeviceName"] == a100["name"]
-    assert prop["Capability"] == 8.0 and ad[share_attr(ids[4])]["Capability"] == 7.0
+    assert prop["Capability"] == 8.0 and ad[share_attr(ids[2])]["Capability"] == 7.0
     # The largest partition a job can get: the full MIG profile, the whole V100.
     assert prop["GlobalMemoryMb"] == a100["full_profile_mib"]
-    assert ad[share_attr(ids[4])]["GlobalMemoryMb"] == v100["memory_total_mib"]
+    assert ad[share_attr(ids[2])]["GlobalMemoryMb"] == v100["memory_total_mib"]
     assert prop["MaxSupportedVersion"] == 13000 and prop["DriverVersion"] == 13.0
     # require_gpus / gpus_minimum_memory as condor_submit writes them match a share.
     require = classad2.ExprTree("GlobalMemoryMb >= 20000 && Capability >= 8.0")

@@ -11,15 +11,26 @@ GPU its lease is on.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import classad2
 import pytest
 from condor_pool import CondorChroot, PersonalPool
-from test_migd_condor import PY, SOCKET, VENV, Migd, gpu_pool, installed, simjob
+from test_migd_condor import (
+    A100_FULL_MIB,
+    PY,
+    SOCKET,
+    VENV,
+    Migd,
+    gpu_pool,
+    installed,
+    migd,
+    simjob,
+)
 
-__all__ = ["installed"]  # the module fixture, used by name below
+__all__ = ["installed", "migd"]  # fixtures, used by name below
 
 STARTER_HIDE_EXPR = 'join(",",evalInEachContext(strcat("GPU-",DeviceUuid),AvailableGPUs))'
 DEFAULT_VRAM = 6000
@@ -149,3 +160,56 @@ def test_a_gpu_memory_constraint_no_node_meets_is_held(
     [ad] = pool.wait(cluster, timeout=90)
     assert ad["JobStatus"] == 5
     assert "larger than the largest GPU partition" in ad["HoldReason"], ad["HoldReason"]
+
+
+def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    """The shipped WaitForExit publisher: ad latency and the whole-GPU wave gap."""
+    pool = gpu_pool(personal_pool)
+    Migd.wait_for(
+        lambda: [ad for ad in pool.status() if ad.get("MigdHealthy") is True],
+        "the collector to have migd's ad",
+    )
+    # four whole-GPU jobs on two A100s: two waves
+    cluster = pool.submit(
+        simjob(A100_FULL_MIB, "--start", "1G", "--steps", "16", "--step-s", "0.5", queue="4")
+    )
+
+    def placeable() -> int:
+        proc = pool.condor(
+            ["condor_status", "-af", "MigdLargestPlaceableMB"], check=False, timeout=30
+        )
+        values = [int(v) for v in proc.stdout.split() if v.strip().isdigit()]
+        return max(values, default=-1)
+
+    Migd.wait_for(lambda: placeable() == 0, "both GPUs to be held", timeout_s=120)
+    samples: list[tuple[float, int]] = []
+
+    def freed() -> bool:
+        samples.append((time.time(), placeable()))
+        return samples[-1][1] == A100_FULL_MIB
+
+    Migd.wait_for(freed, "a freed GPU in the collector's slot ad", timeout_s=60)
+    seen_at = next(t for t, v in samples if v == A100_FULL_MIB)
+    before = max((t for t, v in samples if v != A100_FULL_MIB), default=seen_at)
+    released = min(
+        h["t"]
+        for ad in pool.q(cluster) + pool.history(cluster)
+        for h in migd.history(ad["GlobalJobId"])
+        if h["event"] == "released"
+    )
+    latency = seen_at - released
+    print(f"ad latency: {latency:.2f} s (sampled every {seen_at - before:.2f} s)")
+    assert latency < 2.0, f"the freed GPU took {latency:.2f} s to reach the collector"
+    ads = pool.wait(cluster, timeout=180)
+    assert all(ad["ExitCode"] == 0 for ad in ads)
+    leases = sorted(
+        (x for x in migd.leases(all_leases=True) if x["profile"] == "7g.40gb"),
+        key=lambda x: float(x["created_s"]),
+    )
+    assert len(leases) == 4, leases
+    first_wave_end = min(float(x["updated_s"]) for x in leases[:2])
+    gap = float(leases[2]["created_s"]) - first_wave_end
+    print(f"whole-GPU wave gap: {gap:.2f} s")
+    assert gap < 5.0, f"the next whole-GPU job started {gap:.2f} s after one ended"

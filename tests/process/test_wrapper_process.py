@@ -316,7 +316,7 @@ def test_job_ad_fields_and_gpu_shares() -> None:
             "MigdHorizon": 300,
             "WantIOProxy": True,
         },
-        {"Name": "slot1_3@node", "AssignedGPUs": "GPU-61342749_s3"},
+        {"Name": "slot1_3@node", "AssignedGPUs": "GPU-s03-61342749"},
     )
     assert (spec.job_id, spec.memory_mib, spec.mode, spec.slot) == (
         "5.2",
@@ -332,7 +332,8 @@ def test_job_ad_fields_and_gpu_shares() -> None:
         {"AssignedGPUs": "GPU-61342749_s3", "MigdPinToAssignedGPU": False},
     )
     assert unpinned.gpus is None  # a node without device hiding may let migd choose
-    assert physical_gpu("GPU-61342749_s12") == "GPU-61342749"
+    assert physical_gpu("GPU-61342749_s12") == "GPU-61342749"  # IDs before 0.2
+    assert physical_gpu("GPU-s12-61342749") == "GPU-61342749"
 
 
 def test_release_hook_reads_the_job_id() -> None:
