@@ -54,9 +54,17 @@ def _bool(value: bool) -> str:
 
 
 def free_mib(gpu: dict[str, Any]) -> int:
-    """GPU memory not held by jobs: all but busy MIG instances, or unpinned MPS memory."""
+    """GPU memory new leases could still get on this GPU (``MigdFreeMB``).
+
+    migd's ``placeable_mib`` (:mod:`migd.core.capacity`): memory profiles can still
+    use, so it agrees with the GPU's share of ``TotalVRAM`` and is 0 on a full GPU.
+    A status without it (an older daemon) falls back to the memory busy instances
+    or MPS shares do not hold.
+    """
     if gpu["mode"] == "off":
         return 0
+    if "placeable_mib" in gpu:
+        return int(gpu["placeable_mib"])
     if gpu["mode"] == "mps":
         busy = int((gpu.get("mps") or {}).get("pinned_mib", 0))
     elif gpu["mode"] == "exclusive":

@@ -7,12 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 from migd import __version__
+from migd.core.capacity import placeable_mib
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
 from migd.core.planner import plan_on_gpu
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
+from migd.errors import MigdError
 
 STATUS_SCHEMA = 1
 
@@ -36,6 +38,29 @@ def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] 
     if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
         return {"profile": "whole-gpu", "memory_mib": gpu.memory_total_mib}
     return None
+
+
+def placeable(daemon: DaemonContext, gpu: ManagedGpu) -> int:
+    """GPU memory new leases could still get on this GPU, in total (MiB); see
+    :mod:`migd.core.capacity`. 0 when the GPU takes no work."""
+    if not gpu.available:
+        return 0
+    if gpu.mode is GpuMode.MIG and gpu.space is not None:
+        busy = [
+            (i.profile, i.start)
+            for i in gpu.instances
+            if i.busy and i.status is not InstanceStatus.DESTROYING
+        ]
+        try:
+            return placeable_mib(gpu.space, busy)
+        except MigdError:  # a layout the state machine does not know: promise nothing
+            return 0
+    if gpu.mode is GpuMode.MPS:
+        pool = daemon.sched.mps_pool(gpu)
+        return max(0, pool.free_mib) if pool.clients < pool.max_clients else 0
+    if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
+        return gpu.memory_total_mib
+    return 0
 
 
 def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:
@@ -64,6 +89,7 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "memory_total_mib": gpu.memory_total_mib,
         "memory_used_mib": gpu.used_mib,
         "largest_placeable": largest_placeable(daemon, gpu),
+        "placeable_mib": placeable(daemon, gpu),
         "instances": [],
     }
     if gpu.space is not None:

@@ -24,7 +24,9 @@ Attributes the wrapper itself writes through chirp (and reads back on the next
 run): ``MigdOomExit`` (this exit 86 is migd's out-of-memory exit, not the job's
 own), ``MigdOomExits`` (how many there were), ``MigdLastVRAM`` (the partition the
 job last ran out of, MiB), ``MigdStartFailures`` (how often in a row migd could not
-start the job) and ``MigdStartFailureReason`` (why, the last time).
+start the job) and ``MigdStartFailureReason`` (why, the last time); for the
+user, what the job holds: ``MigdPartitionProfile``, ``MigdPartitionMB``,
+``MigdPartitionMode``, ``MigdRestarts`` and ``MigdPeakMB`` (docs/operations.md).
 ``condor_config/20-migd-access-point.config`` decides on them.
 
 The lease is named after the job's ``GlobalJobId`` (``schedd#cluster.proc#qdate``),
