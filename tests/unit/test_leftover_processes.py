@@ -83,26 +83,34 @@ def test_a_quarantined_instance_is_not_reused_until_its_processes_exit() -> None
 
 
 def test_a_resync_quarantines_an_idle_instance_that_has_processes() -> None:
-    # The running path: the lease ended normally, a child it left behind keeps running.
-    node = _node(idle_policy="destroy")
+    # The running path: the lease ended and its instance was idle when released; a
+    # process shows up on it later (a child the release check could not see yet).
+    node = _node()
     _grant(node, "A", 4000, 1.0)
     inst = node.gpus[0].instance_of("A")
     assert inst is not None and inst.uuid is not None
-    node.quarantine("A", "processes outlived lease A")  # what the daemon saw at release
     _run(node, node.release("A", 2.0, 2.0), 2.0)
-    assert inst in node.gpus[0].instances  # the destroy policy does not touch it
-    # and an instance that was idle when released, with a process appearing later:
-    _grant(node, "B", 4000, 3.0)
-    other = node.gpus[0].instance_of("B")
-    assert other is not None and other.uuid is not None
-    node.gpus[0].instances.remove(inst)  # (only the second instance matters here)
-    node.policy = SchedulerPolicy(idle_policy="keep", idle_timeout_s=5)  # type: ignore[arg-type]
-    _run(node, node.release("B", 4.0, 4.0), 4.0)
-    assert not other.busy
-    notes = node.resync(0, _observed(node), {other.uuid}, 5.0)
-    assert other.busy and other.origin is Origin.UNEXPLAINED
+    assert not inst.busy
+    notes = node.resync(0, _observed(node), {inst.uuid}, 3.0)
+    assert inst.busy and inst.origin is Origin.UNEXPLAINED
     assert any("without a migd lease" in n for n in notes)
-    assert _grant(node, "C", 4000, 6.0).start != other.start
+    assert _grant(node, "B", 4000, 4.0).start != inst.start
+    assert not any(
+        isinstance(op, DestroyOp) and op.start == inst.start
+        for w in node.idle_teardown(100.0)
+        for op in w.ops
+    )
+
+
+def test_the_destroy_policy_keeps_a_quarantined_instance() -> None:
+    node = _node(idle_policy="destroy")
+    _grant(node, "A", 4000, 1.0)
+    inst = node.gpus[0].instance_of("A")
+    assert inst is not None
+    node.quarantine("A", "processes outlived lease A")
+    work = node.release("A", 2.0, 2.0)
+    assert not any(isinstance(op, DestroyOp) for w in work for op in w.ops)
+    assert inst in node.gpus[0].instances and inst.busy
 
 
 def test_quarantine_ignores_leases_without_a_mig_instance() -> None:
