@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from migd.errors import DaemonUnavailable
+from migd.errors import MigdError
 
 
 def short_uuid(uuid: str) -> str:
@@ -214,7 +214,7 @@ def watch(
         n += 1
         try:
             ad = render_condor_ad(fetch(), per_gpu=per_gpu)
-        except DaemonUnavailable as exc:
+        except MigdError as exc:  # down, restarting, or an answer it could not give
             ad = render_unavailable(exc.message)
         now = clock()
         if ad != last or now - written_at >= heartbeat_s:

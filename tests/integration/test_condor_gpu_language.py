@@ -213,3 +213,19 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
     gap = float(leases[2]["created_s"]) - first_wave_end
     print(f"whole-GPU wave gap: {gap:.2f} s")
     assert gap < 5.0, f"the next whole-GPU job started {gap:.2f} s after one ended"
+
+
+def test_the_job_ad_shows_the_partition_it_holds_after_a_restart(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    # 3 GiB, then +1 GiB per step up to 7 GiB: dies on 1g.5gb, restarts on a 10 GB profile
+    cluster = pool.submit(simjob(4000, "--start", "3G", "--grow", "1G", "--steps", "4"))
+    [ad] = pool.wait(cluster, timeout=180)
+    assert ad["ExitCode"] == 0, pool.job_error(cluster)
+    # condor_history has what the job held at the end, its peak and the restart
+    assert ad["MigdPartitionProfile"] in ("1g.10gb", "2g.10gb"), ad
+    assert ad["MigdPartitionMB"] > 4864 and ad["MigdPartitionMode"] == "mig"
+    assert ad["MigdRestarts"] == 1
+    assert ad["MigdPeakMB"] >= 7 * 1024
+    assert ad["MigdVRAMSource"] == "request_VRAM"
