@@ -229,3 +229,59 @@ def test_the_job_ad_shows_the_partition_it_holds_after_a_restart(
     assert ad["MigdRestarts"] == 1
     assert ad["MigdPeakMB"] >= 7 * 1024
     assert ad["MigdVRAMSource"] == "request_VRAM"
+
+
+LEAVE_A_PROCESS = """
+import os
+from migd.client import MigdClient
+
+# a CUDA process of this job that outlives it (a setsid child in real life): it stays
+# on the job's MIG device in the simulated GPU after the job and its wrapper are gone
+client = MigdClient("{socket}")
+device = os.environ["CUDA_VISIBLE_DEVICES"]
+client.call("sim_attach", pid={pid}, device_uuid=device)
+client.call("sim_alloc", pid={pid}, mib=3000)
+print("LEFT", device)
+"""
+
+
+def test_an_instance_a_finished_job_left_a_process_on_is_not_reused(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    leftover = 424242  # exists only in the simulated GPU
+    first = pool.submit(
+        {**simjob(4000), "arguments": "leave.py", "transfer_input_files": "leave.py"},
+        files={"leave.py": LEAVE_A_PROCESS.format(socket=SOCKET, pid=leftover)},
+    )
+    [ad] = pool.wait(first, timeout=120)
+    assert ad["ExitCode"] == 0, pool.job_error(first)
+    device = pool.job_output(first).split("LEFT ", 1)[1].split()[0]
+    status = migd.ctl("status", "--json")
+    [inst] = [i for g in status["gpus"] for i in g["instances"] if i["uuid"] == device]
+    # quarantined with the reason, not idle
+    assert inst["busy"] and inst["origin"] == "unexplained", inst
+    assert str(leftover) in inst["note"]
+    assert any(h["event"] == "leftover_processes" for h in migd.history(ad["GlobalJobId"]))
+    # the next job of the same size runs on another instance and does not run out
+    second = pool.submit(simjob(4000, "--print-env", "--start", "3G", "--steps", "2"))
+    [ad2] = pool.wait(second, timeout=120)
+    assert ad2["ExitCode"] == 0, pool.job_error(second)
+    env = dict(x.split("=", 1) for x in pool.job_output(second).splitlines() if "=" in x)
+    assert env["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    assert env["CUDA_VISIBLE_DEVICES"] != device
+    # once the process exits the instance is migd's again
+    migd.chroot.run(
+        [PY, "-c", f"from migd.client import MigdClient; MigdClient('{SOCKET}')"
+         f".call('sim_detach', pid={leftover})"]
+    )  # fmt: skip
+    Migd.wait_for(
+        lambda: (
+            not any(
+                i["uuid"] == device and i["busy"]
+                for g in migd.ctl("status", "--json")["gpus"]
+                for i in g["instances"]
+            )
+        ),
+        "the instance to be adopted again",
+    )
