@@ -127,3 +127,18 @@ def _read_ad(stream: IO[str]) -> str:
         if line.startswith("-"):
             return "".join(lines)
     raise AssertionError(f"the watcher ended: {''.join(lines)}")
+
+
+def test_migctl_max_vram_prints_the_node_value(daemon: DaemonProcess) -> None:
+    daemon.simulate = "1xA100-40GB,1xH100-80GB"
+    daemon.start()
+    result = subprocess.run(
+        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), "max-vram"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    full = max(g["full_profile_mib"] for g in daemon.client().status()["gpus"])
+    assert full > 40448  # the H100's full profile, not the A100's
+    assert result.stdout == f"MIGD_MAX_VRAM = {full}\n"
