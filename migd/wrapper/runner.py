@@ -264,7 +264,11 @@ class JobRunner:
             if attempt.peak_used_mib is not None and attempt.peak_used_mib > peak:
                 # the most GPU memory the job used on any attempt: what to ask for next time
                 peak = attempt.peak_used_mib
-                self._chirp({"MigdPeakMB": peak})
+                # HTCondor's own GPUsMemoryUsage ("peak memory usage over the lifetime of
+                # the job, in megabytes", managing-a-job.rst) is filled by its GPU monitor,
+                # which migd nodes do not run (it misreports shared GPUs): feed it the
+                # job's own peak instead.
+                self._chirp({"MigdPeakMB": peak, "GPUsMemoryUsage": peak})
             limit = int(lease.get("memory_limit_mib") or memory)
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)

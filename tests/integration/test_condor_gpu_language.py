@@ -228,6 +228,7 @@ def test_the_job_ad_shows_the_partition_it_holds_after_a_restart(
     assert ad["MigdPartitionMB"] > 4864 and ad["MigdPartitionMode"] == "mig"
     assert ad["MigdRestarts"] == 1
     assert ad["MigdPeakMB"] >= 7 * 1024
+    assert ad["GPUsMemoryUsage"] == ad["MigdPeakMB"]  # HTCondor's own attribute, fed by migd
     assert ad["MigdVRAMSource"] == "request_VRAM"
 
 

@@ -713,7 +713,7 @@ def test_release_hook_releases_only_its_own_jobs_lease(daemon: DaemonProcess) ->
 def policy_chirps(lines: list[str]) -> list[str]:
     """The chirped attributes the access-point policy acts on (without the accounting
     ones: MigdPartition*, MigdRestarts, MigdPeakMB)."""
-    accounting = ("MigdPartition", "MigdRestarts ", "MigdPeakMB ")
+    accounting = ("MigdPartition", "MigdRestarts ", "MigdPeakMB ", "GPUsMemoryUsage ")
     return [x for x in lines if not x.removeprefix("set_job_attr ").startswith(accounting)]
 
 
@@ -741,6 +741,8 @@ def test_oom_exit_marks_the_job_through_chirp(daemon: DaemonProcess, tmp_path: P
     ]
     [peak] = [x for x in lines if x.startswith("set_job_attr MigdPeakMB ")]
     assert int(peak.split()[-1]) >= 30 * 1024
+    # HTCondor's own attribute gets the same peak
+    assert f"set_job_attr GPUsMemoryUsage {peak.split()[-1]}" in lines
     chirped = policy_chirps(lines)
     assert chirped == [
         f"set_job_attr RequestVRAM {45 * 1024 + MIG_IDLE_USED_MIB}",
