@@ -123,11 +123,12 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
 
 
 def share_attr(share_id: str) -> str:
-    """The machine-ad attribute holding a GPU ID's property ad: ``GPU-ab12_s0`` -> ``GPU_ab12_s0``.
+    """The attribute naming a GPU ID's property ad: ``GPU-s00-ab12`` -> ``GPU_s00_ab12``.
 
     condor_gpu_discovery names its nested ads the same way (the ID with every
-    character that may not appear in an attribute name replaced by ``_``), and the
-    startd's ``AvailableGPUs`` list refers to them by that name.
+    character that may not appear in an attribute name replaced by ``_``); the 23.9
+    startd stores them in slot ads as ``GPUs_<name>`` and lists those in
+    ``AvailableGPUs``.
     """
     return "".join(c if c.isalnum() or c == "_" else "_" for c in share_id)
 
