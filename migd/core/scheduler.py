@@ -1218,6 +1218,18 @@ class NodeScheduler:
                     inst.origin, inst.note = Origin.ADOPTED, ""
                     inst.idle_since_s = now_s
                     notes.append(f"{inst} is idle now; adopted")
+                elif (
+                    uuid in busy_uuids
+                    and inst.lease_id is None
+                    and inst.mps_pool is None  # an MPS host's server is a process of its own
+                    and inst.status is InstanceStatus.READY
+                    and inst.origin is not Origin.UNEXPLAINED
+                ):
+                    # An idle instance with processes (a job's child that outlived its
+                    # lease): never handed out or destroyed until they exit.
+                    inst.origin = Origin.UNEXPLAINED
+                    inst.note = "processes run on it without a migd lease"
+                    notes.append(f"{inst}: unexplained ({inst.note})")
                 fresh.append(inst)
                 continue
             origin, note = Origin.ADOPTED, ""
@@ -1330,6 +1342,22 @@ class NodeScheduler:
         if gone:
             self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
         return self._outcome()
+
+    def quarantine(self, lease_id: str, why: str) -> str | None:
+        """Keep the MIG instance of ``lease_id`` from being reused or destroyed: processes
+        still run on it (call before :meth:`release`, which schedules queued requests).
+
+        The instance is UNEXPLAINED (``migctl status`` shows ``why``) until a resync finds
+        it without processes. Returns the instance's name, ``None`` if the lease has none.
+        """
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.gpu is None or lease.mode != "mig":
+            return None
+        inst = self.gpus[lease.gpu].instance_of(lease_id)
+        if inst is None:
+            return None
+        inst.origin, inst.note = Origin.UNEXPLAINED, why
+        return str(inst)
 
     def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> bool:
         """Re-account an MPS lease found in the state db at start-up (it may overcommit).

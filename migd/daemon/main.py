@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from migd import __version__
-from migd.daemon.config import MigdConfig, example_toml, load_config
+from migd.daemon.config import DEFAULT_CONFIG_PATH, MigdConfig, example_toml, load_config
 from migd.daemon.logs import configure_logging
 from migd.errors import ConfigError, MigdError
 
@@ -156,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 2
+    # Name the file that was read: load_config reads the default path when it exists,
+    # so "defaults" is only true when there is no file.
+    config_file = args.config or DEFAULT_CONFIG_PATH
+    source = str(config_file) if config_file.exists() else f"defaults, no {config_file}"
     if args.check_config:
-        print(f"configuration OK ({args.config or 'defaults'})")
+        print(f"configuration OK ({source})")
         return 0
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     log = structlog.get_logger("migd")
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "daemon.starting",
         version=__version__,
         python=sys.version.split()[0],
-        config=str(args.config or "defaults"),
+        config=source,
         pid=os.getpid(),
     )
 

@@ -35,6 +35,7 @@ from migd.daemon.auth import Peer
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
+from migd.daemon.leftovers import quarantine_leftovers
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.periodic import known_sum
 from migd.daemon.status import build_status, explain_job
@@ -269,7 +270,9 @@ class Ops:
 
     async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
         req = call.request
-        return self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
+        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, call.owned)
+        result = self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
+        return {**result, "leftover_pids": leftover} if leftover else result
 
     async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of
@@ -298,6 +301,7 @@ class Ops:
         released = []
         for lease in leases:
             reason = req.reason or f"released by the JOB_EXIT hook (uid {peer.uid})"
+            await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
             self.leases.release(lease, reason)
             released.append(lease.lease_id)
         return {"released": released}

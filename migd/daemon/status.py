@@ -7,13 +7,15 @@ from collections.abc import Callable
 from typing import Any
 
 from migd import __version__
+from migd.core.capacity import placeable_mib
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
 from migd.core.planner import plan_on_gpu
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.mps_supervisor import mps_compute_mode_warning
+from migd.errors import MigdError
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
@@ -57,6 +59,29 @@ def gpu_warnings(info: GpuInfo, gpu: ManagedGpu) -> list[str]:
     return warnings
 
 
+def placeable(daemon: DaemonContext, gpu: ManagedGpu) -> int:
+    """GPU memory new leases could still get on this GPU, in total (MiB); see
+    :mod:`migd.core.capacity`. 0 when the GPU takes no work."""
+    if not gpu.available:
+        return 0
+    if gpu.mode is GpuMode.MIG and gpu.space is not None:
+        busy = [
+            (i.profile, i.start)
+            for i in gpu.instances
+            if i.busy and i.status is not InstanceStatus.DESTROYING
+        ]
+        try:
+            return placeable_mib(gpu.space, busy)
+        except MigdError:  # a layout the state machine does not know: promise nothing
+            return 0
+    if gpu.mode is GpuMode.MPS:
+        pool = daemon.sched.mps_pool(gpu)
+        return max(0, pool.free_mib) if pool.clients < pool.max_clients else 0
+    if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
+        return gpu.memory_total_mib
+    return 0
+
+
 def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:
     sched = daemon.sched
     info = next((g for g in daemon.gpus if g.index == gpu.index), None)
@@ -68,6 +93,15 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "mode": gpu.mode.value,
         "mig_current": info.mig_current if info else None,
         "mig_pending": info.mig_pending if info else None,
+        # condor_gpu_discovery's per-GPU properties (DriverVersion, MaxSupportedVersion,
+        # Capability): `migctl gpu-inventory` advertises them so require_gpus matches.
+        "driver_version": info.driver_version if info else None,
+        "cuda_version": info.cuda_version if info else None,
+        "compute_capability": (
+            f"{info.compute_capability[0]}.{info.compute_capability[1]}"
+            if info and info.compute_capability
+            else None
+        ),
         "health": str(gpu.health),
         "healthy": gpu.health.available,
         "conditions": [c.to_dict() for c in gpu.health.conditions.values()],
@@ -78,6 +112,7 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "memory_total_mib": gpu.memory_total_mib,
         "memory_used_mib": gpu.used_mib,
         "largest_placeable": largest_placeable(daemon, gpu),
+        "placeable_mib": placeable(daemon, gpu),
         "instances": [],
     }
     if gpu.space is not None:
