@@ -264,11 +264,6 @@ def _lease_of(pool: MultiNodePool, ad: dict[str, Any]) -> dict[str, Any]:
     return lease
 
 
-@pytest.mark.xfail(
-    reason="needs the condor engineer's gpus_minimum_memory support (issue 12 §2: "
-    "HTCondor's own submit lines match migd nodes and are right-sized)",
-    strict=False,
-)
 def test_job_with_only_gpus_minimum_memory_is_right_sized(load: Load) -> None:
     [ad] = load.ads["min_memory"]
     assert ad["JobStatus"] == 4 and ad["ExitCode"] == 0, PersonalPool.describe([ad])
@@ -278,11 +273,6 @@ def test_job_with_only_gpus_minimum_memory_is_right_sized(load: Load) -> None:
     assert 8000 <= int(lease["memory_limit_mib"]) < A100_FULL_MIB, lease
 
 
-@pytest.mark.xfail(
-    reason="needs the condor engineer's no-memory default (issue 12 §2: one documented, "
-    "deterministic outcome for a GPU job that states no memory, never evicted in a loop)",
-    strict=False,
-)
 def test_job_with_no_memory_statement_gets_the_documented_default(load: Load) -> None:
     ads = load.ads["no_memory"]
     assert len(ads) == 2, PersonalPool.describe(ads)
@@ -338,16 +328,11 @@ def wave(load: Load) -> Wave:
 def test_whole_gpu_jobs_run_back_to_back(wave: Wave) -> None:
     assert all(ad["ExitCode"] == 0 for ad in wave.ads), PersonalPool.describe(wave.ads)
     assert wave.gaps_s, PersonalPool.describe(wave.ads)
-    # with STARTD_CRON_MIGD_PERIOD = 2 the freed GPU is advertised within seconds: well under
-    # the 37-39 s the shipped 30 s period gave (issue 12 §3)
+    # the shipped config streams a new ad when migd's state changes (condor-ad --watch):
+    # well under the 37-39 s the old 30 s cron period gave (issue 12 §3)
     assert max(wave.gaps_s) <= 20, wave.gaps_s
 
 
-@pytest.mark.xfail(
-    reason="needs the condor engineer's fast ads (issue 12 §3: back-to-back whole-GPU jobs "
-    "start within 5 s of the previous one ending)",
-    strict=False,
-)
 def test_whole_gpu_jobs_start_within_5_s_of_the_previous_end(wave: Wave) -> None:
     assert max(wave.gaps_s) <= 5, wave.gaps_s
 
