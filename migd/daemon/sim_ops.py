@@ -35,10 +35,14 @@ class SimOps:
         if self.ctx.auth.is_admin(peer):
             return
         owner = self.ctx.procs.uid(req.pid)
-        if owner is None:  # the process is gone: judge by the device it used
+        if owner is None:
+            # No host process: either one that is gone (judged by the device it used) or,
+            # to attach, a process that lives only in the simulation (a job's escaped child
+            # in tests), judged below by the caller's lease on the device it attaches to.
             proc = self.node.process(req.pid)
             device = proc.device_uuid if proc is not None else None
-            if device is None or not self._leases_device(peer, device):
+            new_fake = proc is None and req.op == "sim_attach"
+            if not new_fake and (device is None or not self._leases_device(peer, device)):
                 raise NotAuthorized(
                     f"process {req.pid} is not one of uid {peer.uid}'s",
                     hint="a fake CUDA job acts only for its own processes",

@@ -43,8 +43,14 @@ def test_sim_operations_check_ownership(
         call_as(daemon, USER_B, "sim_detach", pid=a_cuda),
         call_as(daemon, USER_B, "sim_attach", pid=a_cuda, device_uuid=mig),
     ]
+    # a process that lives only in the simulation (above pid_max, never a host PID)
+    fake = (1 << 22) + 7
+    refused.append(call_as(daemon, USER_B, "sim_attach", pid=fake, device_uuid=mig))
     for outcome in refused:
         assert outcome == {**outcome, "ok": False, "code": "not_authorized"}, outcome
+    assert call_as(daemon, USER_A, "sim_attach", pid=fake, device_uuid=mig)["ok"]
+    assert call_as(daemon, USER_B, "sim_detach", pid=fake)["code"] == "not_authorized"
+    assert call_as(daemon, USER_A, "sim_detach", pid=fake)["ok"]
     assert call_as(daemon, USER_A, "sim_detach", pid=a_cuda)["ok"]
 
 
