@@ -43,7 +43,7 @@ def _run(node: NodeScheduler, work: list[Work], now: float) -> list[Work]:
             for op in w.ops
             if isinstance(op, CreateOp)
         }
-        node.work_done(w, created, now)
+        node.work_done(w, created, now, now)
     return destroys
 
 
@@ -64,14 +64,14 @@ def test_a_quarantined_instance_is_not_reused_until_its_processes_exit() -> None
     inst = node.gpus[0].instance_of("A")
     assert inst is not None and inst.uuid is not None
     assert node.quarantine("A", "processes outlived lease A: pid 4242") == str(inst)
-    _run(node, node.release("A", 2.0, 2.0), 2.0)
+    _run(node, node.release("A", 2.0, 2.0).work, 2.0)
     assert first.state.terminal and inst.busy and inst.origin is Origin.UNEXPLAINED
     second = _grant(node, "B", 4000, 3.0)
     assert second.start != inst.start  # a fresh instance, not the one with processes
     # idle teardown never destroys it either
     assert not any(
         isinstance(op, DestroyOp) and op.start == inst.start
-        for w in node.idle_teardown(100.0)
+        for w in node.idle_teardown(100.0, 100.0).work
         for op in w.ops
     )
     node.resync(0, _observed(node), {inst.uuid}, 101.0)
@@ -89,15 +89,15 @@ def test_a_resync_quarantines_an_idle_instance_that_has_processes() -> None:
     _grant(node, "A", 4000, 1.0)
     inst = node.gpus[0].instance_of("A")
     assert inst is not None and inst.uuid is not None
-    _run(node, node.release("A", 2.0, 2.0), 2.0)
+    _run(node, node.release("A", 2.0, 2.0).work, 2.0)
     assert not inst.busy
-    notes = node.resync(0, _observed(node), {inst.uuid}, 3.0)
+    resynced = node.resync(0, _observed(node), {inst.uuid}, 3.0)
     assert inst.busy and inst.origin is Origin.UNEXPLAINED
-    assert any("without a migd lease" in n for n in notes)
+    assert any("without a migd lease" in n for n in resynced.notes)
     assert _grant(node, "B", 4000, 4.0).start != inst.start
     assert not any(
         isinstance(op, DestroyOp) and op.start == inst.start
-        for w in node.idle_teardown(100.0)
+        for w in node.idle_teardown(100.0, 100.0).work
         for op in w.ops
     )
 
@@ -108,7 +108,7 @@ def test_the_destroy_policy_keeps_a_quarantined_instance() -> None:
     inst = node.gpus[0].instance_of("A")
     assert inst is not None
     node.quarantine("A", "processes outlived lease A")
-    work = node.release("A", 2.0, 2.0)
+    work = node.release("A", 2.0, 2.0).work
     assert not any(isinstance(op, DestroyOp) for w in work for op in w.ops)
     assert inst in node.gpus[0].instances and inst.busy
 
