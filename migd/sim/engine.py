@@ -65,10 +65,14 @@ from migd.core.scheduler import (
 )
 from migd.core.states import StateSpace, state_space
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+from migd.sim.interference import CALIBRATED, MpsInterference
 from migd.sim.jobs import PowerModel, SimJob, busy_fraction, demand_of, runtime_at
 from migd.sim.policies import PolicySpec
 
 Outcome = Literal["completed", "rejected", "failed", "unfinished"]
+
+#: Nodes a simulated pool may have (the pool-scale benchmark runs 1,000).
+MAX_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,10 @@ class SimConfig:
             matcher does, with the policy's queue scheme).
         profiles: profile set of the MIG state machine (``classic`` as in the papers).
         power: power model; ``None`` picks :meth:`PowerModel.for_model`.
-        mps_interference: extra slowdown of every MPS client while two or more share
-            a GPU (0: pure processor sharing; seed 004 saw per-job times "nearly
-            equal" with and without MPS).
+        mps_interference: extra flat slowdown of every MPS client while two or more
+            share a device, on top of ``interference`` (0: the calibrated model alone).
+        interference: how MPS clients share a device (a whole GPU or a MIG instance
+            hosting MPS); :mod:`migd.sim.interference`, calibrated to [Voigtlaender].
         max_time_s: stop the simulation at this simulated time.
         check_invariants: assert capacity and layout invariants after every event
             (tests; slows the run down).
@@ -97,14 +102,15 @@ class SimConfig:
     profiles: str = "classic"
     power: PowerModel | None = None
     mps_interference: float = 0.0
+    interference: MpsInterference = CALIBRATED
     max_time_s: float = 365 * 86400.0
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.gpus <= 8:
             raise InvalidRequest(f"gpus per node must be 1-8, got {self.gpus}")
-        if not 1 <= self.nodes <= 64:
-            raise InvalidRequest(f"nodes must be 1-64, got {self.nodes}")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise InvalidRequest(f"nodes must be 1-{MAX_NODES}, got {self.nodes}")
         if self.mps_interference < 0:
             raise InvalidRequest("mps_interference must not be negative")
 
@@ -169,6 +175,9 @@ class _Run:
     profile: str | None = None
     unit_start: int = 0
     units: int = 0
+    host: int = -1  # MPS: start of the MIG instance hosting the server, -1 whole GPU
+    host_slices: int = 0  # and its compute slices
+    uid: int = 0
 
     def span(self, lease_id: str, end_s: float, how: str) -> Span:
         """This run on the slice map, from its start to ``end_s``, ended ``how``."""
@@ -235,6 +244,7 @@ class SimResult:
     events: int
     max_queue: int
     notes: list[str] = field(default_factory=list)
+    isolation_breaches: int = 0  # runs that shared an MPS server with another user's job
 
 
 def index_order(geo: Geometry) -> Geometry:
@@ -306,6 +316,7 @@ class Simulation:
         self._events = 0
         self._ended = 0
         self._max_queue = 0
+        self.isolation_breaches = 0
         self.notes: list[str] = []
         self._dirty: set[int] = set()
         self._negotiate = False
@@ -340,6 +351,7 @@ class Simulation:
                 memory_total_mib=self.geo.memory_mib,
                 mode=mode,
                 space=self.space if mode is GpuMode.MIG else None,
+                mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
             )
             if self.policy.static_layout is not None:
                 if mode is not GpuMode.MIG:
@@ -514,6 +526,11 @@ class Simulation:
                     continue
                 best = prof.memory_mib
         for gpu in sched.gpus.values():
+            for inst in gpu.instances:  # MPS servers inside MIG instances take shares too
+                host = inst.mps_pool
+                ready = inst.status is InstanceStatus.READY
+                if host is not None and ready and host.clients < host.max_clients:
+                    best = max(best, host.free_mib)
             if gpu.mode is GpuMode.MPS and gpu.available:
                 pool = sched.mps_pool(gpu)
                 if pool.clients < pool.max_clients:
@@ -677,12 +694,15 @@ class Simulation:
         alloc = float(self.compute)
         unit_start, units = 0, self.geo.units
         label = lease.mode
-        if lease.mode == "mig":
+        host = -1  # the MIG instance an MPS share runs in (start), -1: the whole GPU
+        if lease.mode == "mig" or (lease.mode == "mps" and lease.profile is not None):
             assert gpu.space is not None and lease.profile is not None and lease.start is not None
             prof = gpu.space.member(lease.profile)
             share = prof.compute_slices / self.compute
             alloc = float(prof.compute_slices)
             unit_start, units, label = lease.start, prof.memory_slices, prof.name
+            if lease.mode == "mps":
+                host, label = lease.start, f"mps@{prof.name}"
         limit = lease.memory_limit_mib or attempt.memory_mib
         record.profiles.append(label)
         stop_iter, stop, needed = self._stop_point(job, limit)
@@ -709,10 +729,14 @@ class Simulation:
             unit_start=unit_start,
             units=units,
             profile=lease.profile if lease.mode == "mig" else None,
+            host=host,
+            host_slices=int(alloc) if host >= 0 else 0,
+            uid=job.uid,
         )
         self.runs[lease.lease_id] = run
         if lease.mode == "mps":
-            self._rebalance_mps(node.index, gpu.index)
+            self._count_breaches(lease.lease_id, run)
+            self._rebalance_mps(node.index, gpu.index, host)
         else:
             self._schedule_end(lease.lease_id, run)
         self._sample(node.index, gpu.index)
@@ -760,25 +784,46 @@ class Simulation:
         remaining = max(0.0, run.stop_progress - run.progress)
         self._push(self.now + remaining / run.rate, "end", (lease_id, run.version))
 
-    def _rebalance_mps(self, node_index: int, gpu_index: int) -> None:
-        """Processor sharing among the MPS clients of one GPU (see :mod:`migd.sim.jobs`)."""
+    def _rebalance_mps(self, node_index: int, gpu_index: int, host: int) -> None:
+        """Share one MPS device among its clients (:mod:`migd.sim.interference`).
+
+        The device is the whole GPU (``host == -1``) or the MIG instance at ``host``;
+        an instance offers its compute slices' share of the GPU.
+        """
         members = [
             (lid, r)
             for lid, r in self.runs.items()
-            if r.node == node_index and r.gpu == gpu_index and r.mode == "mps"
+            if r.node == node_index and r.gpu == gpu_index and r.mode == "mps" and r.host == host
         ]
         if not members:
             return
+        capacity = 1.0
+        if host >= 0:
+            capacity = members[0][1].host_slices / self.compute
         demands = [demand_of(r.attempt.job, self.compute) for _, r in members]
-        total = sum(demands)
-        slowdown = 1.0 + (self.config.mps_interference if len(members) > 1 else 0.0)
-        for (lid, run), d in zip(members, demands, strict=True):
+        model = self.config.interference
+        if self.config.mps_interference:
+            model = replace(model, flat=model.flat + self.config.mps_interference)
+        shares = model.shares(demands, capacity)
+        for (lid, run), share in zip(members, shares, strict=True):
             self._advance(run)
-            run.share = d / max(1.0, total) / slowdown
+            run.share = share
             run.rate = 1.0 / runtime_at(run.attempt.job, run.share, self.compute)
             run.busy = run.share
             run.alloc_slices = run.share * self.compute
             self._schedule_end(lid, run)
+
+    def _count_breaches(self, lease_id: str, run: _Run) -> None:
+        """Memory isolation: a job that shares an MPS server with another user's job."""
+        for lid, other in self.runs.items():
+            if (
+                lid != lease_id
+                and other.mode == "mps"
+                and (other.node, other.gpu, other.host) == (run.node, run.gpu, run.host)
+                and other.uid != run.uid
+            ):
+                self.isolation_breaches += 1
+                return
 
     def _on_end(self, payload: tuple[str, int]) -> None:
         lease_id, version = payload
@@ -797,9 +842,9 @@ class Simulation:
         self._dirty.add(node.index)
         self._negotiate = True
         if run.mode == "mps":
-            self._rebalance_mps(run.node, run.gpu)
+            self._rebalance_mps(run.node, run.gpu, run.host)
         sched_policy = node.scheduler.policy
-        if run.mode == "mig" and sched_policy.idle_policy == "timeout":
+        if (run.mode == "mig" or run.host >= 0) and sched_policy.idle_policy == "timeout":
             self._push(self.now + sched_policy.idle_timeout_s, "idle", node.index)
         self._sample(run.node, run.gpu)
         if run.stop == "done":
@@ -907,14 +952,33 @@ class Simulation:
                     )
                     used = 0
                     taken = 0
+                    hosts: dict[int, list[_Run]] = {}
                     for lid, r in runs:
                         inst = gpu.instance_at(r.unit_start)
+                        if r.mode == "mps":  # a share of the MPS server inside an instance
+                            assert inst is not None and inst.mps_pool is not None, f"{lid}: host"
+                            assert inst.mps_pool.share(lid) is not None, f"{lid}: no share"
+                            assert inst.status is InstanceStatus.READY, f"{lid}: host not ready"
+                            hosts.setdefault(r.host, []).append(r)
+                            continue
                         assert inst is not None and inst.lease_id == lid, f"{lid}: no instance"
                         assert inst.status is InstanceStatus.READY, f"{lid}: instance not ready"
                         used += inst.profile.compute_slices
                         mask = inst.profile.units_mask(inst.start)
                         assert not taken & mask, f"{lid}: overlapping units"
                         taken |= mask
+                    for start, members in hosts.items():
+                        inst = gpu.instance_at(start)
+                        assert inst is not None and inst.mps_pool is not None
+                        pinned = sum(r.attempt.memory_mib for r in members)
+                        assert pinned <= inst.mps_pool.capacity_mib, f"host {inst}: {pinned} MiB"
+                        assert len({r.uid for r in members}) == 1 or (
+                            node.scheduler.policy.mps_multi_user
+                        ), f"host {inst}: clients of several users"
+                        mask = inst.profile.units_mask(inst.start)
+                        assert not taken & mask, f"host {inst}: overlapping units"
+                        taken |= mask
+                        used += inst.profile.compute_slices
                     assert used <= self.compute, f"GPU {gpu.index}: {used} compute slices busy"
                 elif gpu.mode is GpuMode.EXCLUSIVE:
                     assert len(runs) <= 1, f"GPU {gpu.index}: {len(runs)} jobs on an exclusive GPU"
@@ -945,6 +1009,7 @@ class Simulation:
             events=self._events,
             max_queue=self._max_queue,
             notes=self.notes,
+            isolation_breaches=self.isolation_breaches,
         )
 
 
