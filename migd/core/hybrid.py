@@ -28,7 +28,9 @@ first.
 this user's share-bound requests pin on the node now (this request, those queued
 behind it, and those running in hosts), the smallest profile whose MPS capacity holds
 it, else the largest; then the other profiles that still hold this request, larger
-before smaller. The scheduler takes the first one its planner can place: creating an
+before smaller. Profiles that hold no more of the job per memory slice than its own
+instance are left out (a ``2g.10gb`` host holds two 3 GB jobs, as two ``1g.5gb`` do).
+The scheduler takes the first one its planner can place: creating an
 instance, reusing an idle one or fusing idle ones into it (fission/fusion). Hosts
 shrink when idle: a host without clients is torn down by the idle policy, and the next
 one is sized to the demand then.
@@ -112,12 +114,9 @@ class HybridPolicy:
             return Route(False, "did not opt in to sharing (rule opt-in)")
         if self.share_max_mib is not None and memory_mib > self.share_max_mib:
             return Route(False, f"{memory_mib} MiB is above share_max_mib {self.share_max_mib}")
-        fits = [
-            p for p in profiles if p.memory_mib >= memory_mib and p.compute_slices >= min_compute
-        ]
-        if not fits:
+        own = self._own(profiles, memory_mib, min_compute)
+        if own is None:
             return Route(False, "no profile holds it")
-        own = min(fits, key=lambda p: (p.memory_slices, p.compute_slices, p.memory_mib))
         own_density = 1.0 / own.memory_slices
         best: tuple[float, Profile] | None = None
         for p in profiles:
@@ -142,6 +141,16 @@ class HybridPolicy:
             f"{best[1].name}, {own_density:.2f} in its own {own.name}",
         )
 
+    @staticmethod
+    def _own(profiles: Sequence[Profile], memory_mib: int, min_compute: int) -> Profile | None:
+        """The instance the request would get on its own (fewest memory slices)."""
+        fits = [
+            p for p in profiles if p.memory_mib >= memory_mib and p.compute_slices >= min_compute
+        ]
+        if not fits:
+            return None
+        return min(fits, key=lambda p: (p.memory_slices, p.compute_slices, p.memory_mib))
+
     def host_profiles(
         self, profiles: Sequence[Profile], memory_mib: int, demand_mib: int, min_compute: int = 0
     ) -> tuple[tuple[Profile, ...], str]:
@@ -157,6 +166,16 @@ class HybridPolicy:
         ]
         if not holding:
             return (), f"no profile's MPS capacity holds {memory_mib} MiB"
+        own = self._own(profiles, memory_mib, min_compute)
+        if own is not None:
+            # a host that holds no more of these jobs per memory slice than their own
+            # instances do only adds a server: left out (kept for opt-ins if nothing packs)
+            dense = [
+                p
+                for p in holding
+                if (self.capacity(p) // memory_mib) / p.memory_slices > 1 / own.memory_slices
+            ]
+            holding = dense or holding
         holding.sort(key=lambda p: (self.capacity(p), p.compute_slices))
         want = next((p for p in holding if self.capacity(p) >= demand_mib), holding[-1])
         i = holding.index(want)

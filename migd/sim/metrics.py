@@ -18,9 +18,10 @@ Definitions (the report repeats them):
 * **reconfiguration**: create/destroy operations and their seed 003 Table 1 seconds.
 * **OOM loss**: GPU-seconds (GPU share x wall time) of runs killed by an OOM or
   restarted early by the forecast.
-* **steady throughput**: completed jobs per hour up to the moment the last job
-  starts (after it the node runs out of work), as [Voigtlaender] Table 2 cuts its
-  benchmark to "the part during which the benchmark machine is fully utilized".
+* **steady throughput**: completed jobs per hour between the first completion (before
+  it the node is filling up) and the moment the last job starts (after it the node
+  runs out of work), as [Voigtlaender] Table 2 cuts its benchmark to "the part during
+  which the benchmark machine is fully utilized".
 * **slice-weighted acceptance**: the slice-hours (compute slices x runtime alone on
   the whole GPU) of jobs that ran / of all jobs: a policy that refuses the big jobs
   and accepts the small ones scores low here even when it accepts many requests.
@@ -131,9 +132,13 @@ def compute_metrics(result: SimResult) -> Metrics:
     energy_j = result.power.idle_w * n_gpus * makespan + result.power.slice_w * busy
     ran = sum(1 for r in records if r.first_start_s is not None)
     starts = [r.first_start_s for r in records if r.first_start_s is not None]
+    ends = sorted(r.end_s for r in done if r.end_s is not None)
     cut = max(starts, default=start)
-    early = sum(1 for r in done if r.end_s is not None and r.end_s <= cut)
-    steady = early / (cut - start) * 3600.0 if cut > start and early else math.nan
+    steady = math.nan
+    if ends and cut > ends[0]:
+        # ends strictly after the first one, up to the cut: a rate over a full window
+        inside = sum(1 for e in ends if ends[0] < e <= cut)
+        steady = inside / (cut - ends[0]) * 3600.0 if inside else math.nan
     area = [_slice_hours(r.job.runtime_s, r.job.slice_times, compute) for r in records]
     area_all = sum(area)
     area_ran = sum(a for a, r in zip(area, records, strict=True) if r.first_start_s is not None)
