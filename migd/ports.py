@@ -9,16 +9,21 @@ Implementations:
 * :class:`GpuBackend`: ``migd.backends.nvml.NvmlBackend`` over ``pynvml`` or over
   the simulated ``pynvml`` stand-in (``migd.backends.simulated``).
 * :class:`ProcessTable`: ``migd.backends.procs.PsutilProcessTable``.
+* :class:`MpsControl`: ``migd.backends.mps.MpsManager`` (real or fake
+  ``nvidia-cuda-mps-control``).
 * :class:`Clock`: ``SystemClock`` here; tests use a manual clock.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from migd.core.geometry import Geometry
+from migd.core.mps import MpsShare
+from migd.core.scheduler import Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +200,112 @@ class ProcessTable(Protocol):
 
     def parent(self, pid: int) -> int | None:
         """The parent's pid, ``None`` if no such process (to walk a job's process tree)."""
+        ...
+
+
+class MpsAdoption(Protocol):
+    """What :meth:`MpsControl.start` found of an earlier migd's MPS daemons."""
+
+    @property
+    def adopted(self) -> tuple[str, ...]:
+        """Device UUIDs whose live control daemon was taken over."""
+        ...
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        """Device UUIDs whose recorded daemon had died: their clients are gone."""
+        ...
+
+
+class MpsHealthEvent(Protocol):
+    """One problem a health check found and what it did about it."""
+
+    @property
+    def device_uuid(self) -> str: ...
+
+    @property
+    def detail(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class MpsHealthReport(Protocol):
+    @property
+    def events(self) -> tuple[MpsHealthEvent, ...]: ...
+
+    @property
+    def affected_devices(self) -> tuple[str, ...]:
+        """Devices whose clients were (or may have been) lost."""
+        ...
+
+    @property
+    def failed_devices(self) -> tuple[str, ...]:
+        """Devices that could not be brought back: their GPU takes no new work."""
+        ...
+
+
+class MpsControl(Protocol):
+    """The per-device MPS control daemons migd runs (``nvidia-cuda-mps-control -d``).
+
+    Thread-safe: the daemon calls it from each GPU's worker thread and from a pool
+    thread for housekeeping. Device UUIDs are a whole GPU's or a MIG instance's.
+    Errors are :class:`migd.errors.MigdError` subclasses.
+    """
+
+    def start(self) -> MpsAdoption:
+        """Adopt live daemons of an earlier migd, clean up dead ones (once, at start-up)."""
+        ...
+
+    def share_for(self, lease: Lease) -> MpsShare:
+        """The MPS share a lease stands for (id, owner, pinned memory, clients)."""
+        ...
+
+    def client_env(self, device_uuid: str, lease: Lease) -> Mapping[str, str]:
+        """The job environment for ``lease`` on the device, without starting anything."""
+        ...
+
+    def ensure_share(self, device_uuid: str, share: MpsShare) -> Mapping[str, str]:
+        """Start the device's daemon if needed and register the share (idempotent)."""
+        ...
+
+    def release_share(self, device_uuid: str, share_id: str) -> None:
+        """Drop a share; the daemon stops once idle for ``mps.idle_stop_s``."""
+        ...
+
+    def manages(self, device_uuid: str) -> bool:
+        """Whether a daemon of migd's runs for the device."""
+        ...
+
+    def client_count(self, device_uuid: str) -> int:
+        """CUDA clients the device's MPS server has (raises when it cannot say)."""
+        ...
+
+    def stop_device(self, device_uuid: str) -> None:
+        """Stop the device's daemon (before its MIG instance is destroyed)."""
+        ...
+
+    def check_health(self) -> MpsHealthReport:
+        """Restart dead daemons and servers; report what was found and done."""
+        ...
+
+    def stop_idle(self) -> list[str]:
+        """Stop daemons idle for ``mps.idle_stop_s``; return their devices."""
+        ...
+
+    def refresh_status(self) -> None:
+        """Re-read every daemon's status for :meth:`cached_status_for` (may block)."""
+        ...
+
+    def cached_status_for(self, device_uuid: str) -> list[dict[str, Any]]:
+        """The device's daemon status as last read (never blocks)."""
+        ...
+
+    def report_client_error(self, device_uuid: str, message: str) -> None:
+        """A client saw an MPS failure; the next health check acts on it."""
+        ...
+
+    def shutdown(self, keep: Collection[str] = ()) -> None:
+        """Stop every daemon except those of ``keep`` (devices with active leases)."""
         ...
 
 

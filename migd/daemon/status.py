@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from migd import __version__
 from migd.core.leases import LeaseState
@@ -12,14 +12,12 @@ from migd.core.mps import MpsPool
 from migd.core.planner import plan_on_gpu
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
-
-if TYPE_CHECKING:
-    from migd.daemon.service import Daemon
+from migd.daemon.context import DaemonContext
 
 STATUS_SCHEMA = 1
 
 
-def largest_placeable(daemon: Daemon, gpu: ManagedGpu) -> dict[str, Any] | None:
+def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] | None:
     """The biggest partition a new job could get on this GPU now (idle instances count)."""
     if not gpu.available:
         return None
@@ -40,7 +38,7 @@ def largest_placeable(daemon: Daemon, gpu: ManagedGpu) -> dict[str, Any] | None:
     return None
 
 
-def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
+def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:
     sched = daemon.sched
     info = next((g for g in daemon.gpus if g.index == gpu.index), None)
     out: dict[str, Any] = {
@@ -112,7 +110,7 @@ def _gpu_status(daemon: Daemon, gpu: ManagedGpu, now: float) -> dict[str, Any]:
     return out
 
 
-def _mps_pool_status(daemon: Daemon, pool: MpsPool) -> dict[str, Any]:
+def _mps_pool_status(daemon: DaemonContext, pool: MpsPool) -> dict[str, Any]:
     """An MPS device's shares and its control daemon as last read off the event loop
     (``daemons[].age_s``: seconds since; the daemon is never asked from here)."""
     sched = daemon.sched
@@ -144,7 +142,7 @@ def _mps_pool_status(daemon: Daemon, pool: MpsPool) -> dict[str, Any]:
     }
 
 
-def _latency(daemon: Daemon) -> dict[str, dict[str, float]]:
+def _latency(daemon: DaemonContext) -> dict[str, dict[str, float]]:
     """Service time per op over the last requests: p50/p99/max in ms, and the count."""
     out = {}
     for op, samples in daemon.latency_s.items():
@@ -160,7 +158,7 @@ def _latency(daemon: Daemon) -> dict[str, dict[str, float]]:
     return out
 
 
-def build_status(daemon: Daemon) -> dict[str, Any]:
+def build_status(daemon: DaemonContext) -> dict[str, Any]:
     now, mono = daemon.now()
     sched = daemon.sched
     counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
@@ -214,7 +212,7 @@ def build_status(daemon: Daemon) -> dict[str, Any]:
 
 
 def explain_job(
-    daemon: Daemon, job_id: str, view: Callable[[Lease], dict[str, Any]]
+    daemon: DaemonContext, job_id: str, view: Callable[[Lease], dict[str, Any]]
 ) -> dict[str, Any]:
     """A job's leases (each as ``view`` shows it to the asking peer) and its history."""
     leases = {lease.lease_id: lease for lease in daemon.db.leases_for_job(job_id)}

@@ -28,6 +28,7 @@ from migd.cli.condor_ad import render_condor_ad, render_inventory, short_uuid
 from migd.cli.migctl import slice_bar
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
+from migd.daemon.api_server import check_socket_path
 from migd.daemon.config import (
     MigdConfig,
     changed_restart_keys,
@@ -35,7 +36,6 @@ from migd.daemon.config import (
     load_config,
     validate_config,
 )
-from migd.daemon.service import check_socket_path
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, ProtocolError
@@ -639,7 +639,7 @@ def test_watchdog_fed_through_a_slow_create_and_starved_by_a_hung_thread(tmp_roo
             hung = time.monotonic()
             await asyncio.sleep(2.5)
             assert notifier.pings(hung + 1.2, time.monotonic()) == []
-            assert daemon.starved_gpus(0.5) == [0, 1]
+            assert daemon.executor.starved_gpus(0.5) == [0, 1]
         finally:
             backend.unhang.set()
             await daemon.close()

@@ -14,7 +14,7 @@ def test_a_gpu_with_an_unreadable_mig_mode_gets_no_work() -> None:
     backend, node = simulated_backend("2xA100-40GB,1xV100-32GB")
     node.fail_next("nvmlDeviceGetMigMode", api.NVML_ERROR_UNKNOWN, gpu=1)
     daemon = Daemon(MigdConfig(), backend, PsutilProcessTable())
-    managed = [daemon._manage(info) for info in backend.discover()]
+    managed = [daemon.reconciler.manage(info) for info in backend.discover()]
     assert [g.mode for g in managed] == [GpuMode.MIG, GpuMode.OFF, GpuMode.MPS]
     unknown = managed[1]
     assert not unknown.available and unknown.space is None

@@ -1,0 +1,390 @@
+"""The API server: the unix socket, admission, and the op -> handler table.
+
+A connection carries one request line and gets one reply line (see docs/api.md). The
+server checks the socket's location and access, limits connections per user, decodes
+the request, checks the authorisation its op declares (:class:`Access`) and calls the
+op's handler from the table (:meth:`ApiServer.register`). Handlers live with what they
+drive (:mod:`migd.daemon.ops`, :mod:`migd.daemon.sim_ops`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from migd.api import Request, decode_request, error_reply, ok_reply
+from migd.core.scheduler import Lease
+from migd.daemon.auth import Peer
+from migd.daemon.config import ApiSection
+from migd.daemon.context import DaemonContext
+from migd.errors import (
+    ConfigError,
+    DaemonUnavailable,
+    InvalidRequest,
+    LeaseNotFound,
+    MigdError,
+    NotAuthorized,
+    ProtocolError,
+)
+
+log = structlog.get_logger("migd")
+
+
+class Access(Enum):
+    """Who may call an op; checked by the server before the handler runs."""
+
+    ANYONE = "anyone"  # ping; handlers that decide per request (release_job)
+    READ = "read"  # api.status_public, or a lease user or admin
+    LEASE = "lease"  # api.lease_users / lease_groups
+    ADMIN = "admin"  # api.admin_users / admin_groups
+    OWNER = "owner"  # the lease named by the request's lease_id is the caller's (or admin)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One decoded request as a handler gets it."""
+
+    request: Any  # the op's request model (migd.api); the table guarantees which
+    peer: Peer
+    reader: asyncio.StreamReader
+    #: For ``Access.OWNER`` ops: the request's lease, ownership checked.
+    lease: Lease | None = None
+
+    @property
+    def owned(self) -> Lease:
+        assert self.lease is not None
+        return self.lease
+
+
+Handler = Callable[[Call], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    handler: Handler
+    access: Access
+    #: What the caller is refused, for the error message (``{op}`` is replaced).
+    verb: str = ""
+
+
+class ApiServer:
+    """See the module docstring.
+
+    Args:
+        ctx: the daemon's shared state (its ``auth`` is replaced on reload).
+        lease_for: finds a lease by id (for ``Access.OWNER`` ops).
+        stopping: set once migd stops; new requests are then refused.
+    """
+
+    def __init__(
+        self, ctx: DaemonContext, lease_for: Callable[[str], Lease], stopping: asyncio.Event
+    ) -> None:
+        self.ctx = ctx
+        self.lease_for = lease_for
+        self.stopping = stopping
+        self.ops: dict[str, OpSpec] = {}
+        #: Ops with no handler here and the error that says why (e.g. simulator-only ops).
+        self.missing: dict[str, Callable[[str], MigdError]] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._clients = 0  # open connections, in all
+        self._per_uid: dict[int, int] = {}  # open connections per peer uid
+        self._readers = 0  # open connections of peers that may not lease
+
+    def register(self, op: str, handler: Handler, access: Access, verb: str = "") -> None:
+        """Serve ``op`` with ``handler`` for callers ``access`` admits."""
+        self.ops[op] = OpSpec(handler, access, verb)
+
+    @property
+    def bound(self) -> bool:
+        return self._server is not None
+
+    # -- the socket -------------------------------------------------------------------------
+
+    async def bind(self) -> None:
+        api = self.ctx.config.api
+        check_socket_path(api.socket)
+        access = socket_access(api)  # before binding: an unknown group fails
+        self._server = await asyncio.start_unix_server(
+            self._serve_client, path=str(api.socket), limit=api.max_message_bytes
+        )
+        self.apply_socket_access(access)
+
+    def apply_socket_access(self, access: tuple[int, int]) -> None:
+        """Socket file mode and group (at start and on every reload)."""
+        mode, gid = access
+        api = self.ctx.config.api
+        path = api.socket
+        os.chown(path, -1, gid)
+        path.chmod(mode)
+        if mode == 0o660 and api.socket_group is None:
+            others = [u for u in api.lease_users if u not in ("root", "0")] + api.lease_groups
+            if others:
+                log.warning(
+                    "api.socket_private",
+                    socket=str(path),
+                    lease_users=others,
+                    reason="status_public = false makes the socket 0660 with migd's own group, "
+                    "so these lease users cannot connect",
+                    hint="set api.socket_group to the group they share",
+                )
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            with contextlib.suppress(FileNotFoundError):
+                self.ctx.config.api.socket.unlink()
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _admit(self, peer: Peer, reader_only: bool) -> None:
+        """Connection limits: nobody holds more than api.max_clients_per_uid connections,
+        and users who may not lease never take the last quarter of api.max_clients, so
+        lease users keep being served. Root is never refused."""
+        api = self.ctx.config.api
+        if peer.uid == 0:
+            return
+        held = self._per_uid.get(peer.uid, 0)
+        if held > api.max_clients_per_uid:
+            raise DaemonUnavailable(
+                f"uid {peer.uid} holds {held - 1} connections to migd already "
+                f"(api.max_clients_per_uid = {api.max_clients_per_uid})",
+                hint="close idle connections and retry; `ss -xp | grep migd.sock` shows them",
+            )
+        if self._clients > api.max_clients or (
+            reader_only and self._readers > api.max_clients - api.max_clients // 4
+        ):
+            raise DaemonUnavailable(
+                f"migd has too many connections open ({self._clients - 1}, "
+                f"api.max_clients = {api.max_clients})",
+                hint="retry in a few seconds; `ss -xp | grep migd.sock` shows who holds them",
+            )
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            peer = Peer.from_socket(sock)
+        except OSError:
+            writer.close()
+            return
+        reader_only = peer.uid != 0 and not self.ctx.auth.may_lease(peer)
+        self._clients += 1
+        self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
+        self._readers += int(reader_only)
+        try:
+            await self._serve_peer(peer, reader_only, reader, writer)
+        finally:
+            self._clients -= 1
+            self._readers -= int(reader_only)
+            left = self._per_uid[peer.uid] - 1
+            if left:
+                self._per_uid[peer.uid] = left
+            else:
+                del self._per_uid[peer.uid]
+
+    async def _serve_peer(
+        self,
+        peer: Peer,
+        reader_only: bool,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        api = self.ctx.config.api
+        try:
+            self._admit(peer, reader_only)
+            line = await asyncio.wait_for(reader.readline(), api.request_timeout_s)
+        except (ValueError, asyncio.LimitOverrunError):
+            error = ProtocolError(f"message longer than {api.max_message_bytes} bytes")
+            await _send(writer, error_reply(None, error))
+            return
+        except TimeoutError:
+            error = ProtocolError(
+                f"no complete request line within {api.request_timeout_s:g} s; closing",
+                hint="send the request and its newline right after connecting",
+            )
+            await _send(writer, error_reply(None, error))
+            return
+        except MigdError as exc:
+            await _send(writer, error_reply(None, exc))
+            return
+        except OSError:
+            writer.close()
+            return
+        request_id: int | str | None = None
+        try:
+            if not line:
+                return
+            request = decode_request(line)
+            request_id = request.id
+            if self.stopping.is_set():
+                raise DaemonUnavailable("migd is stopping", hint="retry in a few seconds")
+            began = time.perf_counter()
+            result = await self.handle(request, peer, reader)
+            await _send(writer, ok_reply(request_id, result))
+            self.ctx.latency_s[latency_class(request.op, result)].append(
+                time.perf_counter() - began
+            )
+        except MigdError as exc:
+            if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):
+                log.info("request.refused", error=exc.code, message=exc.message, peer_uid=peer.uid)
+            await _send(writer, error_reply(request_id, exc))
+        except Exception as exc:  # never let one request take the daemon down
+            log.exception("request.crashed", error=str(exc))
+            await _send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
+
+    async def handle(self, req: Request, peer: Peer, reader: asyncio.StreamReader) -> Any:
+        """Check the op's declared access, then run its handler."""
+        spec = self.ops.get(req.op)
+        if spec is None:
+            missing = self.missing.get(req.op)
+            if missing is not None:
+                raise missing(req.op)
+            raise ProtocolError(f"unhandled op {req.op!r}")  # pragma: no cover
+        auth = self.ctx.auth
+        verb = spec.verb.format(op=req.op)
+        lease = None
+        if spec.access is Access.READ:
+            auth.require_read(peer)
+        elif spec.access is Access.LEASE:
+            auth.require_lease(peer)
+        elif spec.access is Access.ADMIN:
+            auth.require_admin(peer, verb)
+        elif spec.access is Access.OWNER:
+            lease = self.lease_for(req.lease_id)  # type: ignore[union-attr]
+            auth.require_owner(peer, lease.owner_uid, verb)
+        return await spec.handler(Call(req, peer, reader, lease))
+
+
+async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        writer.write(data)
+        await writer.drain()
+    with contextlib.suppress(OSError):
+        writer.close()
+        await writer.wait_closed()
+
+
+def not_simulated(op: str) -> MigdError:
+    return InvalidRequest(
+        f"{op} exists only with the simulated backend",
+        hint="start migd with --simulate for fake CUDA jobs",
+    )
+
+
+def latency_class(op: str, result: Any) -> str:
+    """The latency series a reply counts in: leases that waited for capacity or for NVML
+    to make their partition are kept apart from those granted at once."""
+    if op == "lease" and isinstance(result, dict):
+        if result.get("queued"):
+            return "lease.queued"
+        if result.get("prepared"):
+            return "lease.prepared"
+    return op
+
+
+def socket_access(api: ApiSection) -> tuple[int, int]:
+    """The socket file's mode and group for an ``[api]`` section.
+
+    ``0666`` when status is public or any user may lease (SO_PEERCRED decides who may
+    do what); else ``0660``, group ``api.socket_group`` (migd's own group if unset).
+
+    Raises:
+        ConfigError: ``api.socket_group`` names no group on this host.
+    """
+    gid = os.getegid()
+    if api.socket_group is not None:
+        name = api.socket_group
+        try:
+            gid = int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise ConfigError(
+                f"no group {name!r} on this host",
+                where="api.socket_group",
+                hint="name an existing group (getent group) or a numeric gid",
+            ) from None
+    public = api.status_public or "*" in api.lease_users or "*" in api.lease_groups
+    return (0o666 if public else 0o660), gid
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse a socket location another user could hijack.
+
+    Every directory from ``/`` down to the socket's must be a real directory (no
+    symlinked component: give the real path, e.g. ``/run``, not ``/var/run``) owned by
+    root or by migd's user. The socket's own directory must not be writable by group
+    or others at all; a directory above it may be, only if it is root's and sticky
+    (``/tmp``: nobody can rename or replace what others put there). An existing socket
+    must be stale (no daemon answers).
+
+    Raises:
+        ConfigError: the path is unsafe or another migd is running there.
+    """
+    where = "api.socket"
+    path = Path(os.path.normpath(path.absolute()))  # not resolve(): symlinks must be seen
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o755, parents=True)
+    ours = (0, os.geteuid())
+    for directory in (parent, *parent.parents):
+        st = directory.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(
+                f"{directory} is a symlink; refusing to put the socket under it",
+                where=where,
+                hint=f"give the real path ({directory} -> {os.path.realpath(directory)})",
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{directory} is not a directory", where=where)
+        if st.st_uid not in ours:
+            raise ConfigError(
+                f"{directory} belongs to uid {st.st_uid}, who could replace the socket",
+                where=where,
+                hint="use a directory owned by root, such as /run/migd",
+            )
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        sticky_root = st.st_mode & stat.S_ISVTX and st.st_uid == 0
+        if writable and (directory == parent or not sticky_root):
+            who = "world" if st.st_mode & stat.S_IWOTH else "group"
+            raise ConfigError(
+                f"{directory} is {who}-writable; another user could replace the socket",
+                where=where,
+                hint="use a private directory such as /run/migd (the systemd unit creates it)",
+            )
+    if path.is_symlink():
+        raise ConfigError(f"{path} is a symlink; refusing to use it", where=where)
+    if path.exists():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ConfigError(f"{path} exists and is not a socket", where=where)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # stale socket of a dead daemon
+        else:
+            raise ConfigError(
+                f"another migd is already serving {path}",
+                where=where,
+                hint="stop it first (systemctl stop migd)",
+            )
+        finally:
+            probe.close()

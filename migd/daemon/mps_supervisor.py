@@ -1,0 +1,272 @@
+"""The MPS supervisor: migd's side of the per-device MPS control daemons.
+
+Starts a lease's share on its device (and releases it), adopts daemons an earlier migd
+left running, flags the leases whose clients died with a daemon, runs the periodic
+housekeeping (restart dead daemons, stop idle ones, refresh their status) off the event
+loop, and stops a MIG instance's daemon before the instance is destroyed. The daemons
+themselves are driven through :class:`migd.ports.MpsControl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import structlog
+
+from migd.core.leases import LeaseState
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.daemon.context import DaemonContext
+from migd.daemon.executor import GpuExecutor
+from migd.daemon.lease_service import LeaseService
+from migd.errors import GpuBusy, MigdError
+from migd.ports import GpuInfo, GpuProcess, MpsControl
+
+log = structlog.get_logger("migd")
+#: GPU health while an MPS daemon on it cannot be brought back (cleared once it serves).
+MPS_UNHEALTHY = "MPS daemon cannot be restarted"
+
+
+class MpsSupervisor:
+    """See the module docstring. ``ctx.mps`` is ``None`` when migd runs no MPS daemons;
+    every method is then a no-op (or the plain environment)."""
+
+    def __init__(self, ctx: DaemonContext, executor: GpuExecutor, leases: LeaseService) -> None:
+        self.ctx = ctx
+        self.executor = executor
+        self.leases = leases
+        self._task: asyncio.Task[None] | None = None  # a running housekeeping round
+        self._adopted_at_start: tuple[str, ...] = ()  # MPS devices found alive
+        self._lost_at_start: tuple[str, ...] = ()  # ... and found dead, at start-up
+
+    @property
+    def mps(self) -> MpsControl | None:
+        return self.ctx.mps
+
+    # -- GPU set-up -------------------------------------------------------------------------
+
+    def configure(
+        self, gpu: ManagedGpu, info: GpuInfo, mps_in_mig: bool, mps_profile: str | None
+    ) -> None:
+        """MPS settings of a GPU: MPS inside MIG instances, and its compute slices."""
+        if gpu.space is not None:
+            gpu.compute_slices = gpu.space.geometry.compute_slices
+        elif gpu.mode is GpuMode.MPS:
+            with contextlib.suppress(MigdError):  # a MIG-capable model used whole
+                gpu.compute_slices = self.ctx.backend.geometry(info.index).compute_slices
+        if not mps_in_mig or gpu.mode is not GpuMode.MIG:
+            return
+        gpu.mps_in_mig = True
+        if mps_profile and gpu.space is not None:
+            try:
+                gpu.mps_profile = gpu.space.member(mps_profile).name
+            except MigdError as exc:
+                gpu.health = f"mps_profile {mps_profile!r}: {exc.message}"
+
+    def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
+        """The job environment of an MPS share (the scheduler's ``mps_env``)."""
+        device = lease.mig_uuid or gpu.uuid
+        env = {
+            "CUDA_VISIBLE_DEVICES": device,
+            "NVIDIA_VISIBLE_DEVICES": device,
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
+        }
+        if self.mps is not None:
+            env.update(self.mps.client_env(device, lease))
+        return env
+
+    async def start(self) -> None:
+        """Adopt the daemons an earlier migd left (at start-up, before reconciling)."""
+        if self.mps is None:
+            return
+        try:
+            report = await asyncio.get_running_loop().run_in_executor(None, self.mps.start)
+        except MigdError as exc:
+            log.error("mps.start_failed", error=exc.message, hint=exc.hint)
+            return
+        for uuid in report.adopted:
+            self.ctx.notes.append(f"adopted the MPS daemon of {uuid}")
+        for uuid in report.lost:
+            self.ctx.notes.append(f"the MPS daemon of {uuid} had died while migd was down")
+        self._adopted_at_start = tuple(report.adopted)
+        self._lost_at_start = tuple(report.lost)
+
+    async def reattach(self) -> None:
+        """Register restored MPS leases with their (adopted or restarted) control daemons.
+
+        A lease whose daemon died while migd was down lost its CUDA clients with it: it is
+        flagged (and the loss recorded) before a new daemon is started for it.
+        """
+        if self.mps is None:
+            return
+        lost = set(self._lost_at_start)
+        for uuid in sorted(lost):
+            self.clients_lost(uuid, "its MPS control daemon died while migd was down")
+        adopted = set(self._adopted_at_start)
+        for lease in self.ctx.sched.active_leases():
+            device = lease.mps_device_uuid
+            if device is not None and device not in adopted and device not in lost:
+                # No daemon was found at all (not even a dead one's record): flag it too.
+                lease.warn(
+                    "MPS clients may be lost: no MPS control daemon was running for it when "
+                    "migd started",
+                    self.ctx.clock.now(),
+                )
+                self.leases.save(lease)
+                self.leases.record("mps.clients_lost", lease, device=device, reason=lease.warning)
+            if device is not None and lease.state is LeaseState.ACTIVE:
+                try:
+                    await self.ensure(lease)
+                except MigdError as exc:
+                    log.warning("mps.reattach_failed", lease_id=lease.lease_id, error=exc.message)
+
+    # -- shares -----------------------------------------------------------------------------
+
+    async def ensure(self, lease: Lease) -> None:
+        """Start the lease's share on its device; a share that cannot start ends the lease."""
+        device = lease.mps_device_uuid
+        if device is None or self.mps is None or lease.gpu is None:
+            return
+        try:
+            share = self.mps.share_for(lease)
+            await self.executor.on_gpu(lease.gpu, self.mps.ensure_share, device, share)
+        except MigdError:
+            self.leases.release(lease, "MPS daemon could not start")
+            raise
+
+    def release_share(self, gpu: int, device_uuid: str, lease_id: str) -> None:
+        """Drop a released lease's share, in its GPU's thread (the lease service's hook)."""
+        if self.mps is not None:
+            self.executor.submit(gpu, self.mps.release_share, device_uuid, lease_id)
+
+    def _leases_on(self, device_uuid: str) -> list[Lease]:
+        return [
+            lease
+            for lease in self.ctx.sched.active_leases()
+            if lease.state is LeaseState.ACTIVE and lease.mps_device_uuid == device_uuid
+        ]
+
+    def clients_lost(self, device_uuid: str, why: str) -> None:
+        """Flag the leases of an MPS device whose clients died; record it in the history."""
+        now = self.ctx.clock.now()
+        for lease in self._leases_on(device_uuid):
+            lease.warn(f"MPS clients lost: {why}", now)
+            self.leases.save(lease)
+            self.leases.record("mps.clients_lost", lease, device=device_uuid, reason=why)
+            log.warning(
+                "mps.clients_lost",
+                lease_id=lease.lease_id,
+                job_id=lease.request.job_id,
+                device=device_uuid,
+                reason=why,
+            )
+
+    def _gpu_of_device(self, device_uuid: str) -> ManagedGpu | None:
+        for gpu in self.ctx.sched.gpus.values():
+            if gpu.uuid == device_uuid or any(i.uuid == device_uuid for i in gpu.instances):
+                return gpu
+        return None
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def kick_housekeeping(self) -> None:
+        """Start a housekeeping round unless one runs (a hung daemon must not stall reaping)."""
+        if self.mps is None:
+            return
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._housekeeping(self.mps), name="mps")
+
+    async def _housekeeping(self, mps: MpsControl) -> None:
+        """Restart dead MPS daemons/servers (their clients are lost), stop idle ones, and
+        refresh the MPS status `migctl status` shows; all off the event loop."""
+        loop = asyncio.get_running_loop()
+        sched = self.ctx.sched
+        try:
+            report = await loop.run_in_executor(None, mps.check_health)
+            for event in report.events:
+                # (not event=: structlog's own first argument has that name)
+                log.warning("mps.health", device=event.device_uuid, **event.to_dict())
+            for uuid in report.affected_devices:
+                detail = next(e.detail for e in report.events if e.device_uuid == uuid)
+                self.clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
+            sick = {u: g for u in report.failed_devices if (g := self._gpu_of_device(u))}
+            for uuid, gpu in sick.items():
+                gpu.health = f"{MPS_UNHEALTHY}: {uuid}"
+            sick_gpus = {gpu.index for gpu in sick.values()}
+            # A later check that finds the device serving again (or gone) clears the mark.
+            for gpu in sched.gpus.values():
+                if gpu.health.startswith(MPS_UNHEALTHY) and gpu.index not in sick_gpus:
+                    gpu.health = "ok"
+                    log.info("mps.recovered", gpu=gpu.index)
+            await loop.run_in_executor(None, mps.stop_idle)
+            await loop.run_in_executor(None, mps.refresh_status)
+        except Exception as exc:
+            log.exception("mps.housekeeping_crashed", error=str(exc))
+        now, mono = self.ctx.now()
+        self.leases.after_change(sched.schedule(now, mono))
+
+    def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
+        """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon.
+
+        Raises:
+            GpuBusy: the instance's MPS server has clients (or cannot say): never destroy it.
+        """
+        mps = self.mps
+        if mps is None or not mig_uuid or not mps.manages(mig_uuid):
+            return
+        try:
+            clients = mps.client_count(mig_uuid)
+        except MigdError as exc:
+            raise GpuBusy(
+                f"the MPS daemon on {mig_uuid} does not say whether it has clients ({exc}); "
+                "not destroying the instance"
+            ) from exc
+        if clients:
+            raise GpuBusy(f"the MPS server on {mig_uuid} has {clients} client(s); not destroying")
+        mps.stop_device(mig_uuid)
+        log.info("mps.stopped_for_destroy", gpu=gpu, device=mig_uuid)
+
+    def usage(self, lease: Lease, procs: list[GpuProcess]) -> list[GpuProcess]:
+        """The GPU processes of an MPS lease: those in its holder's process tree.
+
+        Every client of an MPS device shows on it, so the device's list has other jobs'
+        processes too; the wrapper needs its own job's.
+        """
+        mine = []
+        for proc in procs:
+            pid, depth = proc.pid, 0
+            while pid > 1 and depth < 64:
+                if pid == lease.owner_pid:
+                    mine.append(proc)
+                    break
+                parent = self.ctx.procs.parent(pid)
+                if parent is None:
+                    break
+                pid, depth = parent, depth + 1
+        return mine
+
+    async def client_error(self, lease: Lease, message: str) -> dict[str, Any]:
+        """A wrapper saw an MPS failure in its job's stderr: pass it to the device's
+        manager (the next health check restarts a device that refuses clients)."""
+        device = lease.mps_device_uuid
+        self.leases.record("wrapper.mps_client_error", lease, device=device, message=message)
+        if device is None:
+            # Not an MPS lease (a GPU in exclusive compute mode, say): history and log only.
+            log.warning("client_error", lease_id=lease.lease_id, message=message)
+            return {"recorded": True, "device": None}
+        log.warning("mps.client_error", lease_id=lease.lease_id, device=device, message=message)
+        if self.mps is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.mps.report_client_error, device, message
+            )
+            self.kick_housekeeping()
+        return {"recorded": True, "device": device}
+
+    def shutdown(self) -> None:
+        """Stop the daemons no active lease uses (those of active leases keep serving)."""
+        if self.mps is None:
+            return
+        keep = {x.mps_device_uuid for x in self.ctx.sched.active_leases() if x.mps_device_uuid}
+        with contextlib.suppress(Exception):
+            self.mps.shutdown(keep=keep)

@@ -1,0 +1,322 @@
+"""The reconciler: what migd's books say against what the GPUs have.
+
+At start-up it decides how each discovered GPU is managed (:meth:`Reconciler.manage`),
+adopts the MIG instances it finds, reloads the leases of the state db and reclaims those
+whose GPU, instance or holder is gone (:meth:`Reconciler.reconcile`). Later, a GPU is
+re-read (:meth:`Reconciler.resync_gpu`) after failed work and while it has instances
+migd cannot explain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from migd.core.geometry import Profile
+from migd.core.leases import LeaseState
+from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu, Origin
+from migd.core.states import StateSpace, state_space
+from migd.daemon.context import DaemonContext
+from migd.daemon.executor import GpuExecutor
+from migd.daemon.lease_service import LeaseService
+from migd.daemon.mps_supervisor import MpsSupervisor
+from migd.errors import ConfigError, MigdError
+from migd.ports import GpuInfo, MigInstance
+
+log = structlog.get_logger("migd")
+
+
+class Reconciler:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        ctx: DaemonContext,
+        executor: GpuExecutor,
+        leases: LeaseService,
+        mps: MpsSupervisor,
+        reap: Callable[[float, float], Awaitable[None]],
+    ) -> None:
+        self.ctx = ctx
+        self.executor = executor
+        self.leases = leases
+        self.mps = mps
+        self.reap = reap
+        self.resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
+        self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
+
+    # -- how each GPU is managed ------------------------------------------------------------
+
+    def manage(self, info: GpuInfo) -> ManagedGpu:
+        config, backend = self.ctx.config, self.ctx.backend
+        if not info.mig_mode_known:
+            # Unknown is not "no MIG": a MIG GPU managed whole would be handed out wrongly.
+            return ManagedGpu(
+                index=info.index,
+                uuid=info.uuid,
+                model=info.model or info.name,
+                name=info.name,
+                memory_total_mib=info.memory_total_mib,
+                mode=GpuMode.OFF,
+                health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
+                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
+            )
+        override = config.override_for(info.index, info.uuid)
+        wanted = override.mode if override else "auto"
+        mps_in_mig = bool(override and override.mps_in_mig)
+        health = "ok"
+        space = None
+        mode: GpuMode
+        if wanted == "off":
+            mode = GpuMode.OFF
+        elif wanted == "mps" and info.mig_current and not mps_in_mig:
+            # MPS on the parent of a MIG GPU serves no MIG device: refuse it loudly.
+            mode = GpuMode.MPS
+            health = (
+                "mode=mps but MIG is enabled on this GPU: set mps_in_mig = true for MPS "
+                "inside MIG instances, or disable MIG (`nvidia-smi -i N -mig 0`, then reset)"
+            )
+        elif wanted == "mps" and not info.mig_current:
+            mode = GpuMode.MPS
+        elif wanted == "exclusive":
+            mode = GpuMode.EXCLUSIVE
+        elif info.mig_current:
+            mode = GpuMode.MIG
+        elif wanted == "mig":
+            mode = GpuMode.MIG
+            health = (
+                "MIG mode is pending a GPU reset or reboot"
+                if info.mig_pending
+                else "MIG is disabled: `nvidia-smi -i N -mig 1`, then reset the GPU"
+            )
+        else:
+            mode = GpuMode.MPS  # auto: MPS on GPUs without MIG enabled
+        if info.mig_current and info.mig_pending is False:
+            health = "MIG disable pending a reset: not placing new work"
+        if mode is GpuMode.MIG and info.mig_current:
+            try:
+                geometry = backend.geometry(info.index)
+                profiles = (override.profiles if override and override.profiles else None) or (
+                    config.policy.profiles
+                )
+                space = state_space(geometry, profiles)
+            except MigdError as exc:
+                health = f"no MIG geometry: {exc.message}"
+        elif mode is GpuMode.MIG:
+            with contextlib.suppress(MigdError):
+                space = state_space(backend.geometry(info.index), config.policy.profiles)
+        name = info.model or info.name
+        gpu = ManagedGpu(
+            index=info.index,
+            uuid=info.uuid,
+            model=name,
+            name=info.name,
+            memory_total_mib=info.memory_total_mib,
+            mode=mode,
+            space=space,
+            health=health,
+        )
+        self.mps.configure(gpu, info, mps_in_mig, override.mps_profile if override else None)
+        return gpu
+
+    def apply_demand_prior(self) -> None:
+        sched = self.ctx.sched
+        # Per model: a name (or ID) means a different profile on each model it exists on.
+        prior: dict[tuple[str, int], float] = {}
+        spaces = [g.space for g in sched.gpus.values() if g.space is not None]
+        for name, weight in self.ctx.config.policy.demand_prior.items():
+            known = False
+            for space in spaces:
+                try:
+                    prior[(space.geometry.model, space.member(name).profile_id)] = weight
+                    known = True
+                except MigdError:
+                    continue
+            if not known:
+                raise ConfigError(f"no GPU has profile {name!r}", where="policy.demand_prior")
+        sched.demand.prior = prior
+        saved = self.ctx.db.get_meta("demand")
+        if saved:
+            sched.demand.load(saved.get("counts", {}), saved.get("last_s"))
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Adopt what the GPUs have, reload leases, reclaim those whose holder is gone."""
+        ctx = self.ctx
+        now, mono = ctx.now()
+        for gpu in ctx.sched.gpus.values():
+            if gpu.mode is GpuMode.MIG and gpu.space is not None:
+                notes = await self.resync_gpu(gpu.index)
+                for note in notes:
+                    ctx.notes.append(f"GPU {gpu.index}: {note}")
+                    log.info("reconcile.instance", gpu=gpu.index, note=note)
+        for lease in ctx.db.live_leases():
+            self._restore_lease(lease, now, mono)
+        await self.reap(now, mono)
+        work = ctx.sched.schedule(now, mono)
+        self.executor.dispatch(work)
+
+    def _restore_lease(self, lease: Lease, now: float, mono: float) -> None:
+        sched, leases = self.ctx.sched, self.leases
+        if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
+            # Its client's connection died with the old daemon; the wrapper asks again.
+            lease.state = LeaseState.QUEUED
+            sched.leases[lease.lease_id] = lease
+            sched.release(lease.lease_id, now, mono, reason="daemon restarted while waiting")
+            leases.save(lease)
+            leases.record("cancelled", lease, reason=lease.reason)
+            return
+        gpu = sched.gpus.get(lease.gpu if lease.gpu is not None else -1)
+        if gpu is None or gpu.uuid != lease.gpu_uuid:
+            lease.state = LeaseState.ACTIVE
+            sched.leases[lease.lease_id] = lease
+            sched.release(lease.lease_id, now, mono, reclaim=True, reason="its GPU is gone")
+            leases.save(lease)
+            leases.record("reclaimed", lease, reason=lease.reason)
+            return
+        sched.leases[lease.lease_id] = lease
+        if lease.mode == "mig":
+            inst = gpu.instance_at(lease.start) if lease.start is not None else None
+            if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
+                sched.release(
+                    lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
+                )
+                leases.save(lease)
+                leases.record("reclaimed", lease, reason=lease.reason)
+                return
+            inst.lease_id, inst.idle_since_s = lease.lease_id, None
+            if inst.origin is Origin.UNEXPLAINED:
+                inst.origin, inst.note = Origin.MIGD, ""
+        elif lease.mode == "mps" and not sched.restore_mps_share(gpu, lease):
+            sched.release(
+                lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
+            )
+            leases.save(lease)
+            leases.record("reclaimed", lease, reason=lease.reason)
+            return
+        elif lease.mode == "exclusive":
+            gpu.exclusive_lease = lease.lease_id
+        leases.restored(lease)
+        log.info(
+            "lease.restored",
+            lease_id=lease.lease_id,
+            job_id=lease.request.job_id,
+            gpu=lease.gpu,
+            mode=lease.mode,
+            holder_pid=lease.owner_pid,
+        )
+
+    # -- re-reading a GPU -------------------------------------------------------------------
+
+    def needs_resync(self, gpu: ManagedGpu) -> bool:
+        """Instances that had processes without a lease are adopted once they empty;
+        a GPU an earlier resync found wanting is judged again."""
+        return gpu.index in self.resync_health or any(
+            i.origin is Origin.UNEXPLAINED for i in gpu.instances
+        )
+
+    async def resync_gpu(self, index: int) -> list[str]:
+        """Adopt what the GPU has; leave alone what migd cannot explain.
+
+        An instance with processes on any of its compute instances (and no lease), one
+        made by hand with several compute instances, or one of a profile outside
+        ``policy.profiles`` is UNEXPLAINED: listed by ``migctl status``, never destroyed.
+        For the last, the GPU's state machine is widened by that profile so its slices
+        stay on the books, and the GPU takes no new work while it is there (so migd
+        never places a profile the policy leaves out); its health says why.
+        """
+        ctx = self.ctx
+        sched = ctx.sched
+        gpu = sched.gpus[index]
+        assert gpu.space is not None
+        configured = self._configured_space.setdefault(index, gpu.space)
+        try:
+            instances = await self.executor.on_gpu(index, ctx.backend.list_instances, index)
+            in_use = await self.executor.on_gpu(index, self._instances_in_use, index, instances)
+        except (MigdError, TimeoutError) as exc:
+            gpu.health = f"cannot read instances: {exc}"
+            self.resync_health[index] = gpu.health
+            return [gpu.health]
+        # Nothing below waits: the books and the health change in one step.
+        if gpu.health == self.resync_health.pop(index, None):
+            gpu.health = "ok"  # an earlier resync's verdict; judged afresh below
+        health_before = gpu.health
+        observed: list[tuple[Profile, int, int | None, str | None, int]] = []
+        notes: list[str] = []
+        untouchable: dict[int, str] = {}  # start -> why migd must leave it alone
+        foreign: list[Profile] = []
+        unknown: list[str] = []  # profiles the geometry itself lacks: cannot be booked
+        busy: set[str] = set()
+        for inst in instances:
+            if len(inst.compute_instances) > 1:
+                untouchable[inst.start] = (
+                    f"{len(inst.compute_instances)} compute instances (made by hand); "
+                    "migd never destroys it"
+                )
+            try:
+                profile = configured.member(inst.profile_id)
+            except MigdError:
+                try:
+                    profile = configured.geometry.by_id(inst.profile_id)
+                except MigdError:
+                    unknown.append(f"GPU instance {inst.gi_id} (profile id {inst.profile_id})")
+                    continue
+                untouchable[inst.start] = (
+                    f"profile {profile.name} is not in policy.profiles; migd never touches it"
+                )
+                foreign.append(profile)
+            if inst.uuid is not None and (inst.gi_id in in_use or inst.start in untouchable):
+                busy.add(inst.uuid)
+            observed.append((profile, inst.start, inst.gi_id, inst.uuid, inst.memory_total_mib))
+        # The state machine must describe what is there; a GPU with a profile outside the
+        # policy is unavailable meanwhile, so nothing of that profile is ever placed.
+        gpu.space = (
+            state_space(configured.geometry, [p.name for p in (*configured.profiles, *foreign)])
+            if foreign
+            else configured
+        )
+        now, _ = ctx.now()
+        own = ctx.db.own_instances(gpu.uuid)
+        notes += sched.resync(index, observed, busy, now)
+        for managed in gpu.instances:
+            why = untouchable.get(managed.start)
+            if why and managed.lease_id is None and managed.status is InstanceStatus.READY:
+                if managed.origin is not Origin.UNEXPLAINED or managed.note != why:
+                    notes.append(f"{managed}: unexplained ({why})")
+                managed.origin, managed.note = Origin.UNEXPLAINED, why
+        if foreign:
+            gpu.health = (
+                "instances of profiles outside policy.profiles ("
+                + ", ".join(sorted({p.name for p in foreign}))
+                + "): no new work on this GPU until they are gone or policy.profiles lists them"
+            )
+        if unknown:
+            gpu.health = (
+                f"{', '.join(unknown)} of a profile migd's geometry does not have: no new work "
+                "on this GPU until it is gone"
+            )
+        if gpu.health != health_before:
+            self.resync_health[index] = gpu.health
+        present = {m.start for m in gpu.instances}
+        for managed in gpu.instances:
+            if managed.start in own and managed.origin is Origin.ADOPTED:
+                managed.origin = Origin.MIGD
+        for start in set(own) - present:
+            ctx.db.forget_instance(gpu.uuid, start)  # work that never reached the GPU
+        teardown = sched.discard_incomplete(index, own)
+        for work in teardown:
+            notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
+        self.executor.dispatch(teardown)
+        return notes
+
+    def _instances_in_use(self, index: int, instances: list[MigInstance]) -> set[int]:
+        """GPU instance ids with processes on any of their compute instances (GPU thread)."""
+        in_use: set[int] = set()
+        for inst in instances:
+            uuids = [ci.uuid for ci in inst.compute_instances]
+            if any(self.ctx.backend.processes(index, uuid) for uuid in uuids):
+                in_use.add(inst.gi_id)
+        return in_use
