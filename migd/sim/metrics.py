@@ -41,7 +41,7 @@ from typing import Any
 
 from migd.core.geometry import Geometry
 from migd.sim.engine import SimResult
-from migd.sim.jobs import SimJob, demand_of, runtime_at
+from migd.sim.jobs import SimJob, runtime_at
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -186,13 +186,16 @@ def area_bounds(jobs: Sequence[SimJob], geo: Geometry, gpus: int, reserve_mib: i
     """Throughput no schedule can beat (jobs per hour), from the slice area jobs need.
 
     * ``mig``: every job on the MIG profile (of the ``classic`` set) that holds its memory
-      with the least compute-slice-seconds (``slices x runtime there``), packed with no
-      gap into ``C`` compute slices per GPU; memory slices likewise (the larger bound).
-    * ``shared``: an MPS share costs at least its compute demand x its runtime alone
-      (``d x t`` GPU-seconds) and its MiB x runtime of the GPU's MPS memory; no job
-      takes less than its runtime alone.
+      with the least compute-slice-seconds (``slices x runtime there``), all of them
+      packed with no gap into ``C`` compute slices per GPU; and likewise (minimised on
+      its own) for memory slices. The larger of the two times bounds MIG-only policies.
+    * ``shared``: whatever a job runs on, it keeps at least ``d x runtime alone`` of a
+      GPU busy (a moldable job: its least ``size/C x time``) and pins its MiB for at
+      least its shortest runtime, of the GPU's memory less the MPS reserve. A bound for
+      every policy, MPS and the hybrid included.
 
-    Both ignore arrival times and job order (bounds for batches).
+    No job takes less than its shortest runtime. Arrival times and order are ignored
+    (bounds for batches).
     """
     profiles = sorted(geo.profile_set("classic"), key=lambda p: p.memory_mib)
     c_total, m_total = geo.compute_slices, geo.units
@@ -200,21 +203,23 @@ def area_bounds(jobs: Sequence[SimJob], geo: Geometry, gpus: int, reserve_mib: i
     longest = 0.0
     mps_mib = max(1, geo.memory_mib - reserve_mib)
     for job in jobs:
-        best: tuple[float, float] | None = None
-        for p in profiles:
-            if p.memory_mib < job.memory_mib or p.compute_slices < job.min_compute:
-                continue
-            t = runtime_at(job, p.compute_slices / c_total, c_total)
-            cand = (p.compute_slices * t, p.memory_slices * t)
-            if best is None or cand[0] < best[0]:
-                best = cand
-        if best is not None:
-            mig_c += best[0]
-            mig_m += best[1]
-        alone = runtime_at(job, 1.0, c_total)
-        longest = max(longest, alone)
-        share_c += demand_of(job, c_total) * alone
-        share_m += job.memory_mib * alone
+        areas = [
+            (p.compute_slices * t, p.memory_slices * t)
+            for p in profiles
+            if p.memory_mib >= job.memory_mib and p.compute_slices >= job.min_compute
+            for t in (runtime_at(job, p.compute_slices / c_total, c_total),)
+        ]
+        if areas:
+            mig_c += min(a[0] for a in areas)
+            mig_m += min(a[1] for a in areas)
+        if job.slice_times:
+            fastest = min(job.slice_times.values())
+            share_c += min(s / c_total * t for s, t in job.slice_times.items())
+        else:
+            fastest = job.runtime_s
+            share_c += job.compute_demand * job.runtime_s
+        longest = max(longest, fastest)
+        share_m += job.memory_mib * fastest
     n = len(jobs)
     mig_t = max(mig_c / (c_total * gpus), mig_m / (m_total * gpus), longest)
     share_t = max(share_c / gpus, share_m / (mps_mib * gpus), longest)
