@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -49,6 +49,7 @@ from migd.core.planner import (
     DestroyOp,
     Op,
     PartitionRequest,
+    PlannerPolicy,
     plan_on_node,
 )
 from migd.core.queueing import QueuedRequest, RequestQueue
@@ -307,6 +308,11 @@ class Simulation:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self.runs: dict[str, _Run] = {}
+        # the same runs by (node, GPU): sampling and MPS sharing look at one GPU only
+        self._gpu_runs: dict[tuple[int, int], dict[str, _Run]] = {}
+        self._advert_cache: dict[Hashable, int] = {}
+        self._by_capacity: dict[int, set[int]] = {}  # advertised MiB -> node indices
+        self._stale: set[int] = set()  # nodes whose advertised MiB must be computed again
         self._gi = itertools.count(1)
         self.timelines: dict[tuple[int, int], list[tuple[float, float, float, float, float]]] = {}
         self.spans: list[Span] = []
@@ -321,6 +327,7 @@ class Simulation:
         self._dirty: set[int] = set()
         self._negotiate = False
         self.nodes = [self._build_node(i) for i in range(self.config.nodes)]
+        self._stale.update(range(len(self.nodes)))
         self.matcher: RequestQueue[Attempt] | None = None
         if self.config.nodes > 1 or policy.static_layout is not None:
             sched = policy.scheduler
@@ -416,8 +423,6 @@ class Simulation:
                 self._negotiate = False
                 return
             self._negotiate = False
-            for node in self.nodes:
-                node.capacity = None
             self.matcher.schedule(self.now, self._try_place_item)
             self._max_queue = max(self._max_queue, len(self.matcher))
         raise AssertionError("matcher did not settle")  # pragma: no cover
@@ -434,8 +439,6 @@ class Simulation:
             self._refuse(attempt, "no partition on any node can ever hold it")
             return
         if attempt.wait_s is not None and attempt.wait_s <= 0:
-            for node in self.nodes:
-                node.capacity = None
             if not self._try_place(attempt):
                 self._refuse(attempt, "no room at submission (wait_s=0)")
             return
@@ -475,6 +478,7 @@ class Simulation:
             self._refuse(attempt, exc.message)
             return
         node.pending[attempt.lease_id] = attempt
+        self._invalidate(node)
         self._execute(node, outcome.work)
         self._dirty.add(node.index)
         self._max_queue = max(self._max_queue, len(node.scheduler.queue))
@@ -503,29 +507,41 @@ class Simulation:
             and profile.compute_slices >= attempt.min_compute
         )
 
+    def _invalidate(self, node: _Node) -> None:
+        """The node changed: its advertised capacity is computed again when asked."""
+        if node.capacity is not None:
+            self._by_capacity[node.capacity].discard(node.index)
+            node.capacity = None
+        self._stale.add(node.index)
+
+    def _fitting_nodes(self, memory_mib: int) -> list[_Node]:
+        """Nodes that advertise at least ``memory_mib``, in the policy's node order.
+
+        Nodes are kept in buckets by advertised MiB (a few distinct values), so a pool
+        of a thousand nodes costs one look per bucket, not one per node and job.
+        """
+        for index in self._stale:
+            node = self.nodes[index]
+            self._by_capacity.setdefault(self._advertised_mib(node), set()).add(index)
+        self._stale.clear()
+        if self.policy.node_order == "best-fit":
+            return [
+                self.nodes[i]
+                for cap in sorted(c for c in self._by_capacity if c >= memory_mib)
+                for i in sorted(self._by_capacity[cap])
+            ]
+        fits = [i for c, ids in self._by_capacity.items() if c >= memory_mib for i in ids]
+        return [self.nodes[i] for i in sorted(fits)]
+
     def _advertised_mib(self, node: _Node) -> int:
         """The most memory one new job could get on the node now (its machine ad)."""
         if node.capacity is not None:
             return node.capacity
         sched = node.scheduler
         best = 0
-        mig_views = [
-            g.view() for g in sched.gpus.values() if g.mode is GpuMode.MIG and g.space is not None
-        ]
-        if mig_views:
-            for prof in sorted(self.space.profiles, key=lambda p: -p.memory_mib):
-                if prof.memory_mib <= best:
-                    break
-                try:
-                    plan_on_node(
-                        mig_views,
-                        PartitionRequest(prof.memory_mib, prof.compute_slices),
-                        sched.policy.planner,
-                    )
-                except (NoCapacity, RequestTooLarge):
-                    continue
-                best = prof.memory_mib
         for gpu in sched.gpus.values():
+            if gpu.mode is GpuMode.MIG and gpu.space is not None:
+                best = max(best, self._mig_advert(gpu, sched.policy.planner))
             for inst in gpu.instances:  # MPS servers inside MIG instances take shares too
                 host = inst.mps_pool
                 ready = inst.status is InstanceStatus.READY
@@ -540,15 +556,39 @@ class Simulation:
         node.capacity = best
         return best
 
+    def _mig_advert(self, gpu: ManagedGpu, planner: PlannerPolicy) -> int:
+        """The largest profile the planner could place on ``gpu`` now (MiB).
+
+        Placeable on a node means placeable on one of its GPUs, and the answer depends
+        only on the GPU's layout and which instances are busy: memoised by that, so a
+        pool of thousands of GPUs with a few hundred distinct layouts plans each once.
+        """
+        view = gpu.view()
+        key = (view.available, tuple((i.profile.name, i.start, i.busy) for i in view.instances))
+        hit = self._advert_cache.get(key)
+        if hit is not None:
+            return hit
+        best = 0
+        for prof in sorted(self.space.profiles, key=lambda p: -p.memory_mib):
+            if prof.memory_mib <= best:
+                break
+            try:
+                plan_on_node(
+                    [view], PartitionRequest(prof.memory_mib, prof.compute_slices), planner
+                )
+            except (NoCapacity, RequestTooLarge):
+                continue
+            best = prof.memory_mib
+        self._advert_cache[key] = best
+        return best
+
     def _try_place_item(self, item: QueuedRequest[Attempt]) -> bool:
         return self._try_place(item.payload)
 
     def _try_place(self, attempt: Attempt) -> bool:
         if self.policy.static_layout is not None:
             return self._try_place_static(attempt)
-        fits = [n for n in self.nodes if self._advertised_mib(n) >= attempt.memory_mib]
-        if self.policy.node_order == "best-fit":
-            fits.sort(key=lambda n: (self._advertised_mib(n), n.index))
+        fits = self._fitting_nodes(attempt.memory_mib)
         return any(self._submit_now(node, attempt, None) for node in fits)
 
     def _try_place_static(self, attempt: Attempt) -> bool:
@@ -569,13 +609,15 @@ class Simulation:
         try:
             outcome = node.scheduler.submit(lease, self.now, self.now)
         except NoCapacity as exc:
+            if exc.started_work:
+                self._invalidate(node)
             self._execute(node, list(exc.started_work))
             self._dirty.add(node.index)
             return False
         except (RequestTooLarge, InvalidRequest):
             return False
         node.pending[attempt.lease_id] = attempt
-        node.capacity = None
+        self._invalidate(node)
         self._execute(node, outcome.work)
         self._dirty.add(node.index)
         return True
@@ -592,6 +634,8 @@ class Simulation:
     def _on_deadline(self, _: None) -> None:
         for node in self.nodes:
             expired = node.scheduler.expire(self.now, self.now)
+            if expired:
+                self._invalidate(node)
             for lease in expired:
                 self._dirty.add(node.index)
                 attempt = node.pending.pop(lease.lease_id, None)
@@ -664,6 +708,7 @@ class Simulation:
                 )
                 self._open_instances[key] = (op.profile.name, op.profile.memory_slices, at)
         node.scheduler.work_done(work, created, self.now)
+        self._invalidate(node)
         # as the daemon does after every finished work item: the queue may move now
         self._execute(node, node.scheduler.schedule(self.now, self.now))
         self._dirty.add(node_index)
@@ -734,6 +779,7 @@ class Simulation:
             uid=job.uid,
         )
         self.runs[lease.lease_id] = run
+        self._gpu_runs.setdefault((run.node, run.gpu), {})[lease.lease_id] = run
         if lease.mode == "mps":
             self._count_breaches(lease.lease_id, run)
             self._rebalance_mps(node.index, gpu.index, host)
@@ -792,8 +838,8 @@ class Simulation:
         """
         members = [
             (lid, r)
-            for lid, r in self.runs.items()
-            if r.node == node_index and r.gpu == gpu_index and r.mode == "mps" and r.host == host
+            for lid, r in self._gpu_runs.get((node_index, gpu_index), {}).items()
+            if r.mode == "mps" and r.host == host
         ]
         if not members:
             return
@@ -815,11 +861,11 @@ class Simulation:
 
     def _count_breaches(self, lease_id: str, run: _Run) -> None:
         """Memory isolation: a job that shares an MPS server with another user's job."""
-        for lid, other in self.runs.items():
+        for lid, other in self._gpu_runs.get((run.node, run.gpu), {}).items():
             if (
                 lid != lease_id
                 and other.mode == "mps"
-                and (other.node, other.gpu, other.host) == (run.node, run.gpu, run.host)
+                and other.host == run.host
                 and other.uid != run.uid
             ):
                 self.isolation_breaches += 1
@@ -832,12 +878,14 @@ class Simulation:
             return  # superseded by an MPS rebalance
         self._advance(run)
         del self.runs[lease_id]
+        del self._gpu_runs[(run.node, run.gpu)][lease_id]
         attempt = run.attempt
         job = attempt.job
         record = self.records[job.job_id]
         self.spans.append(run.span(lease_id, self.now, run.stop))
         node = self.nodes[run.node]
         works = node.scheduler.release(lease_id, self.now, self.now, reason=run.stop)
+        self._invalidate(node)  # the matcher asks this node again
         self._execute(node, works)
         self._dirty.add(node.index)
         self._negotiate = True
@@ -896,6 +944,7 @@ class Simulation:
         works = node.scheduler.idle_teardown(self.now)
         self._execute(node, works)
         if works:
+            self._invalidate(node)
             # The torn-down slices are free in the intended layout at once (work on a GPU
             # runs in order), but nothing in the scheduler re-runs the queue: the daemon
             # has to, and so do we.
@@ -907,7 +956,7 @@ class Simulation:
 
     def _sample(self, node_index: int, gpu_index: int) -> None:
         """Record the GPU's busy, allocated, held and wasted slices from now on."""
-        runs = [r for r in self.runs.values() if r.node == node_index and r.gpu == gpu_index]
+        runs = self._gpu_runs.get((node_index, gpu_index), {}).values()
         busy = sum(r.busy for r in runs) * self.compute
         alloc = min(float(self.compute), sum(r.alloc_slices for r in runs))
         gpu = self.nodes[node_index].scheduler.gpus[gpu_index]

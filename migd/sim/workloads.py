@@ -502,6 +502,77 @@ def kit_mix(n_jobs: int = 414, seed: int = 1) -> list[SimJob]:
     ]
 
 
+# -- pool scale -------------------------------------------------------------------------------
+
+
+def pool_stream(
+    nodes: int,
+    gpus: int = 8,
+    *,
+    hours: float = 24.0,
+    jobs_per_gpu_day: float = 12.0,
+    load: float = 0.7,
+    users: int = 20,
+    seed: int = 1,
+    model: str = "A100-40GB",
+) -> list[SimJob]:
+    """A day of a seed 002/004-shaped stream for a pool of ``nodes`` x ``gpus``.
+
+    Half the jobs are [Voigtlaender]'s small trainings (:func:`kit_mix`'s memory and
+    demand), half [MIG-HT]'s buckets small:medium:large:full = 4:1:1:1 (memory and
+    demand of :data:`DEFAULT_BUCKETS`), owned by ``users`` users, arriving as a Poisson
+    stream of ``jobs_per_gpu_day`` per GPU. The papers' runtimes (minutes) would need
+    millions of jobs a day to load 8,000 GPUs, so every runtime is scaled by one factor
+    that makes the offered load (each job's right-sized MIG share x runtime) ``load``
+    of the pool: the mix's shape is the papers', its time scale is assumed.
+    """
+    rng = random.Random(f"pool-{seed}")
+    geo = geometry(model)
+    n_gpus = nodes * gpus
+    n = max(1, round(jobs_per_gpu_day * n_gpus * hours / 24.0))
+    span_s = hours * 3600.0
+    buckets = ["small"] * 4 + ["medium", "large", "full"]
+    classic = sorted(geo.profile_set("classic"), key=lambda p: p.memory_mib)
+    raw: list[tuple[float, int, float, float, str]] = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(n / span_s)
+        if rng.random() < 0.5:
+            raw.append(
+                (t, rng.randint(2800, 3200), 633.6 * rng.uniform(0.9, 1.1), KIT_DEMAND, "tf")
+            )
+        else:
+            bucket = rng.choice(buckets)
+            low, high = bucket_memory_range(geo, bucket)
+            spec = DEFAULT_BUCKETS[bucket]
+            raw.append(
+                (
+                    t,
+                    rng.randint(low, high),
+                    rng.uniform(*spec.runtime_s),
+                    round(rng.uniform(*spec.demand), 3),
+                    bucket,
+                )
+            )
+    footprint = 0.0
+    for _, mib, runtime, _, _ in raw:
+        prof = next((p for p in classic if p.memory_mib >= mib), classic[-1])
+        footprint += prof.compute_slices / geo.compute_slices * runtime
+    scale = load * n_gpus * span_s / footprint
+    return [
+        SimJob(
+            job_id=f"pool-{i}",
+            submit_s=round(t, 3),
+            memory_mib=mib,
+            runtime_s=round(runtime * scale, 1),
+            compute_demand=demand,
+            uid=1000 + rng.randrange(users),
+            kind=kind,
+        )
+        for i, (t, mib, runtime, demand, kind) in enumerate(raw)
+    ]
+
+
 # -- traces -----------------------------------------------------------------------------------
 
 TRACE_COLUMNS = {
