@@ -94,11 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for nodes, runs in rows:
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        loads = ", ".join(f"{r['load']:.1f}" for r in runs)
+        walls = ", ".join(f"{r['wall_s']:.1f}" for r in runs)
         lines.append(
             f"| {nodes} | {nodes * 8} | {int(med['jobs'])} | {int(med['events'])} "
             f"| {med['wall_s']:.1f} | {med['sim_s']:.1f} | {med['maxrss_mib']:.0f} "
-            f"| {int(med['completed'])} | {', '.join(f'{r['load']:.1f}' for r in runs)} "
-            f"| {', '.join(f'{r['wall_s']:.1f}' for r in runs)} |"
+            f"| {int(med['completed'])} | {loads} | {walls} |"
         )
     lines.append("")
     args.out.mkdir(parents=True, exist_ok=True)
