@@ -147,6 +147,7 @@ class JobRecord:
     lost_gpu_s: float = 0.0  # GPU-seconds (share x time) of runs killed by OOM or forecast
     lost_wall_s: float = 0.0
     profiles: list[str] = field(default_factory=list)  # what each attempt ran on
+    hybrid: list[str] = field(default_factory=list)  # the hybrid's reason per attempt
 
     @property
     def turnaround_s(self) -> float | None:
@@ -750,6 +751,8 @@ class Simulation:
                 host, label = lease.start, f"mps@{prof.name}"
         limit = lease.memory_limit_mib or attempt.memory_mib
         record.profiles.append(label)
+        if lease.decision is not None and "hybrid" in lease.decision:
+            record.hybrid.append(str(lease.decision["hybrid"]))
         stop_iter, stop, needed = self._stop_point(job, limit)
         stop_progress = 1.0
         if stop_iter is not None and job.growth is not None:
