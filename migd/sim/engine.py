@@ -266,7 +266,8 @@ class _Node:
         self.scheduler = scheduler
         self.driver_free: dict[int, float] = dict.fromkeys(scheduler.gpus, 0.0)
         self.pending: dict[str, Attempt] = {}
-        self.capacity: int | None = None  # advertised MiB, cached per negotiation
+        self.capacity: int | None = None  # advertised MiB, cached until the node changes
+        self.rooms: dict[int | None, int] = {}  # its MPS hosts' unpinned MiB by user
 
 
 class Simulation:
@@ -314,6 +315,7 @@ class Simulation:
         self._advert_cache: dict[Hashable, int] = {}
         self._by_capacity: dict[int, set[int]] = {}  # advertised MiB -> node indices
         self._stale: set[int] = set()  # nodes whose advertised MiB must be computed again
+        self._rooms: dict[int | None, dict[int, int]] = {}  # uid -> node -> MPS host MiB
         self._gi = itertools.count(1)
         self.timelines: dict[tuple[int, int], list[tuple[float, float, float, float, float]]] = {}
         self.spans: list[Span] = []
@@ -513,26 +515,57 @@ class Simulation:
         if node.capacity is not None:
             self._by_capacity[node.capacity].discard(node.index)
             node.capacity = None
+        for uid in node.rooms:
+            self._rooms[uid].pop(node.index, None)
+        node.rooms = {}
         self._stale.add(node.index)
 
-    def _fitting_nodes(self, memory_mib: int) -> list[_Node]:
-        """Nodes that advertise at least ``memory_mib``, in the policy's node order.
+    def _fitting_nodes(self, memory_mib: int, uid: int) -> list[_Node]:
+        """Nodes that advertise at least ``memory_mib`` to user ``uid``, in the policy's
+        node order.
 
         Nodes are kept in buckets by advertised MiB (a few distinct values), so a pool
-        of a thousand nodes costs one look per bucket, not one per node and job.
+        of a thousand nodes costs one look per bucket, not one per node and job. MPS
+        servers inside MIG instances serve one user each (unless multi-user): their
+        unpinned MiB is advertised to that user only (``_rooms``).
         """
         for index in self._stale:
             node = self.nodes[index]
             self._by_capacity.setdefault(self._advertised_mib(node), set()).add(index)
+            node.rooms = self._host_rooms(node)
+            for who, room in node.rooms.items():
+                self._rooms.setdefault(who, {})[index] = room
         self._stale.clear()
+        cap: dict[int, int] = {
+            i: c for c, ids in self._by_capacity.items() if c >= memory_mib for i in ids
+        }
+        for who in (uid, None):
+            for i, room in self._rooms.get(who, {}).items():
+                if room >= memory_mib and room > cap.get(i, -1):
+                    cap[i] = room
         if self.policy.node_order == "best-fit":
-            return [
-                self.nodes[i]
-                for cap in sorted(c for c in self._by_capacity if c >= memory_mib)
-                for i in sorted(self._by_capacity[cap])
-            ]
-        fits = [i for c, ids in self._by_capacity.items() if c >= memory_mib for i in ids]
-        return [self.nodes[i] for i in sorted(fits)]
+            return [self.nodes[i] for i in sorted(cap, key=lambda i: (cap[i], i))]
+        return [self.nodes[i] for i in sorted(cap)]
+
+    @staticmethod
+    def _host_rooms(node: _Node) -> dict[int | None, int]:
+        """Unpinned MiB of the node's MPS hosts by the user they serve (None: anyone)."""
+        rooms: dict[int | None, int] = {}
+        for gpu in node.scheduler.gpus.values():
+            for inst in gpu.instances:
+                pool = inst.mps_pool
+                if pool is None or inst.status is not InstanceStatus.READY:
+                    continue
+                if pool.clients >= pool.max_clients:
+                    continue
+                users = {share.uid for share in pool.shares}
+                who = (
+                    users.pop()
+                    if len(users) == 1 and not node.scheduler.policy.mps_multi_user
+                    else None
+                )
+                rooms[who] = max(rooms.get(who, 0), pool.free_mib)
+        return rooms
 
     def _advertised_mib(self, node: _Node) -> int:
         """The most memory one new job could get on the node now (its machine ad)."""
@@ -543,11 +576,6 @@ class Simulation:
         for gpu in sched.gpus.values():
             if gpu.mode is GpuMode.MIG and gpu.space is not None:
                 best = max(best, self._mig_advert(gpu, sched.policy.planner))
-            for inst in gpu.instances:  # MPS servers inside MIG instances take shares too
-                host = inst.mps_pool
-                ready = inst.status is InstanceStatus.READY
-                if host is not None and ready and host.clients < host.max_clients:
-                    best = max(best, host.free_mib)
             if gpu.mode is GpuMode.MPS and gpu.available:
                 pool = sched.mps_pool(gpu)
                 if pool.clients < pool.max_clients:
@@ -589,7 +617,7 @@ class Simulation:
     def _try_place(self, attempt: Attempt) -> bool:
         if self.policy.static_layout is not None:
             return self._try_place_static(attempt)
-        fits = self._fitting_nodes(attempt.memory_mib)
+        fits = self._fitting_nodes(attempt.memory_mib, attempt.job.uid)
         return any(self._submit_now(node, attempt, None) for node in fits)
 
     def _try_place_static(self, attempt: Attempt) -> bool:
