@@ -13,7 +13,7 @@ from migd.sim.interference import CALIBRATED, MpsInterference, fit_kit
 from migd.sim.jobs import SimJob
 from migd.sim.metrics import area_bounds, compute_metrics
 from migd.sim.policies import named_policy
-from migd.sim.workloads import kit_mix, workload
+from migd.sim.workloads import kit_mix, pool_stream, workload
 
 
 def test_processor_sharing_until_the_device_is_full() -> None:
@@ -90,3 +90,20 @@ def test_area_bounds_hold_for_every_policy() -> None:
         assert m.throughput_per_h <= max(bounds.mig_per_h, bounds.shared_per_h) * 1.0001
     migd = compute_metrics(simulate(jobs, named_policy("migd"), SimConfig()))
     assert migd.throughput_per_h <= bounds.mig_per_h * 1.0001
+
+
+def test_pool_stream_is_a_day_at_the_offered_load() -> None:
+    jobs = pool_stream(2, 8, hours=24.0, load=0.5)
+    assert len(jobs) == 12 * 16
+    assert max(j.submit_s for j in jobs) <= 24 * 3600
+    assert {j.kind for j in jobs} >= {"tf", "small", "full"}
+    assert len({j.uid for j in jobs}) > 1
+
+
+def test_a_hybrid_pool_matches_jobs_to_their_users_servers() -> None:
+    jobs = pool_stream(3, 2, hours=6.0, jobs_per_gpu_day=40)
+    config = SimConfig(gpus=2, nodes=3, check_invariants=True)
+    result = simulate(jobs, named_policy("hybrid"), config)
+    metrics = compute_metrics(result)
+    assert metrics.complete and metrics.isolation_breaches == 0
+    assert any(p.startswith("mps@") for r in result.records for p in r.profiles)
