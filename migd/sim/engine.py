@@ -883,6 +883,8 @@ class Simulation:
             model = replace(model, flat=model.flat + self.config.mps_interference)
         shares = model.shares(demands, capacity)
         for (lid, run), share in zip(members, shares, strict=True):
+            if share == run.share and run.version > 0:
+                continue  # its speed did not change: its end event stands
             self._advance(run)
             run.share = share
             run.rate = 1.0 / runtime_at(run.attempt.job, run.share, self.compute)
