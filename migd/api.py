@@ -109,6 +109,17 @@ class SimRequest(_Request):
     mps_limit_mib: Annotated[int | None, Field(gt=0)] = None
 
 
+class SimXidRequest(_Request):
+    """Simulated backend only: an NVML XID critical error on a GPU (or one of its GPU
+    instances), as the driver would report it (docs/operations.md, GPU health)."""
+
+    op: Literal["sim_xid"]
+    gpu: Annotated[int, Field(ge=0, le=1023)]
+    xid: Annotated[int, Field(ge=1, le=65535)]
+    gi_id: Annotated[int | None, Field(ge=0, le=1023)] = None
+    ci_id: Annotated[int | None, Field(ge=0, le=1023)] = None
+
+
 Request = Annotated[
     PingRequest
     | LeaseRequestMsg
@@ -119,14 +130,15 @@ Request = Annotated[
     | ExplainRequest
     | HistoryRequest
     | GpuRequest
-    | SimRequest,
+    | SimRequest
+    | SimXidRequest,
     Field(discriminator="op"),
 ]
 _REQUEST = TypeAdapter(Request)
 OPS = [
     *("ping", "lease", "release", "heartbeat", "get_lease", "usage", "release_job", "report"),
     *("status", "leases", "reload", "explain", "history", "drain", "resume", "reset"),
-    *("sim_attach", "sim_alloc", "sim_free", "sim_detach"),
+    *("sim_attach", "sim_alloc", "sim_free", "sim_detach", "sim_xid"),
 ]
 
 

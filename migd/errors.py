@@ -155,11 +155,6 @@ class NoCapacity(RequestError):
     code = "no_capacity"
     default_hint = "the request can be queued (wait_s > 0) until a partition frees up"
 
-    # The scheduler may have started work for *other* queued leases in the pass that
-    # refused this one (NVML operations it has already committed to); whoever catches
-    # the refusal must still carry that work out. Never sent over the API.
-    started_work: tuple[Any, ...] = ()
-
 
 class GpuError(MigdError):
     code = "gpu_error"

@@ -17,7 +17,7 @@ Implementations:
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +35,11 @@ class GpuInfo:
     mode was read). A GPU whose MIG mode is unknown must not be given work: it may
     well be a MIG GPU.
     ``model`` is the catalog key (``A100-40GB``) or ``None`` for an unknown model.
+    ``persistence_mode``: whether the driver stays initialised while the GPU is idle
+    (``None``: NVML could not say); without it an idle GPU can be de-initialised and
+    lose its MIG instances. ``compute_mode``: ``"DEFAULT"``, ``"EXCLUSIVE_PROCESS"`` or
+    ``"PROHIBITED"`` (``None``: unknown); MPS is only enforced under
+    ``EXCLUSIVE_PROCESS`` (docs/mps.md).
     """
 
     index: int
@@ -50,6 +55,8 @@ class GpuInfo:
     model: str | None
     compute_capability: tuple[int, int] | None = None
     mig_mode_error: str | None = None
+    persistence_mode: bool | None = None
+    compute_mode: str | None = None
 
     @property
     def mig_mode_known(self) -> bool:
@@ -282,6 +289,19 @@ class MpsControl(Protocol):
 
     def stop_device(self, device_uuid: str) -> None:
         """Stop the device's daemon (before its MIG instance is destroyed)."""
+        ...
+
+    def stop_for_teardown(
+        self, device_uuid: str, device_pids: Callable[[], Collection[int]]
+    ) -> None:
+        """Before the device's MIG instance is destroyed: refuse (GpuBusy) while its server
+        has clients, stop its daemon, and wait, bounded, until its servers are gone from
+        ``device_pids()`` (NVML's processes on the device); GpuBusy if they stay."""
+        ...
+
+    def watch_servers(self, watcher: Callable[[str, Collection[int]], None]) -> None:
+        """Have ``watcher(device_uuid, server_pids)`` called for servers the manager starts
+        (the simulated GPU lists them as compute processes)."""
         ...
 
     def check_health(self) -> MpsHealthReport:

@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Regenerate migd/core/data/mig_catalog.json from ../shared/reference/mig-tables.json.
+"""Regenerate migd/core/data/mig_catalog.json from tests/data/mig-tables.json.
+
+The input is the repository's copy of the research record (see tests/data/README.md for
+where it came from), so a fresh clone regenerates the catalog with nothing beside it.
 
 The reference file is the research record (sources, verbatim/inferred status).
 The catalog is what migd ships: the same placement tables, plus the values the
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_REF = ROOT.parent / "shared" / "reference" / "mig-tables.json"
+DEFAULT_REF = ROOT / "tests" / "data" / "mig-tables.json"
 DEFAULT_OUT = ROOT / "migd" / "core" / "data" / "mig_catalog.json"
 
 FAMILY_ORDER = {  # A100/H100 observed (reference 'default-order'), keyed by (units, starts)
@@ -135,7 +138,7 @@ def build(ref: dict[str, Any]) -> dict[str, Any]:
             }
         )
     return {
-        "generated_from": "shared/reference/mig-tables.json",
+        "generated_from": "tests/data/mig-tables.json",
         "generator": "scripts/gen_catalog.py",
         "sources": ref["sources"],
         "models": models,

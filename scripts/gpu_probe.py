@@ -29,6 +29,7 @@ import datetime as dt
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from migd.backends.nvml import NvmlBackend
+from migd.backends.nvml import NvmlBackend, nvml_errors
 from migd.errors import MigdError
 from migd.ports import GpuInfo
 
@@ -101,17 +102,29 @@ def _command_name(pid: int) -> str | None:
         return None
 
 
+def _no_name(pid: int) -> str | None:
+    return None
+
+
 def probe(
-    backend: NvmlBackend, gpus: Sequence[int] | None = None, *, simulated: str | None = None
+    backend: NvmlBackend,
+    gpus: Sequence[int] | None = None,
+    *,
+    simulated: str | None = None,
+    command_name: Callable[[int], str | None] | None = None,
 ) -> dict[str, Any]:
     """Everything the backend can read about the GPUs, as a JSON-ready dict.
 
     ``simulated`` names the simulated node probed (recorded, so nobody mistakes the
-    output for hardware).
+    output for hardware). ``command_name`` looks up a process's command name; by
+    default this host's ``/proc`` for a real node and nothing for a simulated one
+    (its PIDs are not this host's). Tests pass their own, so the record does not
+    depend on which PIDs happen to exist where the tests run.
 
     Raises:
         DriverUnavailable: NVML cannot be initialised (no driver or library).
     """
+    lookup = command_name or (_command_name if simulated is None else _no_name)
     infos = backend.discover()
     record: dict[str, Any] = {
         "schema": PROBE_SCHEMA,
@@ -128,11 +141,13 @@ def probe(
     for info in infos:
         if gpus is not None and info.index not in gpus:
             continue
-        record["gpus"].append(_probe_gpu(backend, info, host=simulated is None))
+        record["gpus"].append(_probe_gpu(backend, info, lookup))
     return record
 
 
-def _probe_gpu(backend: NvmlBackend, info: GpuInfo, *, host: bool = True) -> dict[str, Any]:
+def _probe_gpu(
+    backend: NvmlBackend, info: GpuInfo, command_name: Callable[[int], str | None]
+) -> dict[str, Any]:
     index = info.index
     errors: dict[str, str] = {}
     if info.mig_mode_error is not None:
@@ -149,6 +164,8 @@ def _probe_gpu(backend: NvmlBackend, info: GpuInfo, *, host: bool = True) -> dic
         "mig_pending": info.mig_pending,
         "compute_capability": list(info.compute_capability) if info.compute_capability else None,
         "model": info.model,
+        "persistence_mode": info.persistence_mode,
+        "compute_mode": info.compute_mode,
     }
     memory = _attempt(errors, "memory", lambda: backend.memory(index))
     entry["memory_used_mib"] = memory.used_mib if memory else None
@@ -159,7 +176,7 @@ def _probe_gpu(backend: NvmlBackend, info: GpuInfo, *, host: bool = True) -> dic
             "used_mib": p.used_mib,
             "mig_uuid": p.mig_uuid,
             "mps": p.mps,  # listed as an MPS client (the MPS server itself is not)
-            "name": _command_name(p.pid) if host else None,
+            "name": command_name(p.pid),
         }
         for p in processes or []
     ]
@@ -213,8 +230,76 @@ def _probe_mig(backend: NvmlBackend, index: int, errors: dict[str, str]) -> dict
                 errors, f"memory[{inst.uuid}]", partial(backend.memory, index, inst.uuid)
             )
             item["memory_used_mib"] = mem.used_mib if mem else None
+            # NVML's total for the MIG device, next to the profile's nominal size.
+            item["memory_total_nvml_mib"] = mem.total_mib if mem else None
+            procs = _attempt(
+                errors, f"processes[{inst.uuid}]", partial(backend.processes, index, inst.uuid)
+            )
+            item["processes"] = [
+                {"pid": p.pid, "used_mib": p.used_mib, "mps": p.mps} for p in procs or []
+            ]
+        item.update(_raw_gi(backend, index, inst, errors))
         instances.append(item)
     return {"profiles": profiles, "instances": instances}
+
+
+def _raw_gi(backend: NvmlBackend, index: int, inst: Any, errors: dict[str, str]) -> dict[str, Any]:
+    """What only raw NVML queries show about one GPU instance (read-only calls):
+
+    * ``ci_profiles``: every compute instance profile index (``NVML_COMPUTE_INSTANCE_
+      PROFILE_*``, REV1 included) with the id, slices, count and name the driver answers:
+      whether REV1 repeats the 1-slice profile's id (docs/nvml.md);
+    * ``ci_info_device``: whether ``nvmlComputeInstanceInfo_t.device`` is the ``parent``
+      GPU (nvml.h) or the ``mig`` device on this driver.
+    """
+    nvml = backend.nvml
+    out: dict[str, Any] = {}
+    what = f"raw[{inst.gi_id}]"
+    try:
+        with nvml_errors("read a GPU instance", gpu=index):
+            gi = nvml.nvmlDeviceGetGpuInstanceById(
+                nvml.nvmlDeviceGetHandleByIndex(index), inst.gi_id
+            )
+    except MigdError as err:
+        errors[what] = f"{type(err).__name__}: {err.message}"
+        return out
+    profiles = []
+    indices = sorted(
+        (int(getattr(nvml, n)), n)
+        for n in dir(nvml)
+        if n.startswith("NVML_COMPUTE_INSTANCE_PROFILE_") and not n.endswith("_COUNT")
+    )
+    for ci_index, name in indices:
+        entry: dict[str, Any] = {"index": ci_index, "constant": name}
+        try:
+            with nvml_errors("read a compute instance profile", gpu=index):
+                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, ci_index, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
+            entry.update(
+                id=int(info.id),
+                slice_count=int(info.sliceCount),
+                instance_count=int(info.instanceCount),
+                name=_text(getattr(info, "name", "")) or None,
+            )
+        except MigdError as err:
+            entry["error"] = err.details.get("nvml_error")
+        profiles.append(entry)
+    out["ci_profiles"] = profiles
+    if inst.ci_id is not None:
+        try:
+            with nvml_errors("read a compute instance", gpu=index):
+                ci = nvml.nvmlGpuInstanceGetComputeInstanceById(gi, inst.ci_id)
+                device = nvml.nvmlComputeInstanceGetInfo(ci).device
+                is_mig = nvml.nvmlDeviceIsMigDeviceHandle(device)
+            out["ci_info_device"] = "mig" if int(getattr(is_mig, "value", is_mig)) else "parent"
+        except MigdError as err:
+            errors[f"{what}.ci_info_device"] = f"{type(err).__name__}: {err.message}"
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def to_json(record: dict[str, Any]) -> str:
@@ -233,11 +318,21 @@ def main(argv: Sequence[str] | None = None, *, nvml: object | None = None) -> in
         metavar="DESCRIPTION",
         help='probe a simulated node instead, e.g. "2xA100-40GB"',
     )
+    parser.add_argument(
+        "--also-unprivileged",
+        metavar="USER",
+        nargs="?",
+        const="nobody",
+        help="run as root, then probe again as USER (default nobody), recorded under "
+        '"unprivileged": what NVML refuses a normal user',
+    )
     args = parser.parse_args(argv)
+    node = None
     if args.simulate:
         from migd.backends.simulated import FakePynvml, SimNode
 
-        nvml = FakePynvml(SimNode.from_description(args.simulate))
+        node = SimNode.from_description(args.simulate)
+        nvml = FakePynvml(node)
     if nvml is None:
         try:
             import pynvml
@@ -253,12 +348,40 @@ def main(argv: Sequence[str] | None = None, *, nvml: object | None = None) -> in
         return 2
     finally:
         backend.close()
+    if args.also_unprivileged:
+        record["unprivileged"] = _unprivileged(args, node, nvml)
     text = to_json(record)
     if args.output:
         args.output.write_text(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _unprivileged(args: argparse.Namespace, node: Any, nvml: Any) -> dict[str, Any]:
+    """The same probe as a normal user: in-process on a simulated node, else this script
+    run again as ``args.also_unprivileged`` (it must be able to read the checkout)."""
+    if node is not None:
+        node.set_root(False)
+        backend = NvmlBackend(ReadOnlyNvml(nvml))
+        try:
+            record = probe(backend, args.gpu, simulated=args.simulate)
+        finally:
+            backend.close()
+        record["is_root"] = False
+        return record
+    if os.geteuid() != 0:
+        return {"error": "--also-unprivileged needs root (it switches to the user)"}
+    argv = [sys.executable, str(Path(__file__).resolve())]
+    for gpu in args.gpu or []:
+        argv += ["--gpu", str(gpu)]
+    done = subprocess.run(
+        argv, user=args.also_unprivileged, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.strip() or f"exit {done.returncode}"}
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
 
 
 if __name__ == "__main__":

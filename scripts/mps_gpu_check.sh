@@ -29,6 +29,10 @@
 #   DEFAULT_MIB  the daemon's default per-client limit (default 2048)
 #   PYTHON       interpreter for the clients (default: python3); uses PyTorch if it can be
 #                imported, else the CUDA driver API through ctypes (libcuda.so.1).
+#   SECOND_USER  (as root) a second Linux user whose client arrives while the first user's
+#                server has a client (step 7c); skipped when unset.
+#   SECOND_PYTHON interpreter for that user's client (default /usr/bin/python3: the first
+#                user's may sit in a private directory).
 # Each step appends to the summary on its own, on purpose (SC2129).
 # shellcheck disable=SC2129
 set -uo pipefail
@@ -74,8 +78,13 @@ plan (GPU_UUID=${GPU_UUID:-?} MPS_CONTROL=$MPS_CONTROL LIMIT_MIB=$LIMIT_MIB DEFA
  4. a client over its env limit (0=${LIMIT_MIB}M)
  5. a client without the variable (the daemon's default, ${DEFAULT_MIB}M)
  6. a client whose variable is above the default; one with the MB suffix (0=$((LIMIT_MIB / 2))MB)
- 7. a held client with a compute share: its server's clients, limit and percentage
- 8. quit (kill by pid if it will not go), the front end again
+ 7. a held client with a compute share: its server's clients, limit and percentage, and
+    NVML's process listing meanwhile (scripts/gpu_probe.py -> probe_during_mps.json)
+ 7b. two clients of one job at once, each under the job's limit (is the limit per process?)
+ 7c. a second user's client while the first user's client runs (SECOND_USER=${SECOND_USER:-unset})
+ 7d. a client that faults (illegal address in a kernel), then the server and a new client
+ 8. quit while a client still runs (does quit wait?), kill by pid if it will not go,
+    the front end again
  9. migd's MpsManager on the device: a share of $LIMIT_MIB MiB, clients classified by
     migd.core.oom (scripts/mps_migd_check.py), the daemon stopped
 results: $OUT_ROOT/<UTC>-<host>/ summary.txt clients.jsonl migd_check.json result.json *.log
@@ -247,14 +256,22 @@ if hold_s:
 print(json.dumps(result), flush=True)
 PY
 
+# record CMD...: run a client program; its one JSON line goes to clients.jsonl and the
+# summary in a single write each, so clients running at once never interleave their lines.
+record() {
+  local out
+  out=$("$@" 2>>"$SUMMARY")
+  printf '%s\n' "$out" >>"$CLIENTS"
+  printf '%s\n' "$out" >>"$SUMMARY"
+}
+
 # client LABEL TARGET_MIB [VAR=VALUE...]: run one client with the job environment migd gives
 client() {
   local label=$1 target=$2
   shift 2
   note "client $label: allocate $target MiB with $*"
-  env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
-    CUDA_VISIBLE_DEVICES="$GPU_UUID" "$@" "$PYTHON" "$WORK/client.py" "$label" "$target" \
-    2>>"$SUMMARY" | tee -a "$CLIENTS" >>"$SUMMARY"
+  record env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
+    CUDA_VISIBLE_DEVICES="$GPU_UUID" "$@" "$PYTHON" "$WORK/client.py" "$label" "$target"
 }
 
 {
@@ -321,9 +338,89 @@ for server in $servers; do
   ctl "get_client_list $server" "get_device_pinned_mem_limit $server 0" \
     "get_active_thread_percentage $server" >/dev/null
 done
+# NVML's view meanwhile (read-only): is the server a compute process, the client an MPS one?
+"$PYTHON" "$HERE/gpu_probe.py" -o "$RUN_DIR/probe_during_mps.json" >>"$SUMMARY" 2>&1
+echo "[gpu_probe exit $?]" >>"$SUMMARY"
 wait "$held"
 
-note "8. quit (exit status; kill by pid if it will not go), then the front end again"
+note "7b. two clients of one job at once, each allocating 3/4 of the job's ${LIMIT_MIB} MiB"
+# Both succeed if the limit is per client process (NVIDIA/k8s-device-plugin#594, #720).
+HOLD_S=3 client same_job_a $((LIMIT_MIB * 3 / 4)) CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
+first=$!
+HOLD_S=3 client same_job_b $((LIMIT_MIB * 3 / 4)) CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M"
+wait "$first"
+
+note "7c. a second user's client while the first user's client runs"
+if [[ -n ${SECOND_USER:-} && $(id -u) == 0 ]]; then
+  chmod 755 "$WORK" && chmod 644 "$WORK/client.py"
+  HOLD_S=10 client first_user 256 &
+  holder=$!
+  sleep 3
+  note "client second_user ($SECOND_USER): expect it to wait for the first user's server"
+  start=$(date +%s)
+  record timeout 60 runuser -u "$SECOND_USER" -- env CUDA_MPS_PIPE_DIRECTORY="$PIPE" \
+    CUDA_VISIBLE_DEVICES="$GPU_UUID" "${SECOND_PYTHON:-/usr/bin/python3}" "$WORK/client.py" \
+    second_user 256
+  echo "[second user's client took $(($(date +%s) - start)) s]" >>"$SUMMARY"
+  wait "$holder"
+  ctl get_server_list >/dev/null
+else
+  echo "skipped: set SECOND_USER and run as root" >>"$SUMMARY"
+fi
+
+note "7d. a client that faults (illegal address), then the server list and a new client"
+cat >"$WORK/fault.py" <<'PY'
+"""An MPS client whose kernel writes to address 0: a fatal fault (CUDA_ERROR_ILLEGAL_ADDRESS)."""
+import ctypes, json, os, sys
+PTX = b""".version 7.0
+.target sm_70
+.address_size 64
+.visible .entry fault() { .reg .b64 %rd<2>; mov.u64 %rd1, 0; st.global.u32 [%rd1], 1; ret; }
+"""
+result = {"label": "fault", "pid": os.getpid()}
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    steps = [("cuInit", lambda: cuda.cuInit(0)),
+             ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),
+             ("cuCtxCreate", lambda: cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
+             ("cuModuleLoadData", lambda: cuda.cuModuleLoadData(ctypes.byref(mod), PTX)),
+             ("cuModuleGetFunction", lambda: cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"fault")),
+             ("cuLaunchKernel", lambda: cuda.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, None, None)),
+             ("cuCtxSynchronize", lambda: cuda.cuCtxSynchronize())]
+    for name, step in steps:
+        code = step()
+        result[name] = code
+        if code != 0:
+            msg = ctypes.c_char_p()
+            cuda.cuGetErrorString(code, ctypes.byref(msg))
+            result["error"] = f"{name}: CUDA error {code} ({(msg.value or b'').decode()})"
+            print(result["error"], file=sys.stderr, flush=True)
+            break
+except OSError as exc:
+    result["error"] = f"no CUDA driver library: {exc}"
+print(json.dumps(result), flush=True)
+PY
+HOLD_S=8 client bystander 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
+bystander=$!
+sleep 2
+record env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
+  CUDA_VISIBLE_DEVICES="$GPU_UUID" timeout 60 "$PYTHON" "$WORK/fault.py"
+wait "$bystander"
+ctl get_server_list >/dev/null
+client after_fault 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M"
+
+note "8. quit while a client runs (does quit wait for it?), then the front end again"
+HOLD_S=10 client live_at_quit 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
+live=$!
+sleep 3
+start=$(date +%s)
+note "stop: quit daemon ${DAEMON_PID:-?} while client $live runs"
+ctl quit >/dev/null
+still=no
+kill -0 "$live" 2>/dev/null && still=yes
+echo "[quit returned after $(($(date +%s) - start)) s; client still running: $still]" >>"$SUMMARY"
+wait "$live"
 stop_daemon
 ctl get_server_list >/dev/null
 

@@ -3,6 +3,12 @@
 # the whole test suite (unit, property-based, process-level, and the real HTCondor 23.9 pool
 # in a Debian trixie chroot, which needs root and debootstrap; it is built once and cached in
 # ~/.cache/migd). Extra arguments go to pytest, e.g. `scripts/test.sh -k wrapper -x`.
+#
+# The fast subset for the edit-test loop (under a minute on 2 cores; no root, no chroot):
+#     .venv/bin/python -m pytest -m "not slow and not htcondor"
+# or, with the lint and type checks first, `scripts/test.sh -m "not slow and not htcondor"`.
+# `htcondor` marks the real-pool tests (tests/integration); `slow` marks the process tier
+# (tests/process, by tests/conftest.py) and the tests marked where they are defined.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +23,14 @@ fi
 if ! command -v debootstrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+fi
+
+# tests/metrics/test_scrape.py scrapes a simulated node with a real Prometheus (Debian's
+# package); it is skipped, saying why, where the package cannot be installed.
+if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq >/dev/null &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+        || echo "prometheus could not be installed: tests/metrics/test_scrape.py's Prometheus test is skipped"
 fi
 
 echo "== ruff"; .venv/bin/ruff check .

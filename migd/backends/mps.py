@@ -27,7 +27,10 @@ the device's active shares, and the same on each running server
 started later and per-server limits only reach new clients (MPS v2 interface
 docs). A client that drops ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` from its
 environment is then still bounded, by the largest active share rather than its
-own (htcondor-mps-nvml.md §4.5); NVML monitoring has to catch the rest.
+own (htcondor-mps-nvml.md §4.5); NVML monitoring has to catch the rest. The active
+thread percentage is bounded the same way (``set_default_active_thread_percentage`` and
+``set_active_thread_percentage <PID>``), as NVIDIA's device plugin and DRA driver do.
+Every such command is checked by reading the value back, never by its output.
 
 Commands go to the daemon the documented way, through a front-end invocation
 with the same pipe directory: ``echo quit | nvidia-cuda-mps-control``. Every call
@@ -50,21 +53,25 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from migd.core.mps import (
     MPS_CLIENT_DEVICE_INDEX,
     MpsShare,
     UserPolicy,
     format_limit_mib,
+    limit_applied,
     parse_limit_mib,
     share_environment,
 )
-from migd.errors import MpsError
+from migd.errors import GpuBusy, MpsError
 from migd.ports import Clock, SystemClock
+
+if TYPE_CHECKING:
+    from migd.core.scheduler import Lease
 
 PID_FILE_NAME = "nvidia-cuda-mps-control.pid"  # written by the daemon into its pipe dir
 CONTROL_SOCKET_NAME = "control"  # "Starting control daemon using socket <pipe>/control"
@@ -131,6 +138,21 @@ class MpsDaemonStartFailed(MpsError):
     default_hint = (
         "see control.log in the device's MPS log directory; check that the GPU/MIG UUID "
         "exists (`nvidia-smi -L`) and that nothing else uses that pipe directory"
+    )
+
+
+class MpsDeviceBusy(MpsError, GpuBusy):
+    """An MPS device cannot be torn down now: its server has clients, or cannot say."""
+
+    default_hint = "migd destroys the instance once its MPS clients are gone"
+
+
+class MpsServerStillRunning(MpsDeviceBusy):
+    """The control daemon quit, but its server still shows as an NVML compute process."""
+
+    default_hint = (
+        "an MPS server normally exits within seconds of `quit`; see server.log in the "
+        "device's MPS log directory. migd tries the teardown again later"
     )
 
 
@@ -252,6 +274,9 @@ class MpsManagerConfig:
         command_timeout_s: limit for each front-end command.
         start_timeout_s: how long a new daemon may take to answer.
         quit_timeout_s: how long ``quit`` may take before the daemon is killed.
+        server_exit_timeout_s: how long a device's MPS server may still show as an NVML
+            compute process after its daemon quit, before a teardown gives up
+            (:meth:`MpsManager.stop_for_teardown`).
         prestart_server: start the server (``start_server -uid``) with the first share,
             so a broken GPU shows up at lease time rather than in the job.
         env: environment for the daemon and commands (``PATH`` from migd by default).
@@ -268,6 +293,7 @@ class MpsManagerConfig:
     command_timeout_s: float = 10.0
     start_timeout_s: float = 30.0
     quit_timeout_s: float = 30.0
+    server_exit_timeout_s: float = 10.0
     prestart_server: bool = True
     env: Mapping[str, str] | None = None
     systemd_scope: bool | None = None
@@ -288,6 +314,9 @@ class DaemonRecord:
     multi_user: bool
     started_at: float
     default_limit_mib: int = 0
+    # Active thread percentage set on the daemon and its servers (100: the daemon's own
+    # default, nothing set).
+    thread_percentage: int = 100
     run_as_self: bool = False  # not root: could not switch user, ran as migd's own uid
     scope_unit: str = ""  # the transient systemd scope it runs in ("" when none)
 
@@ -378,44 +407,6 @@ class _Daemon:
     reported: tuple[str, str] | None = None  # (problem, detail) from a client's report
 
 
-# -- what the manager needs of migd's leases (structural: no import of migd.daemon) ------------
-
-
-class _LeaseRequestLike(Protocol):
-    @property
-    def memory_mib(self) -> int: ...
-
-    @property
-    def mps_clients(self) -> int: ...
-
-    @property
-    def mps_thread_percentage(self) -> int | None: ...
-
-
-class LeaseLike(Protocol):
-    """A lease as :mod:`migd.core.scheduler` has it (``Lease``)."""
-
-    @property
-    def lease_id(self) -> str: ...
-
-    @property
-    def owner_uid(self) -> int: ...
-
-    @property
-    def memory_limit_mib(self) -> int | None: ...
-
-    @property
-    def mps_thread_percentage(self) -> int | None: ...
-
-    @property
-    def request(self) -> _LeaseRequestLike: ...
-
-
-class HasUuid(Protocol):
-    @property
-    def uuid(self) -> str: ...
-
-
 # -- the manager ------------------------------------------------------------------------------
 
 
@@ -451,6 +442,7 @@ class MpsManager:
         # device -> (status dict, monotonic time it was read): what `migctl status` shows,
         # refreshed off the daemon's event loop by refresh_status() (never blocks a reader).
         self._status_cache: dict[str, tuple[dict[str, Any], float]] = {}
+        self._server_watchers: list[Callable[[str, Collection[int]], None]] = []
 
     # -- paths
 
@@ -623,6 +615,80 @@ class MpsManager:
             daemon = self._daemons.get(device_uuid)
             if daemon is not None:
                 self._stop(daemon)
+
+    def watch_servers(self, watcher: Callable[[str, Collection[int]], None]) -> None:
+        """Call ``watcher(device_uuid, server_pids)`` whenever this manager starts or finds
+        servers on a device.
+
+        The simulated GPU uses it to list each MPS server as a compute process on its
+        device, as NVML does (``SimNode.track_mps_servers``). A watcher that raises is
+        ignored: it must not break MPS.
+        """
+        self._server_watchers.append(watcher)
+
+    def _servers_seen(self, daemon: _Daemon) -> None:
+        for watcher in self._server_watchers:
+            with contextlib.suppress(Exception):
+                watcher(daemon.record.device_uuid, frozenset(daemon.known_servers))
+
+    def stop_for_teardown(
+        self, device_uuid: str, device_pids: Callable[[], Collection[int]]
+    ) -> None:
+        """Before the MIG instance behind ``device_uuid`` is destroyed: stop its MPS daemon
+        and wait, bounded, until its servers have left the device's NVML process list.
+
+        The MPS server is a compute process on its device until it exits (MPS docs,
+        "Quick Start": the server is what holds the CUDA context), and it exits a moment
+        *after* the control daemon's ``quit`` returns; a destroy in between fails with
+        IN_USE or finds "processes" on the instance. ``device_pids`` lists the PIDs NVML
+        reports on the device (e.g. ``backend.processes(gpu, mig_uuid)``); it is polled
+        until none of the servers is among them, for at most
+        ``config.server_exit_timeout_s``. A device without a daemon of this manager
+        returns at once.
+
+        Raises:
+            MpsDeviceBusy: the server has clients, or the daemon cannot say: never tear
+                the device down then.
+            MpsServerStillRunning: a server still shows on the device after the timeout.
+        """
+        with self._device_lock(device_uuid):
+            daemon = self._daemons.get(device_uuid)
+            if daemon is None:
+                return
+            servers: set[int] = set(daemon.known_servers)
+            if _pid_alive(daemon.record.pid):
+                try:
+                    listed = _live_pids(self._command(daemon, "get_server_list"))
+                    clients = list(self._clients(daemon, listed))
+                except MpsError as exc:
+                    raise MpsDeviceBusy(
+                        f"the MPS daemon on {device_uuid} does not say whether it has "
+                        f"clients ({exc}); not tearing the device down",
+                        device_uuid=device_uuid,
+                    ) from exc
+                if clients:
+                    raise MpsDeviceBusy(
+                        f"the MPS server on {device_uuid} has {len(clients)} client(s) "
+                        f"({', '.join(map(str, sorted(clients)))}); not tearing it down",
+                        device_uuid=device_uuid,
+                        clients=sorted(clients),
+                    )
+                servers.update(listed)
+            self._stop(daemon)
+        timeout = self.config.server_exit_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            left = sorted(servers.intersection(device_pids()))
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise MpsServerStillRunning(
+                    f"MPS server(s) {', '.join(map(str, left))} still run on {device_uuid} "
+                    f"{timeout:g} s after its control daemon quit; not destroying the instance",
+                    device_uuid=device_uuid,
+                    servers=left,
+                )
+            time.sleep(_POLL_S)
 
     def shutdown(self, keep: Collection[str] = ()) -> None:
         """Stop every daemon this manager started or adopted, and nothing else.
@@ -814,7 +880,7 @@ class MpsManager:
 
     # -- for migd.daemon: leases instead of shares
 
-    def share_for(self, lease: LeaseLike) -> MpsShare:
+    def share_for(self, lease: Lease) -> MpsShare:
         """The MPS share of a lease: its id, owner, granted (else requested) memory, the
         client processes it declared and its compute share (``mps_thread_percentage``:
         the scheduler's, else the request's)."""
@@ -827,7 +893,7 @@ class MpsManager:
             thread_percentage=lease.mps_thread_percentage or request.mps_thread_percentage,
         )
 
-    def client_env(self, device_uuid: str, lease: LeaseLike) -> dict[str, str]:
+    def client_env(self, device_uuid: str, lease: Lease) -> dict[str, str]:
         """The job environment for ``lease`` on ``device_uuid``, without starting anything.
 
         The pipe directory depends only on the device, so the scheduler can hand out the
@@ -839,42 +905,6 @@ class MpsManager:
             device_uuid,
             str(self.log_dir(device_uuid, self._serves_uid(lease.owner_uid))),
         )
-
-    def ensure(self, device: HasUuid, lease: LeaseLike) -> dict[str, str]:
-        """:meth:`ensure_share` for a lease on a device (anything with ``.uuid``)."""
-        return self.ensure_share(device.uuid, self.share_for(lease))
-
-    def release(self, device_uuid: str, lease_id: str) -> None:
-        """:meth:`release_share` under the daemon's naming."""
-        self.release_share(device_uuid, lease_id)
-
-    def command(self, device_uuid: str, command: str) -> str:
-        """Send one control command to a managed device's daemon; return its output.
-
-        Raises:
-            MpsError: no daemon for the device, or the command failed.
-        """
-        with self._device_lock(device_uuid):
-            daemon = self._daemons.get(device_uuid)
-            if daemon is None:
-                raise MpsError(
-                    f"no MPS control daemon runs for {device_uuid}",
-                    hint="`migctl status` lists the MPS devices",
-                )
-            return self._command(daemon, command)
-
-    def environment(self, device_uuid: str, share_id: str) -> dict[str, str]:
-        """The environment of an active share (e.g. for a wrapper that reconnects).
-
-        Raises:
-            MpsError: no such active share.
-        """
-        with self._device_lock(device_uuid):
-            daemon = self._daemons.get(device_uuid)
-            share = None if daemon is None else daemon.shares.get(share_id)
-            if daemon is None or share is None:
-                raise MpsError(f"no active MPS share {share_id} on {device_uuid}")
-            return self._environment(daemon, share)
 
     # -- internals: daemons
 
@@ -1067,67 +1097,136 @@ class MpsManager:
         )
 
     def _apply_limits(self, daemon: _Daemon) -> list[int] | None:
-        """Default and per-server pinned limit := the largest active share's limit.
+        """Limits on the daemon and each running server := the largest active share's.
+
+        * Pinned memory: the largest share's per-client limit.
+        * Active thread percentage: the largest share's (a share without one counts as
+          100). A client can only lower it through its environment (MPS docs,
+          topic_5_2_5), and a job can unset that variable, so the server carries the
+          bound too, as NVIDIA's device plugin (``cmd/mps-control-daemon/mps/daemon.go``)
+          and DRA driver (``templates/mps-control-daemon.tmpl.yaml``) set it.
+
+        Defaults reach servers started later, per-server values clients that connect
+        later (MPS v2 interface docs), so both are set. Each change is checked by reading
+        it back (``get_*``), not by the commands' output: what the daemon prints on
+        success is not documented, so informational output is accepted and a refusal is
+        what the follow-up query shows.
 
         Returns the live servers when it had to list them (``None`` if nothing changed).
+
+        Raises:
+            MpsCommandFailed: the daemon did not apply a limit.
         """
+        record = daemon.record
         target = max((s.memory_mib for s in daemon.shares.values()), default=0)
-        if target <= 0 or target == daemon.record.default_limit_mib:
+        threads = max((s.thread_percentage or 100 for s in daemon.shares.values()), default=100)
+        memory_changes = target > 0 and target != record.default_limit_mib
+        threads_change = bool(daemon.shares) and threads != record.thread_percentage
+        if not memory_changes and not threads_change:
             return None
-        value = format_limit_mib(target)
         # By index, not UUID: the daemon sees one device (CUDA_VISIBLE_DEVICES), index 0,
         # and limits set by UUID were seen not to apply (NVIDIA/k8s-device-plugin#572).
         dev = MPS_CLIENT_DEVICE_INDEX
         # Default first, then list: a server that starts in between already has it.
-        servers = self._set_then_list(
-            daemon, [f"set_default_device_pinned_mem_limit {dev} {value}"]
-        )
-        if servers:
-            servers = self._set_then_list(
-                daemon, [f"set_device_pinned_mem_limit {pid} {dev} {value}" for pid in servers]
+        if memory_changes:
+            self._set_checked(
+                daemon,
+                f"set_default_device_pinned_mem_limit {dev} {format_limit_mib(target)}",
+                f"get_default_device_pinned_mem_limit {dev}",
+                lambda read: limit_applied(read, target),
             )
-        daemon.record.default_limit_mib = target
-        self._write_record(daemon.record)
+        if threads_change:
+            self._set_checked(
+                daemon,
+                f"set_default_active_thread_percentage {threads}",
+                "get_default_active_thread_percentage",
+                lambda read: _percentage_is(read, threads),
+            )
+        servers = _live_pids(self._command(daemon, "get_server_list"))
+        for pid in servers:
+            if memory_changes:
+                self._set_checked(
+                    daemon,
+                    f"set_device_pinned_mem_limit {pid} {dev} {format_limit_mib(target)}",
+                    f"get_device_pinned_mem_limit {pid} {dev}",
+                    lambda read: limit_applied(read, target),
+                    server=pid,
+                )
+            if threads_change:
+                self._set_checked(
+                    daemon,
+                    f"set_active_thread_percentage {pid} {threads}",
+                    f"get_active_thread_percentage {pid}",
+                    lambda read: _percentage_is(read, threads),
+                    server=pid,
+                )
+        if memory_changes:
+            record.default_limit_mib = target
+        record.thread_percentage = threads
+        self._write_record(record)
         return servers
 
+    def _set_checked(
+        self,
+        daemon: _Daemon,
+        command: str,
+        query: str,
+        applied: Callable[[str], bool],
+        *,
+        server: int | None = None,
+    ) -> None:
+        """Send ``command``, then ``query``; fail unless ``applied`` accepts the answer.
+
+        A ``server`` that exited in between is not an error: nothing is left to set.
+
+        Raises:
+            MpsCommandFailed: the query does not show the change.
+        """
+        output = self._command(daemon, command)
+        if server is not None and not _pid_alive(server):
+            return
+        read = self._command(daemon, query)
+        if not applied(read):
+            raise self._not_applied(daemon, [command], output, read)
+
+    @staticmethod
+    def _not_applied(
+        daemon: _Daemon, commands: list[str], output: str, read_back: str
+    ) -> MpsCommandFailed:
+        said = " ".join(output.split()) or "no output"
+        return MpsCommandFailed(
+            f"MPS command(s) {'; '.join(commands)} for {daemon.record.device_uuid} did not "
+            f"take effect (the daemon said: {said}; reading it back gave "
+            f"{read_back.strip() or 'nothing'!r})",
+            device_uuid=daemon.record.device_uuid,
+            commands=commands,
+        )
+
     def _ensure_server(self, daemon: _Daemon, servers: list[int] | None = None) -> bool:
-        """Start the daemon's server unless one runs; True if it had to start one."""
+        """Start the daemon's server unless one runs; True if it had to start one.
+
+        Whether ``start_server`` worked is read from ``get_server_list`` afterwards, not
+        from its output (which may be informational).
+        """
         if servers is None:
             servers = _live_pids(self._command(daemon, "get_server_list"))
         started = not servers
+        output = ""
         if started:
-            servers = self._set_then_list(daemon, [f"start_server -uid {daemon.record.serves_uid}"])
+            output = self._command(daemon, f"start_server -uid {daemon.record.serves_uid}")
+            servers = _live_pids(self._command(daemon, "get_server_list"))
         if not servers:
             raise MpsCommandFailed(
                 f"MPS server for uid {daemon.record.serves_uid} on "
-                f"{daemon.record.device_uuid} did not start",
+                f"{daemon.record.device_uuid} did not start"
+                + (f": {' '.join(output.split())}" if output.strip() else ""),
                 device_uuid=daemon.record.device_uuid,
                 log_dir=daemon.record.log_dir,
             )
         daemon.known_servers = set(servers)
+        if started:
+            self._servers_seen(daemon)
         return started
-
-    def _set_then_list(self, daemon: _Daemon, commands: list[str]) -> list[int]:
-        """Run commands that print nothing on success, then ``get_server_list``, in one go.
-
-        One front-end invocation reads any number of commands from stdin
-        (``nvidia-cuda-mps-control(1)``); a rejected command shows up as a line that is
-        not a PID.
-
-        Raises:
-            MpsCommandFailed: a command was rejected (its message is in the error).
-        """
-        output = self._command(daemon, "\n".join([*commands, "get_server_list"]))
-        lines = [line.strip() for line in output.splitlines() if line.strip()]
-        rejected = [line for line in lines if not line.isdigit()]
-        if rejected:
-            raise MpsCommandFailed(
-                f"MPS command(s) {'; '.join(commands)} for {daemon.record.device_uuid} "
-                f"rejected: {' '.join(rejected)}",
-                device_uuid=daemon.record.device_uuid,
-                commands=commands,
-            )
-        return [pid for pid in map(int, lines) if _pid_alive(pid)]
 
     def _stop(self, daemon: _Daemon) -> None:
         """``quit`` the daemon, kill it if it will not go, remove its pipe dir and record."""
@@ -1212,7 +1311,10 @@ class MpsManager:
                     )
                     daemon.known_servers = servers
                     return [self._recover_server(daemon, detail)]
+                new_servers = servers - daemon.known_servers
                 daemon.known_servers = servers
+                if new_servers:  # started by the control daemon for a client
+                    self._servers_seen(daemon)
         if not problem:
             daemon.healthy = True
             return []
@@ -1382,6 +1484,14 @@ def _parse_pids(text: str) -> list[int]:
 def _live_pids(text: str) -> list[int]:
     """PIDs from a server list that still run (a crashed server may be listed until reaped)."""
     return [pid for pid in _parse_pids(text) if _pid_alive(pid)]
+
+
+def _percentage_is(text: str, wanted: int) -> bool:
+    """``get_*active_thread_percentage`` prints a float (``50.0``)."""
+    try:
+        return abs(float(text.strip()) - wanted) < 0.5
+    except ValueError:
+        return False
 
 
 def _read_pid(path: Path) -> int | None:

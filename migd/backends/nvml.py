@@ -40,6 +40,24 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
+from migd.backends.nvml_codes import (
+    NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_GPU_NOT_FOUND,
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_INSUFFICIENT_RESOURCES,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
+    NVML_ERROR_NO_PERMISSION,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_RESET_REQUIRED,
+    NVML_ERROR_TIMEOUT,
+    NVML_ERROR_UNINITIALIZED,
+    error_name,
+)
 from migd.core import catalog
 from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
 from migd.errors import (
@@ -64,57 +82,17 @@ _log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 
-# NVML return codes (nvml.h; the same values in pynvml and the simulated module). Kept here
-# so the translation does not depend on the module object it is given.
-NVML_ERROR_UNINITIALIZED = 1
-NVML_ERROR_INVALID_ARGUMENT = 2
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NO_PERMISSION = 4
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_TIMEOUT = 10
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_RESET_REQUIRED = 16
-NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
-NVML_ERROR_IN_USE = 19
-NVML_ERROR_INSUFFICIENT_RESOURCES = 23
-NVML_ERROR_GPU_NOT_FOUND = 28
-
-_ERROR_NAMES: dict[int, str] = {
-    NVML_ERROR_UNINITIALIZED: "NVML_ERROR_UNINITIALIZED",
-    NVML_ERROR_INVALID_ARGUMENT: "NVML_ERROR_INVALID_ARGUMENT",
-    NVML_ERROR_NOT_SUPPORTED: "NVML_ERROR_NOT_SUPPORTED",
-    NVML_ERROR_NO_PERMISSION: "NVML_ERROR_NO_PERMISSION",
-    5: "NVML_ERROR_ALREADY_INITIALIZED",
-    NVML_ERROR_NOT_FOUND: "NVML_ERROR_NOT_FOUND",
-    7: "NVML_ERROR_INSUFFICIENT_SIZE",
-    8: "NVML_ERROR_INSUFFICIENT_POWER",
-    NVML_ERROR_DRIVER_NOT_LOADED: "NVML_ERROR_DRIVER_NOT_LOADED",
-    NVML_ERROR_TIMEOUT: "NVML_ERROR_TIMEOUT",
-    11: "NVML_ERROR_IRQ_ISSUE",
-    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML_ERROR_LIBRARY_NOT_FOUND",
-    NVML_ERROR_FUNCTION_NOT_FOUND: "NVML_ERROR_FUNCTION_NOT_FOUND",
-    14: "NVML_ERROR_CORRUPTED_INFOROM",
-    NVML_ERROR_GPU_IS_LOST: "NVML_ERROR_GPU_IS_LOST",
-    NVML_ERROR_RESET_REQUIRED: "NVML_ERROR_RESET_REQUIRED",
-    17: "NVML_ERROR_OPERATING_SYSTEM",
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
-    NVML_ERROR_IN_USE: "NVML_ERROR_IN_USE",
-    20: "NVML_ERROR_MEMORY",
-    21: "NVML_ERROR_NO_DATA",
-    NVML_ERROR_INSUFFICIENT_RESOURCES: "NVML_ERROR_INSUFFICIENT_RESOURCES",
-    27: "NVML_ERROR_NOT_READY",
-    NVML_ERROR_GPU_NOT_FOUND: "NVML_ERROR_GPU_NOT_FOUND",
-    29: "NVML_ERROR_INVALID_STATE",
-    999: "NVML_ERROR_UNKNOWN",
-}
-
 # Codes that mean "this profile index does not exist here" when enumerating profiles
 # (nvml.h: enumerate "until the API returns NVML_ERROR_INVALID_ARGUMENT"; NOT_SUPPORTED
 # "if profile isn't supported").
 _ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
+
+# Looks (after the first) for a new compute instance's MIG device handle: with a 0.2 s
+# back-off doubling each time, about 6 s in all.
+MIG_HANDLE_RETRIES = 5
+
+# nvmlComputeMode_t (nvml.h): 1, EXCLUSIVE_THREAD, was removed from the driver.
+COMPUTE_MODE_NAMES: dict[int, str] = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
 
 _NOT_AVAILABLE_UINT = 0xFFFFFFFF  # gpuInstanceId of a process outside MIG
 
@@ -167,7 +145,7 @@ def translate_nvml_error(
             ``InvalidStart`` for a placement start the profile does not allow).
         **details: structured context for the error.
     """
-    name = _ERROR_NAMES.get(code, f"NVML error {code}")
+    name = error_name(code)
     where = f" on GPU {gpu}" if gpu is not None else ""
     message = f"{op}{where} failed: {name}"
     info: dict[str, Any] = {"op": op, "nvml_error": name, **details}
@@ -469,7 +447,7 @@ class NvmlBackend:
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
             name = _text(nvml.nvmlDeviceGetName(handle))
             pci = nvml.nvmlDeviceGetPciInfo(handle)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        total_mib = self._gpu_memory_total(gpu, handle, int(pci.pciDeviceId), name)
         mig_error: str | None = None
         try:
             mig_current, mig_pending = self._mig_mode(gpu)
@@ -483,7 +461,21 @@ class NvmlBackend:
             gpu,
             lambda: tuple(int(v) for v in nvml.nvmlDeviceGetCudaComputeCapability(handle)),
         )
-        total_mib = int(memory.total) // MIB
+        persistence = self._degradable(
+            "read persistence mode", gpu, lambda: int(nvml.nvmlDeviceGetPersistenceMode(handle))
+        )
+        if persistence == 0:
+            self._log_once(
+                f"persistence:{gpu}",
+                "GPU %d (%s) has persistence mode off: when it goes idle the driver may "
+                "de-initialise it and its MIG instances are lost; enable nvidia-persistenced "
+                "(docs/operations.md)",
+                gpu,
+                uuid,
+            )
+        compute_mode = self._degradable(
+            "read compute mode", gpu, lambda: int(nvml.nvmlDeviceGetComputeMode(handle))
+        )
         pci_device_id = int(pci.pciDeviceId)
         info = GpuInfo(
             index=gpu,
@@ -499,9 +491,33 @@ class NvmlBackend:
             model=catalog.detect_model(pci_device_id, name, total_mib),
             compute_capability=(capability[0], capability[1]) if capability else None,
             mig_mode_error=mig_error,
+            persistence_mode=None if persistence is None else persistence != 0,
+            compute_mode=None if compute_mode is None else COMPUTE_MODE_NAMES.get(compute_mode),
         )
         self._infos[gpu] = info
         return info
+
+    def _gpu_memory_total(self, gpu: int, handle: Any, pci_device_id: int, name: str) -> int:
+        """The whole GPU's memory in MiB.
+
+        In MIG mode nvml.h gives the parent's aggregate "only if the caller has
+        appropriate privileges"; without them (a probe run as a normal user) the catalog's
+        size for the model stands in, and 0 where the model is unknown.
+        """
+        try:
+            with nvml_errors("read GPU memory", gpu=gpu):
+                return int(self._n().nvmlDeviceGetMemoryInfo(handle).total) // MIB
+        except GpuPermissionDenied as err:
+            model = catalog.detect_model(pci_device_id, name)
+            known = catalog.builtin_models().get(model or "")
+            self._log_once(
+                f"memory:{gpu}",
+                "%s; using the catalog's size for %s",
+                err,
+                model or "an unknown model (0)",
+                level=logging.INFO,
+            )
+            return known.memory_mib if known is not None else 0
 
     def _info(self, gpu: int) -> GpuInfo:
         return self._infos.get(gpu) or self._read_gpu(gpu)
@@ -900,13 +916,16 @@ class NvmlBackend:
             ComputeInstance(ci_id=ci_id, uuid=devices[(gi_id, ci_id)][0], slices=slices)
             for ci_id, slices in sorted(cis)
         )
+        first = devices.get((gi_id, computes[0].ci_id)) if computes else None
         return MigInstance(
             gpu=gpu,
             gi_id=gi_id,
             profile_id=int(info.profileId),
             start=int(info.placement.start),
             size=int(info.placement.size),
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=self._mig_memory_total(
+                gpu, None if first is None else first[1], profile
+            ),
             compute_instances=computes,
         )
 
@@ -988,9 +1007,15 @@ class NvmlBackend:
                     if nvml_error_code(exc) in _ABSENT:
                         continue
                     raise
-            found.append(
-                _CiProfile(index, int(raw.id), int(raw.instanceCount), int(raw.sliceCount))
-            )
+            profile_id = int(raw.id)
+            if any(c.profile_id == profile_id for c in found):
+                # The same profile under a second index (COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
+                # answering with the 1-slice profile's id): listing its CIs again would
+                # report each twice, and the second destroy would fail. NVIDIA's DRA driver
+                # skips REV1 for the same reason (k8s-dra-driver-gpu,
+                # cmd/gpu-kubelet-plugin/nvlib.go: "same number of slices").
+                continue
+            found.append(_CiProfile(index, profile_id, int(raw.instanceCount), int(raw.sliceCount)))
         found.sort(key=lambda c: -c.slices)
         self._ci_profile_cache[key] = found
         return found
@@ -1090,17 +1115,35 @@ class NvmlBackend:
         except BaseException:
             self._roll_back(gpu, gi, ci)
             raise
+        cached = self._cached_mig_device(gpu, ids)
         return MigInstance(
             gpu=gpu,
             gi_id=ids[0],
             profile_id=profile.profile_id,
             start=int(gi_info.placement.start),
             size=int(gi_info.placement.size),
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=self._mig_memory_total(
+                gpu, None if cached is None else cached[1], profile
+            ),
             compute_instances=(
                 ComputeInstance(ci_id=ids[1], uuid=uuid, slices=profile.compute_slices),
             ),
         )
+
+    def _mig_memory_total(self, gpu: int, handle: Any, profile: Profile) -> int:
+        """What NVML reports as the MIG device's memory total, else the profile's size.
+
+        The instance's real capacity is what a CUDA job on it sees; the profile's
+        ``memorySizeMB`` is nominal, and an MPS pool on the instance must not promise
+        more than the device has (issue 13, defect 7). A read NVML refuses falls back.
+        """
+        if handle is None:
+            return profile.memory_mib
+        nvml = self._n()
+        total = self._degradable(
+            "read MIG device memory", gpu, lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        )
+        return profile.memory_mib if not total else total // MIB
 
     def _new_mig_uuid(self, gpu: int, ids: MigIds, ci_device: Any) -> str:
         """The MIG UUID of a compute instance just made (GI id, CI id ``ids``).
@@ -1128,6 +1171,13 @@ class NvmlBackend:
             if nvml_error_code(exc) is None and not _is_library_mismatch(exc):
                 raise  # not NVML saying no: a bug
         found = self._mig_device(gpu, ids)
+        # A new MIG device's handle can appear a moment after the creation returned
+        # (docs/nvml.md): look again, with the destroy retries' back-off, before giving up.
+        for attempt in range(MIG_HANDLE_RETRIES):
+            if found is not None:
+                break
+            self._sleep(self._retry_backoff_s * (2**attempt))
+            found = self._mig_devices(gpu).get(ids)
         if found is None:
             raise GpuError(
                 f"GPU {gpu}: the new compute instance {ids[1]} of GPU instance {ids[0]} has "

@@ -95,6 +95,7 @@ def render_status(status: dict[str, Any]) -> str:
         if gpu.get("reachability") is not None:
             head += f"  reachability {gpu['reachability']}/{gpu['reachability_max']}"
         lines.append(head)
+        lines.extend(f"  WARNING: {warning}" for warning in gpu.get("warnings", []))
         bar = slice_bar(gpu)
         if bar:
             lines.append("  " + bar)
@@ -358,10 +359,15 @@ def cmd_states(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(argv: Sequence[str]) -> int:
+    """Hand the arguments after ``simulate`` to the simulator's own parser.
+
+    The simulator is imported (and its parser built) only here: it is most of migd's
+    code, and ``migctl status`` or a STARTD_CRON ``condor-ad`` should not pay for it.
+    """
     import importlib
 
     sim_cli = importlib.import_module("migd.sim.cli")
-    return int(sim_cli.main(list(argv)))
+    return int(sim_cli.main(list(argv), prog="migctl simulate"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--list-models", action="store_true")
     p.add_argument("--full-only", action="store_true", help="only full (maximal) states")
+    # Everything after `simulate` (its --help included) belongs to the simulator's parser,
+    # so this one declares no options of its own: main() passes them on unparsed.
     sub.add_parser(
         "simulate", help="run the simulator (see `migctl simulate --help`)", add_help=False
     )
@@ -448,15 +456,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `migctl status | head` should end quietly, not with a BrokenPipeError traceback
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "simulate" in argv[:3] and argv[argv.index("simulate") - 1 : argv.index("simulate")] != [
-        "--socket"
-    ]:
-        return cmd_simulate(argv[argv.index("simulate") + 1 :])
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # Only `simulate` takes arguments this parser does not know (the simulator's, in
+        # their order); for any other command they are an error, as parse_args makes them.
+        args, rest = parser.parse_known_args(argv)
+        if args.command != "simulate" and rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:
         return EXIT_USAGE if exc.code not in (0, None) else EXIT_OK
+    if args.command == "simulate":
+        return cmd_simulate(rest)
     try:
         if args.command == "states":
             return cmd_states(args)

@@ -94,7 +94,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -232,10 +231,6 @@ class LineFit:
         )
 
     @property
-    def mean_x(self) -> float:
-        return self.origin + self.mean_dx
-
-    @property
     def slope(self) -> float:
         """Units of y per step; 0 with fewer than two distinct steps."""
         return self.sxy / self.sxx if self.n >= 2 and self.sxx > 0 else 0.0
@@ -276,14 +271,6 @@ class LineFit:
             return s
         distance = (x - self.origin) - self.mean_dx
         return s * math.sqrt(1.0 + 1.0 / self.n + distance * distance / self.sxx)
-
-
-def fit_line(xs: Iterable[float], ys: Iterable[float]) -> LineFit:
-    """Least-squares fit of ``ys`` against ``xs`` (pairs; extra items of either are ignored)."""
-    fit = LineFit()
-    for x, y in zip(xs, ys, strict=False):
-        fit = fit.add(float(x), float(y))
-    return fit
 
 
 # -- policy and samples ---------------------------------------------------------------------

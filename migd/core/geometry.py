@@ -92,11 +92,6 @@ class Profile:
     sm_count: int | None = None
     engines: Mapping[str, int] | None = field(default=None, hash=False)
 
-    @property
-    def double_memory(self) -> bool:
-        """True for the 1-compute-slice profile with two memory slices."""
-        return self.nvml_index == NVML_PROFILE_1_SLICE_REV2
-
     def units_mask(self, start: int) -> int:
         """Bit mask of the placement units an instance at ``start`` occupies."""
         return ((1 << self.memory_slices) - 1) << start

@@ -192,11 +192,6 @@ class MpsPool:
             return None
         return self.shares[0].uid
 
-    @property
-    def largest_limit_mib(self) -> int:
-        """The largest per-client limit of the active shares (0 when idle)."""
-        return max((s.memory_mib for s in self.shares), default=0)
-
     def share(self, share_id: str) -> MpsShare | None:
         return next((s for s in self.shares if s.share_id == share_id), None)
 
@@ -449,6 +444,18 @@ def parse_limit_mib(text: str) -> int | None:
     return None
 
 
+def limit_applied(read_back: str, target_mib: int) -> bool:
+    """Whether a limit read back with ``get_*_pinned_mem_limit`` is the one that was set.
+
+    Drivers print limits of 1 GiB and more as whole ``G``, rounded down
+    (:func:`parse_limit_mib`), so ``4500M`` may read back as ``4G``.
+    """
+    read = parse_limit_mib(read_back)
+    if read is None:
+        return False
+    return read == target_mib or (read % 1024 == 0 and read == target_mib // 1024 * 1024)
+
+
 def parse_pinned_limit_env(value: str, device_uuid: str | None = None) -> int | None:
     """The limit for the client's device 0 in a ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` value.
 
@@ -483,36 +490,58 @@ def pinned_limit_env_value(memory_mib: int) -> str:
     return f"{MPS_CLIENT_DEVICE_INDEX}={format_limit_mib(memory_mib)}"
 
 
+def client_environment(
+    device_uuid: str,
+    memory_mib: int,
+    thread_percentage: int | None = None,
+    *,
+    pipe_dir: str | None = None,
+    log_dir: str | None = None,
+) -> dict[str, str]:
+    """The environment a job needs to run as a client of its device's MPS daemon: the one
+    place it is built (the scheduler's grant, the daemon and the MPS manager use it).
+
+    * ``CUDA_VISIBLE_DEVICES=<uuid>`` (and ``NVIDIA_VISIBLE_DEVICES`` for containers): the
+      daemon sees only this device and remaps it to 0; NVIDIA recommends UUIDs over
+      indices for exactly this case (appendix "Environment Variables"), and HTCondor's
+      starter would otherwise leave its own index-based value in place.
+    * ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`` (:func:`pinned_limit_env_value`): per
+      client process (CUDA >= 11.5).
+    * ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: only for a compute share; it can only lower
+      the daemon's setting (topic_5_2_5).
+    * ``CUDA_MPS_PIPE_DIRECTORY`` when known: it must equal the daemon's ("should be
+      consistent across all MPS clients sharing the same MPS server, and the MPS control
+      daemon", docs.nvidia.com/deploy/topics/topic_5_2_2.html). A client that cannot
+      reach a daemon silently runs *without* MPS, i.e. without a memory limit
+      (``nvidia-cuda-mps-control(1)``), so the wrapper must pass it through unchanged.
+    * ``CUDA_MPS_LOG_DIRECTORY`` when known: NVIDIA's client recipe sets it to the
+      daemon's too (topic_6_1_2_2).
+    """
+    env = {
+        "CUDA_VISIBLE_DEVICES": device_uuid,
+        "NVIDIA_VISIBLE_DEVICES": device_uuid,
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_limit_env_value(memory_mib),
+    }
+    if pipe_dir is not None:
+        env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
+    if log_dir is not None:
+        env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
+    if thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(thread_percentage)
+    return env
+
+
 def share_environment(
     share: MpsShare,
     pipe_dir: str,
     device_uuid: str,
     log_dir: str | None = None,
 ) -> dict[str, str]:
-    """The environment a job needs to run as a client of its device's MPS daemon.
-
-    * ``CUDA_MPS_PIPE_DIRECTORY`` must equal the daemon's ("should be consistent across
-      all MPS clients sharing the same MPS server, and the MPS control daemon",
-      docs.nvidia.com/deploy/topics/topic_5_2_2.html). A client that cannot reach a
-      daemon silently runs *without* MPS, i.e. without a memory limit
-      (``nvidia-cuda-mps-control(1)``), so the wrapper must pass it through unchanged.
-    * ``CUDA_MPS_LOG_DIRECTORY``: NVIDIA's client recipe sets it to the daemon's too
-      (topic_6_1_2_2); only when ``log_dir`` is given.
-    * ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M``: per client process (CUDA >= 11.5).
-    * ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: only for a compute share; it can only
-      lower the daemon's setting (topic_5_2_5).
-    * ``CUDA_VISIBLE_DEVICES=<uuid>``: the daemon sees only this device and remaps it to
-      0; NVIDIA recommends UUIDs over indices for exactly this case (appendix
-      "Environment Variables"), and HTCondor's starter would otherwise leave its own
-      index-based value in place.
-    """
-    env = {
-        "CUDA_MPS_PIPE_DIRECTORY": pipe_dir,
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": pinned_limit_env_value(share.memory_mib),
-        "CUDA_VISIBLE_DEVICES": device_uuid,
-    }
-    if log_dir is not None:
-        env["CUDA_MPS_LOG_DIRECTORY"] = log_dir
-    if share.thread_percentage is not None:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share.thread_percentage)
-    return env
+    """:func:`client_environment` of an admitted share on its daemon's pipe directory."""
+    return client_environment(
+        device_uuid,
+        share.memory_mib,
+        share.thread_percentage,
+        pipe_dir=pipe_dir,
+        log_dir=log_dir,
+    )

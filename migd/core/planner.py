@@ -626,12 +626,6 @@ class PartitionRequest:
             raise InvalidRequest("memory and compute must not be negative")
 
 
-@dataclass
-class NodePlan:
-    decision: Decision
-    considered: list[dict[str, Any]] = field(default_factory=list)
-
-
 _ACTION_RANK = {"reuse": 0, "create": 1, "repartition": 2}
 
 

@@ -40,6 +40,7 @@ from migd.core.mps import (
     UserPolicy,
     can_admit,
     clear_waiting,
+    client_environment,
     mark_waiting,
     max_clients_for,
 )
@@ -350,13 +351,48 @@ class SchedulerPolicy:
     hybrid: HybridPolicy | None = None
 
 
-@dataclass
-class Outcome:
-    """What happened to a submitted lease."""
+@dataclass(frozen=True)
+class Transition:
+    """A lease's state change within one scheduler mutation (first state to last)."""
 
     lease: Lease
+    old: LeaseState | None  # None: the lease is new to the scheduler
+    new: LeaseState
+
+
+@dataclass
+class Outcome:
+    """Everything one scheduler mutation did, for the caller to act on in one way.
+
+    The caller (daemon or simulator) executes ``work`` in order per GPU and reports
+    each item back (:meth:`NodeScheduler.work_done` / :meth:`NodeScheduler.work_failed`),
+    and hands ``transitions`` to whatever observes leases (store, log, metrics). Work
+    includes the follow-on scheduling pass a mutation makes possible (a release frees
+    slices, so queued requests are placed in the same outcome): callers never run
+    :meth:`NodeScheduler.schedule` after one, only when the world changed outside the
+    scheduler's books (a GPU re-read, its health, the policy).
+    """
+
     work: list[Work] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
+    #: ``submit``: the submitted lease, and its queue position when it waits.
+    lease: Lease | None = None
     queued_position: int | None = None
+    #: ``submit``: why the lease was refused (it is not kept); raise it after acting on
+    #: the rest, which the same pass may have started for leases queued before it.
+    refusal: NoCapacity | None = None
+    #: ``resync``: what changed, in words.
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def grants(self) -> list[Lease]:
+        """Leases that became active."""
+        return [t.lease for t in self.transitions if t.new is LeaseState.ACTIVE]
+
+    @property
+    def ended(self) -> list[Lease]:
+        """Leases that reached a terminal state."""
+        return [t.lease for t in self.transitions if t.new.terminal]
 
 
 class NodeScheduler:
@@ -383,6 +419,8 @@ class NodeScheduler:
         # its work fails (a retry must not lose its place).
         self._placed_items: dict[str, QueuedRequest[str]] = {}
         self._mps_env = mps_env or default_mps_env
+        # Leases changed by the mutation in progress, with their state before it.
+        self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -391,6 +429,21 @@ class NodeScheduler:
             starvation_s=self.policy.starvation_s,
             backfill=self.policy.backfill,
         )
+
+    def _event(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
+        """Every state change goes through here (and the transition table)."""
+        self._changed.setdefault(lease.lease_id, (lease, lease.state))
+        lease.event(event, now_s, reason)
+
+    def _outcome(self, work: list[Work] | None = None, **fields: Any) -> Outcome:
+        """The mutation's outcome: its work and the leases' net state changes."""
+        transitions = [
+            Transition(lease, old, lease.state)
+            for lease, old in self._changed.values()
+            if lease.state is not old
+        ]
+        self._changed.clear()
+        return Outcome(work=work or [], transitions=transitions, **fields)
 
     def set_policy(self, policy: SchedulerPolicy) -> None:
         """Swap the policy (config reload); queued requests keep their arrival times."""
@@ -407,11 +460,12 @@ class NodeScheduler:
     def submit(self, lease: Lease, now_s: float, mono_s: float) -> Outcome:
         """Place ``lease`` now, queue it, or refuse it.
 
+        A refusal (it does not fit now and ``wait_s`` is 0, or requests queued ahead of
+        it must go first) is the outcome's ``refusal``; the lease is not kept, and the
+        outcome's work is what the same pass started for leases queued before it.
+
         Raises:
-            RequestTooLarge: it can never fit on this node (no queueing).
-            NoCapacity: it does not fit now and ``wait_s`` is 0, or requests queued
-                ahead of it must go first. Its ``started_work`` holds work the same
-                pass started for other queued leases, to be dispatched all the same.
+            RequestTooLarge: it can never fit on this node (nothing changed).
             InvalidRequest: the request names GPUs this node does not have.
         """
         if lease.lease_id in self.leases:
@@ -425,6 +479,7 @@ class NodeScheduler:
             self.demand.observe(model, profile.profile_id, now_s)
         lease.updated_s = now_s
         self.leases[lease.lease_id] = lease
+        self._changed[lease.lease_id] = (lease, None)
         wait_s = lease.request.wait_s
         self.queue.push(
             lease.lease_id,
@@ -435,21 +490,20 @@ class NodeScheduler:
         )
         if wait_s is not None:
             lease.deadline_s = now_s + wait_s
-        work = self.schedule(now_s, mono_s)
+        work = self._schedule(now_s, mono_s)
         if lease.state is LeaseState.QUEUED:
             if wait_s is not None and wait_s <= 0:
                 self.queue.remove(lease.lease_id)
                 del self.leases[lease.lease_id]
+                self._changed.pop(lease.lease_id, None)
                 refusal = NoCapacity(
                     f"no partition for {lease.request.memory_mib} MiB is free now",
                     considered=self._why_not(lease),
                 )
-                # The pass may have placed requests queued earlier (their work is
-                # committed in the books): the caller must still dispatch it.
-                refusal.started_work = tuple(work)
-                raise refusal
-            return Outcome(lease, work, self.queue.position(lease.lease_id, mono_s))
-        return Outcome(lease, work)
+                return self._outcome(work, lease=lease, refusal=refusal)
+            position = self.queue.position(lease.lease_id, mono_s)
+            return self._outcome(work, lease=lease, queued_position=position)
+        return self._outcome(work, lease=lease)
 
     def _candidate_gpus(self, request: LeaseRequest) -> list[ManagedGpu]:
         gpus = [g for g in self.gpus.values() if g.mode is not GpuMode.OFF]
@@ -555,8 +609,12 @@ class NodeScheduler:
 
     # -- the scheduling pass ----------------------------------------------------------------
 
-    def schedule(self, now_s: float, mono_s: float) -> list[Work]:
-        """Try queued requests in policy order; return the work for those placed."""
+    def schedule(self, now_s: float, mono_s: float) -> Outcome:
+        """Try queued requests in policy order (after a change outside the books: a GPU
+        re-read, its health, the policy); the outcome has the work for those placed."""
+        return self._outcome(self._schedule(now_s, mono_s))
+
+    def _schedule(self, now_s: float, mono_s: float) -> list[Work]:
         work: list[Work] = []
         # Per-user MPS drain marks say who is waiting *now*: this pass sets them again for
         # the requests still queued, so a request that left (refused, expired, placed
@@ -715,7 +773,7 @@ class NodeScheduler:
     def _commit_mig(self, lease: Lease, decision: Decision, now_s: float) -> Work:
         gpu = self.gpus[decision.gpu]
         inst, work = self._take_partition(gpu, decision, lease.lease_id, lease.lease_id)
-        lease.event(LeaseEvent.PLAN, now_s)
+        self._event(lease, LeaseEvent.PLAN, now_s)
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mig"
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
@@ -730,7 +788,7 @@ class NodeScheduler:
         lease.memory_limit_mib = inst.memory_mib
         uuid = inst.uuid or ""
         lease.env = {"CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid}
-        lease.event(LeaseEvent.READY, now_s)
+        self._event(lease, LeaseEvent.READY, now_s)
         lease.heartbeat_s = now_s
 
     def mps_pool(self, gpu: ManagedGpu) -> MpsPool:
@@ -786,7 +844,7 @@ class NodeScheduler:
         return answer.ok
 
     def _commit_mps(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
-        lease.event(LeaseEvent.PLAN, now_s)
+        self._event(lease, LeaseEvent.PLAN, now_s)
         share = self._mps_request(lease, gpu.compute_slices)
         gpu.mps_pool = mps_admit(self.mps_pool(gpu), share)
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
@@ -801,7 +859,7 @@ class NodeScheduler:
             f"({gpu.mps_pool.free_mib} MiB left unpinned)",
         }
         lease.env = self._mps_env(gpu, lease)
-        lease.event(LeaseEvent.READY, now_s)
+        self._event(lease, LeaseEvent.READY, now_s)
         lease.heartbeat_s = now_s
         return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
 
@@ -878,11 +936,15 @@ class NodeScheduler:
             lease.decision.get("reason", "")
         )
 
-    def _new_host_pool(self, gpu: ManagedGpu, profile: Profile, uuid: str | None) -> MpsPool:
+    def _new_host_pool(
+        self, gpu: ManagedGpu, profile: Profile, uuid: str | None, memory_mib: int | None = None
+    ) -> MpsPool:
+        """An MPS host's pool: as large as NVML says its MIG device is (``memory_mib``, an
+        existing instance's), else the profile's nominal size until it exists."""
         assert gpu.space is not None
         return MpsPool(
             device_uuid=uuid or f"{gpu.uuid}/{profile.name}",
-            memory_total_mib=profile.memory_mib,
+            memory_total_mib=memory_mib or profile.memory_mib,
             reserve_mib=self.policy.mps_reserve_mib,
             max_clients=max_clients_for(
                 self.policy.mps_max_clients,
@@ -986,7 +1048,7 @@ class NodeScheduler:
             # A host belongs to no lease (many share it): created with no owner.
             inst, work = self._take_partition(gpu, decision, lease.lease_id, None)
             action = f"mps-host-{decision.action}"
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
             # A new MPS host is demand for its profile, like a request sized to it.
             assert gpu.space is not None
             self.demand.observe(gpu.space.geometry.model, decision.profile.profile_id, now_s)
@@ -995,7 +1057,7 @@ class NodeScheduler:
         assert inst.mps_pool is not None
         inst.mps_pool = mps_admit(inst.mps_pool, share)
         inst.idle_since_s = None
-        lease.event(LeaseEvent.PLAN, now_s)
+        self._event(lease, LeaseEvent.PLAN, now_s)
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
         lease.profile, lease.start = inst.profile.name, inst.start
         lease.memory_limit_mib = share.memory_mib
@@ -1022,7 +1084,7 @@ class NodeScheduler:
     ) -> None:
         lease.mig_uuid = inst.uuid
         lease.env = self._mps_env(gpu, lease)
-        lease.event(LeaseEvent.READY, now_s)
+        self._event(lease, LeaseEvent.READY, now_s)
         lease.heartbeat_s = now_s
 
     def _leases_on(self, inst: ManagedInstance) -> list[Lease]:
@@ -1059,13 +1121,13 @@ class NodeScheduler:
         return []
 
     def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
-        lease.event(LeaseEvent.PLAN, now_s)
+        self._event(lease, LeaseEvent.PLAN, now_s)
         gpu.exclusive_lease = lease.lease_id
         lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "exclusive"
         lease.memory_limit_mib = gpu.memory_total_mib
         lease.env = {"CUDA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_VISIBLE_DEVICES": gpu.uuid}
         lease.decision = {"action": "exclusive", "gpu": gpu.index, "reason": "whole GPU"}
-        lease.event(LeaseEvent.READY, now_s)
+        self._event(lease, LeaseEvent.READY, now_s)
         lease.heartbeat_s = now_s
         return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
 
@@ -1076,9 +1138,22 @@ class NodeScheduler:
         return work.work_id not in self._stale_work
 
     def work_done(
+        self,
+        work: Work,
+        created: Mapping[int, tuple[int | None, str | None, int]],
+        now_s: float,
+        mono_s: float,
+    ) -> Outcome:
+        """Record finished work. ``created`` maps start -> (gi_id, mig_uuid, memory_mib).
+
+        The outcome has the grants it completes and the queued requests that now fit.
+        """
+        self._work_done(work, created, now_s)
+        return self._outcome(self._schedule(now_s, mono_s))
+
+    def _work_done(
         self, work: Work, created: Mapping[int, tuple[int | None, str | None, int]], now_s: float
     ) -> None:
-        """Record finished work. ``created`` maps start -> (gi_id, mig_uuid, memory_mib)."""
         if work.work_id in self._stale_work:
             self._stale_work.discard(work.work_id)
             return
@@ -1101,7 +1176,11 @@ class NodeScheduler:
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
                 inst.status = InstanceStatus.READY
                 if inst.mps_pool is not None:  # an MPS host: its shares' leases go active
-                    inst.mps_pool = replace(inst.mps_pool, device_uuid=uuid or "")
+                    # The pool holds what NVML reports for the new MIG device, not the
+                    # profile's nominal size (issue 13, defect 7).
+                    inst.mps_pool = replace(
+                        inst.mps_pool, device_uuid=uuid or "", memory_total_mib=memory
+                    )
                     for waiting in self._leases_on(inst):
                         if waiting.state is LeaseState.PREPARING:
                             self._activate_mps_share(waiting, gpu, inst, now_s)
@@ -1114,12 +1193,18 @@ class NodeScheduler:
                 else:  # the lease was cancelled while we were creating: now idle
                     inst.lease_id, inst.idle_since_s = None, now_s
 
-    def work_failed(self, work: Work, error: Exception, now_s: float) -> None:
-        """Undo the intended state of failed work; the caller then calls :meth:`resync`.
+    def work_failed(self, work: Work, error: Exception, now_s: float) -> Outcome:
+        """Undo the intended state of failed work; the caller then re-reads the GPU
+        (:meth:`resync`) and runs :meth:`schedule` (no pass runs here: the books of
+        the GPU are not trusted until it is re-read).
 
         Instances it was destroying come back; later work that planned on their slices
         is made stale (:meth:`work_is_current`) and its leases go back to the queue.
         """
+        self._work_failed(work, error, now_s)
+        return self._outcome()
+
+    def _work_failed(self, work: Work, error: Exception, now_s: float) -> None:
         if work.work_id in self._stale_work:
             self._stale_work.discard(work.work_id)
             return
@@ -1170,7 +1255,7 @@ class NodeScheduler:
             return
         lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
         lease.memory_limit_mib = None
-        lease.event(LeaseEvent.RETRY, now_s, reason=reason)
+        self._event(lease, LeaseEvent.RETRY, now_s, reason=reason)
         if item is not None:
             self.queue.restore(item)
 
@@ -1180,13 +1265,15 @@ class NodeScheduler:
         observed: Iterable[tuple[Profile, int, int | None, str | None, int]],
         busy_uuids: set[str],
         now_s: float,
-    ) -> list[str]:
+    ) -> Outcome:
         """Make a GPU's bookkeeping match what the backend reports.
 
         ``observed`` holds ``(profile, start, gi_id, mig_uuid, memory_mib)`` per instance.
         Instances we know keep their lease; new ones are adopted (idle) unless processes
         run on them without a lease, which makes them UNEXPLAINED: reported, never
-        destroyed. Returns human-readable notes about what changed.
+        destroyed. The outcome's notes say what changed, in words; leases of instances
+        that disappeared are reclaimed. No scheduling pass: the caller runs
+        :meth:`schedule` once it has judged the GPU (see the daemon's reconciler).
         """
         gpu = self.gpus[gpu_index]
         assert gpu.space is not None
@@ -1233,7 +1320,9 @@ class NodeScheduler:
             notes.append(f"{gone} disappeared")
             for lease in self._leases_on(gone):
                 if lease.state.holds_resources:
-                    lease.event(LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared")
+                    self._event(
+                        lease, LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared"
+                    )
         gpu.instances = sorted(fresh, key=lambda i: i.start)
         # The committed layout must stay a valid state; a layout that is not is reported.
         try:
@@ -1241,24 +1330,24 @@ class NodeScheduler:
         except Exception as exc:
             gpu.health = f"layout not understood: {exc}"
             notes.append(gpu.health)
-        return notes
+        return self._outcome(notes=notes)
 
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
 
     def release(
         self, lease_id: str, now_s: float, mono_s: float, *, reclaim: bool = False, reason: str = ""
-    ) -> list[Work]:
+    ) -> Outcome:
         """End a lease (released by its owner, or reclaimed because the holder died).
 
-        Returns work: teardown of the freed instance when the idle policy says so, and
-        grants for queued requests that now fit.
+        The outcome's work: teardown of the freed instance when the idle policy says so,
+        and grants for queued requests that now fit.
         """
         lease = self.leases[lease_id]
         if lease.state.terminal:
-            return []
+            return self._outcome()
         event = LeaseEvent.RECLAIM if reclaim else LeaseEvent.RELEASE
         was = lease.state
-        lease.event(event, now_s, reason=reason or ("reclaimed" if reclaim else "released"))
+        self._event(lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released"))
         self.queue.remove(lease_id)
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
@@ -1280,8 +1369,42 @@ class NodeScheduler:
                 work.extend(self._release_mps(gpu, lease, now_s))
             elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
                 gpu.exclusive_lease = None
-        work.extend(self.schedule(now_s, mono_s))
-        return work
+        work.extend(self._schedule(now_s, mono_s))
+        return self._outcome(work)
+
+    def restore(self, lease: Lease, now_s: float) -> Outcome:
+        """Take back a lease found in the state db at start-up (after :meth:`resync`).
+
+        Through the transition table like every other change: a lease that was waiting
+        is cancelled (its client's connection died with the old daemon; the wrapper
+        asks again); an active one whose GPU, MIG instance or MPS host is gone is
+        reclaimed; any other is bound to its instance, share or GPU again.
+        """
+        self.leases[lease.lease_id] = lease
+        if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
+            reason = "daemon restarted while waiting"
+            self._event(lease, LeaseEvent.RELEASE, now_s, reason=reason)
+            return self._outcome()
+        gpu = self.gpus.get(lease.gpu if lease.gpu is not None else -1)
+        gone = ""
+        if gpu is None or gpu.uuid != lease.gpu_uuid:
+            gone = "its GPU is gone"
+        elif lease.mode == "mig":
+            inst = gpu.instance_at(lease.start) if lease.start is not None else None
+            if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
+                gone = "its MIG instance is gone"
+            else:
+                inst.lease_id, inst.idle_since_s = lease.lease_id, None
+                if inst.origin is Origin.UNEXPLAINED:
+                    inst.origin, inst.note = Origin.MIGD, ""
+        elif lease.mode == "mps":
+            if not self.restore_mps_share(gpu, lease):
+                gone = "its MIG instance is gone"
+        elif lease.mode == "exclusive":
+            gpu.exclusive_lease = lease.lease_id
+        if gone:
+            self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
+        return self._outcome()
 
     def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> bool:
         """Re-account an MPS lease found in the state db at start-up (it may overcommit).
@@ -1304,7 +1427,7 @@ class NodeScheduler:
         if inst is None or inst.uuid != lease.mig_uuid or inst.lease_id is not None:
             return False
         if inst.mps_pool is None:
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid)
+            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
         inst.mps_pool = replace(inst.mps_pool, shares=(*inst.mps_pool.shares, request))
         inst.idle_since_s = None
         if inst.origin is Origin.UNEXPLAINED:  # its processes are the MPS server's and jobs'
@@ -1313,28 +1436,33 @@ class NodeScheduler:
 
     def heartbeat(self, lease_id: str, now_s: float) -> Lease:
         lease = self.leases[lease_id]
-        lease.event(LeaseEvent.HEARTBEAT, now_s)
+        lease.event(LeaseEvent.HEARTBEAT, now_s)  # keeps it ACTIVE: not a transition
         lease.heartbeat_s = now_s
         return lease
 
-    def expire(self, now_s: float, mono_s: float) -> list[Lease]:
-        """Expire queued requests past their deadline.
+    def expire(self, now_s: float, mono_s: float) -> Outcome:
+        """Expire queued requests past their deadline (the outcome's ``ended``).
 
-        A request that left may have blocked others (FIFO, a reservation): when this
-        returns any, the caller runs :meth:`schedule` and dispatches its work.
+        A request that left may have blocked others (FIFO, a reservation), so when any
+        expired the outcome also has the work for those placed now.
         """
-        gone = []
+        gone = False
         for item in self.queue.expired(mono_s):
             lease = self.leases.get(item.payload)
             if lease is not None and lease.state is LeaseState.QUEUED:
-                lease.event(LeaseEvent.EXPIRE, now_s, reason="no partition before the deadline")
-                gone.append(lease)
-        return gone
+                reason = "no partition before the deadline"
+                self._event(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
+                gone = True
+        return self._outcome(self._schedule(now_s, mono_s) if gone else [])
 
-    def idle_teardown(self, now_s: float) -> list[Work]:
-        """Destroy idle instances past ``idle_timeout_s`` (policy ``timeout``)."""
+    def idle_teardown(self, now_s: float, mono_s: float) -> Outcome:
+        """Destroy idle instances past ``idle_timeout_s`` (policy ``timeout``).
+
+        The torn-down slices are free in the intended layout at once (work on a GPU runs
+        in order), so the outcome also places the queued requests that fit now.
+        """
         if self.policy.idle_policy != "timeout":
-            return []
+            return self._outcome()
         work: list[Work] = []
         for gpu in self.gpus.values():
             if gpu.mode is not GpuMode.MIG:
@@ -1348,9 +1476,11 @@ class NodeScheduler:
                 and now_s - i.idle_since_s >= self.policy.idle_timeout_s - 1e-6
             ]
             work.extend(self._teardown(gpu, stale))
-        return work
+        if work:
+            work.extend(self._schedule(now_s, mono_s))
+        return self._outcome(work)
 
-    def discard_incomplete(self, gpu_index: int, own_starts: Iterable[int]) -> list[Work]:
+    def discard_incomplete(self, gpu_index: int, own_starts: Iterable[int]) -> Outcome:
         """Destroy GPU instances without a compute instance that migd itself was making.
 
         A crash between creating a GPU instance and its compute instance (or during a
@@ -1370,12 +1500,12 @@ class NodeScheduler:
         ]
         for inst in leftovers:
             inst.origin, inst.note = Origin.MIGD, "incomplete: an interrupted create or destroy"
-        return self._teardown(gpu, leftovers)
+        return self._outcome(self._teardown(gpu, leftovers))
 
-    def reset(self, gpu_index: int) -> list[Work]:
+    def reset(self, gpu_index: int) -> Outcome:
         """Destroy every idle instance of a GPU (``migctl reset``); busy ones stay."""
         gpu = self.gpus[gpu_index]
-        return self._teardown(gpu, [i for i in gpu.instances if not i.busy])
+        return self._outcome(self._teardown(gpu, [i for i in gpu.instances if not i.busy]))
 
     def _teardown(self, gpu: ManagedGpu, instances: Sequence[ManagedInstance]) -> list[Work]:
         if not instances:
@@ -1388,8 +1518,10 @@ class NodeScheduler:
         self._pending_work[work.work_id] = work
         return [work]
 
-    def set_draining(self, gpu_index: int, draining: bool) -> None:
+    def set_draining(self, gpu_index: int, draining: bool, now_s: float, mono_s: float) -> Outcome:
+        """Stop (or resume) placing work on a GPU; resuming places what fits there now."""
         self.gpus[gpu_index].draining = draining
+        return self._outcome([] if draining else self._schedule(now_s, mono_s))
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -1440,13 +1572,10 @@ def _partition_request(request: LeaseRequest) -> PartitionRequest:
 
 
 def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
-    """The client environment of an MPS share (the daemon substitutes its real pipe dir)."""
-    device = lease.mig_uuid or gpu.uuid
-    env = {
-        "CUDA_VISIBLE_DEVICES": device,
-        "NVIDIA_VISIBLE_DEVICES": device,
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-    }
-    if lease.mps_thread_percentage is not None:
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(lease.mps_thread_percentage)
-    return env
+    """The client environment of an MPS share (the daemon adds its real pipe dir): the
+    granted limit, in the one format :func:`migd.core.mps.client_environment` writes."""
+    return client_environment(
+        lease.mig_uuid or gpu.uuid,
+        lease.memory_limit_mib or lease.request.memory_mib,
+        lease.mps_thread_percentage,
+    )

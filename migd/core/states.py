@@ -253,9 +253,6 @@ class StateSpace:
             demand.get(p.profile_id, 0.0) * h for p, h in zip(self.profiles, hostable, strict=True)
         )
 
-    def is_full(self, key: StateKey) -> bool:
-        return self._info[key].full
-
     @property
     def full_states(self) -> list[StateKey]:
         return [k for k, i in self._info.items() if i.full]
@@ -319,12 +316,6 @@ class StateSpace:
     def atoms_of(self, profile: Profile) -> tuple[Atom, ...]:
         """Every legal placement of ``profile`` (a member of this set), ascending start."""
         return self._atoms_of[self.member(profile).profile_id]
-
-    def units_used(self, key: StateKey) -> int:
-        mask = 0
-        for a in self.placements(key):
-            mask |= a.units
-        return mask
 
     def key_of(self, placements: Iterable[tuple[Profile | int | str, int]]) -> StateKey:
         """Canonical key of a set of ``(profile, start)`` placements, validating it.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from migd.errors import ConfigError
-from migd.wrapper.settings import WrapperSection
+from migd.wrapper_section import WrapperSection
 
 DEFAULT_CONFIG_PATH = Path("/etc/migd/migd.toml")
 ENV_PREFIX = "MIGD_"
@@ -54,8 +55,9 @@ class BackendSection(_Section):
     sim_time_scale: float = Field(
         1.0,
         ge=0,
-        description="kind=simulated: 1.0 = real NVML create/destroy latencies (seed 003 Table 1, "
-        "or the node description's latency tables); 0 = instant (tests, benchmarks)",
+        description="kind=simulated: 1.0 = real NVML create/destroy latencies "
+        "([Villarrubia] Table 1, or the node description's latency tables); "
+        "0 = instant (tests, benchmarks)",
     )
     sim_state_file: Path | None = Field(
         None,
@@ -132,6 +134,60 @@ class MpsSection(_Section):
     max_clients: int = Field(48, ge=1, le=128)
     multi_user: bool = False
     idle_stop_s: float = Field(300.0, ge=0)
+    require_exclusive_process: bool = Field(
+        False,
+        description="offer MPS only on GPUs in EXCLUSIVE_PROCESS compute mode "
+        "(nvidia-smi -c; migd never sets it)",
+    )
+
+
+class MetricsSection(_Section):
+    listen: str = Field(
+        "",
+        description="host:port of the Prometheus/OpenMetrics endpoint (/metrics), e.g. "
+        "'127.0.0.1:9464' (port 0: any free port, logged as metrics.listening); empty: no "
+        "endpoint",
+    )
+    dcgm_job_mapping_dir: Path | None = Field(
+        None,
+        description="write DCGM exporter's --hpc-job-mapping-dir files (one per GPU or "
+        "GPU.GI, holding the job id) into this directory",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        if value:
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f"{value!r} is not host:port (e.g. '127.0.0.1:9464')")
+        return value
+
+
+class HealthSection(_Section):
+    xid_events: bool = Field(
+        True,
+        description="listen for NVML events (XID critical errors); a GPU with a critical "
+        "error gets no new leases",
+    )
+    ignore_xids: list[int] = Field(
+        default_factory=lambda: [13, 31, 43, 45, 68, 109],
+        description="XIDs that signal an application fault, not a failing GPU (NVIDIA "
+        "k8s-device-plugin's and HAMi's list)",
+    )
+    sim_xids: list[str] = Field(
+        default_factory=list,
+        description="kind=simulated: XID events injected at start-up, 'GPU:XID' or "
+        "'GPU/GI:XID' (e.g. '0:79', '1/3:48')",
+    )
+
+    @field_validator("sim_xids")
+    @classmethod
+    def _gpu_xid(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not re.fullmatch(r"\d+(/\d+)?:\d+", item):
+                raise ValueError(f"{item!r} is not 'GPU:XID' or 'GPU/GI:XID' (e.g. '0:79')")
+        return value
 
 
 class GpuOverride(_Section):
@@ -166,6 +222,8 @@ class MigdConfig(_Section):
     reaper: ReaperSection = Field(default_factory=ReaperSection)
     mps: MpsSection = Field(default_factory=MpsSection)
     wrapper: WrapperSection = Field(default_factory=WrapperSection)  # read by migd-wrapper
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+    health: HealthSection = Field(default_factory=HealthSection)
     gpu: list[GpuOverride] = Field(default_factory=list)
 
     def override_for(self, index: int, uuid: str) -> GpuOverride | None:
@@ -185,6 +243,9 @@ RESTART_KEYS = (
     "api.socket",
     "gpu",
     "policy.profiles",
+    "metrics",
+    "health",
+    "mps.require_exclusive_process",
 )
 
 

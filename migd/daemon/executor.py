@@ -124,7 +124,7 @@ class GpuExecutor:
                 ops=[str(op) for op in work.ops],
                 reason="an earlier operation on this GPU failed",
             )
-            sched.work_failed(work, GpuError("obsolete"), ctx.clock.now())
+            leases.apply(sched.work_failed(work, GpuError("obsolete"), ctx.clock.now()))
             return
         gpu = sched.gpus[work.gpu]
         targets: dict[int, tuple[int | None, str | None]] = {}
@@ -144,7 +144,7 @@ class GpuExecutor:
         except (MigdError, TimeoutError) as exc:
             error = exc if isinstance(exc, MigdError) else GpuError("NVML call timed out")
             now, mono = ctx.now()
-            sched.work_failed(work, error, now)
+            leases.apply(sched.work_failed(work, error, now))
             log.warning(
                 "work.failed",
                 gpu=work.gpu,
@@ -165,10 +165,11 @@ class GpuExecutor:
                 return
             for note in await self.resync(work.gpu):
                 log.info("resync", gpu=work.gpu, note=note)
-            leases.after_change(sched.schedule(now, mono))
+            # The GPU's books were not trusted until it was re-read: place what fits now.
+            leases.apply(sched.schedule(now, mono))
             return
         now, mono = ctx.now()
-        sched.work_done(work, created, now)
+        outcome = sched.work_done(work, created, now, mono)
         for op in work.ops:
             if isinstance(op, DestroyOp):
                 ctx.db.forget_instance(gpu.uuid, op.start)
@@ -189,7 +190,7 @@ class GpuExecutor:
             leases.work_seconds[lease.lease_id] = round(elapsed, 3)  # for the grant's record
         elif work.kind == "teardown":
             leases.record("teardown", None, gpu=work.gpu, ops=[str(o) for o in work.ops])
-        leases.after_change(sched.schedule(now, mono))
+        leases.apply(outcome)
 
     def _execute(
         self, work: Work, targets: dict[int, tuple[int | None, str | None]]

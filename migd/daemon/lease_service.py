@@ -1,26 +1,59 @@
 """The lease service: what happens around the scheduler's lease decisions.
 
-Persists every lease that changed (and logs each state change with its explanation),
-records history, hands the scheduler's follow-on work to the GPU executor, answers the
-clients waiting for a grant, and keeps the per-lease side tables. Those tables are
-pruned in one place, :meth:`LeaseService.prune`.
+Every scheduler mutation returns an :class:`~migd.core.scheduler.Outcome`; the daemon
+hands each one to :meth:`LeaseService.apply`, the one place where lease side effects
+happen: its transitions go to the lease observers, changed leases to the state db, its
+work to the GPU executor, and clients waiting for a grant get their answer. The
+per-lease side tables are pruned in one place, :meth:`LeaseService.prune`.
+
+Lease observers (tardis' ``Drone.set_state`` notifying plugins is the model) see every
+lease state change, net per outcome, in order::
+
+    class LeaseObserver(Protocol):
+        def on_transition(
+            self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+        ) -> None: ...
+
+``old`` is ``None`` for a lease new to the scheduler (a submission). Register one with
+``daemon.leases.add_observer(observer)`` before ``Daemon.start()``. Observers run on
+the event loop and must not block (no I/O that can hang); an exception in one is logged
+and does not stop the others. :class:`TransitionLog` (the log line and the ``granted``
+history record of every transition) is the built-in one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, Work
+from migd.core.scheduler import Lease, Outcome, Transition, Work
 from migd.daemon.context import DaemonContext
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError
 
 log = structlog.get_logger("migd")
+
+
+class LeaseObserver(Protocol):
+    """Sees every lease state change (see the module docstring)."""
+
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None: ...
+
+
+class EventObserver(Protocol):
+    """Told of what is not a lease transition: refused requests (they never become
+    leases) and history records (wrapper reports, admin ops). The metrics and the GPU
+    health monitor are ones."""
+
+    def lease_refused(self, error: MigdError) -> None: ...
+
+    def recorded(self, event: str, lease: Lease | None, data: Mapping[str, Any]) -> None: ...
 
 
 @dataclass
@@ -29,55 +62,21 @@ class Waiter:
     lease_id: str
 
 
-class LeaseService:
-    """Lease persistence, history, waiting clients and side tables (see module docstring).
+class TransitionLog:
+    """Every lease decision in the log, with its explanation, and each grant in the
+    history (with the NVML time its partition took)."""
 
-    Args:
-        ctx: the daemon's shared state.
-        dispatch: hands work items to the GPU executor.
-        release_share: called with (GPU index, MPS device, lease id) when a lease holding an
-            MPS share is released, so the share's pinned limit is lowered.
-    """
-
-    def __init__(
-        self,
-        ctx: DaemonContext,
-        dispatch: Callable[[list[Work]], None],
-        release_share: Callable[[int, str, str], None] | None = None,
-    ) -> None:
+    def __init__(self, ctx: DaemonContext, service: LeaseService) -> None:
         self.ctx = ctx
-        self.dispatch = dispatch
-        self.release_share = release_share
-        self.waiters: dict[str, Waiter] = {}
-        self._saved: dict[str, int] = {}  # lease id -> version last written
-        self._logged: dict[str, LeaseState] = {}  # lease id -> state last logged
-        self.work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
-        # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
-        # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
-        # jobs shorter than its own sampling; see the periodic sampler.
-        self.peaks: dict[str, int] = {}
+        self.service = service
 
-    # -- persistence and history ------------------------------------------------------------
-
-    def save(self, lease: Lease) -> None:
-        self.ctx.db.save_lease(lease)
-        self._saved[lease.lease_id] = lease.version
-        if self._logged.get(lease.lease_id) is not lease.state:
-            self._logged[lease.lease_id] = lease.state
-            self._log_transition(lease)
-
-    def restored(self, lease: Lease) -> None:
-        """A lease reloaded from the store as it was: its state is already logged."""
-        self._logged[lease.lease_id] = lease.state
-
-    def _log_transition(self, lease: Lease) -> None:
-        """Every lease decision in the log, with its explanation (each state change is
-        persisted through :meth:`save`, so this sees them all)."""
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
         sched = self.ctx.sched
-        state = lease.state
         ids = {"lease_id": lease.lease_id, "job_id": lease.request.job_id}
         decision = lease.decision or {}
-        if state is LeaseState.QUEUED:
+        if new is LeaseState.QUEUED:
             log.info(
                 "lease.queued",
                 **ids,
@@ -88,7 +87,7 @@ class LeaseService:
                 reason=f"no partition for {lease.request.memory_mib} MiB can be had now, "
                 "or requests ahead of it go first",
             )
-        elif state is LeaseState.PREPARING:
+        elif new is LeaseState.PREPARING:
             log.info(
                 "lease.preparing",
                 **ids,
@@ -96,9 +95,9 @@ class LeaseService:
                 action=decision.get("action"),
                 reason=decision.get("reason"),
             )
-        elif state is LeaseState.ACTIVE:
-            seconds = self.work_seconds.pop(lease.lease_id, None)
-            self.record(
+        elif new is LeaseState.ACTIVE:
+            seconds = self.service.work_seconds.pop(lease.lease_id, None)
+            self.service.record(
                 "granted",
                 lease,
                 gpu=lease.gpu,
@@ -119,9 +118,75 @@ class LeaseService:
                 memory_limit_mib=lease.memory_limit_mib,
                 reason=decision.get("reason"),
             )
-        elif state.terminal:
-            level = log.warning if state in (LeaseState.RECLAIMED, LeaseState.FAILED) else log.info
-            level(f"lease.{state.value}", **ids, reason=lease.reason)
+        elif new.terminal:
+            level = log.warning if new in (LeaseState.RECLAIMED, LeaseState.FAILED) else log.info
+            level(f"lease.{new.value}", **ids, reason=lease.reason)
+
+
+class LeaseService:
+    """Lease side effects, waiting clients and side tables (see the module docstring).
+
+    Args:
+        ctx: the daemon's shared state.
+        dispatch: hands work items to the GPU executor.
+        release_share: called with (GPU index, MPS device, lease id) when a lease holding an
+            MPS share is released, so the share's pinned limit is lowered.
+    """
+
+    def __init__(
+        self,
+        ctx: DaemonContext,
+        dispatch: Callable[[list[Work]], None],
+        release_share: Callable[[int, str, str], None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.dispatch = dispatch
+        self.release_share = release_share
+        self.observers: list[LeaseObserver] = [TransitionLog(ctx, self)]
+        self.event_observers: list[EventObserver] = []
+        self.waiters: dict[str, Waiter] = {}
+        self._saved: dict[str, int] = {}  # lease id -> version last written
+        self.work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
+        # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
+        # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
+        # jobs shorter than its own sampling; see the periodic sampler.
+        self.peaks: dict[str, int] = {}
+
+    def add_observer(self, observer: LeaseObserver) -> None:
+        self.observers.append(observer)
+
+    # -- the one place outcomes are acted on ------------------------------------------------
+
+    def apply(self, outcome: Outcome) -> None:
+        """Observe the outcome's transitions, persist leases that changed, run its work,
+        answer waiting clients, prune."""
+        self.notify(outcome.transitions)
+        self._save_changed()
+        self.dispatch(outcome.work)
+        self.resolve_waiters()
+        self.prune()
+
+    def notify(self, transitions: Iterable[Transition]) -> None:
+        now = self.ctx.clock.now()
+        for t in transitions:
+            for observer in self.observers:
+                try:
+                    observer.on_transition(t.lease, t.old, t.new, now)
+                except Exception as exc:  # one observer's bug must not stop the daemon
+                    log.exception("lease.observer_failed", observer=repr(observer), error=str(exc))
+
+    def _save_changed(self) -> None:
+        for lease in list(self.ctx.sched.leases.values()):
+            if self._saved.get(lease.lease_id) != lease.version:
+                self.save(lease)
+
+    def save(self, lease: Lease) -> None:
+        self.ctx.db.save_lease(lease)
+        self._saved[lease.lease_id] = lease.version
+
+    def restored(self, lease: Lease) -> None:
+        """A lease reloaded from the store as it was there: nothing to write."""
+        self._saved[lease.lease_id] = lease.version
 
     def record(self, event: str, lease: Lease | None = None, /, **data: Any) -> None:
         # Positional-only: a client's report may use any key, "event" and "lease" too.
@@ -132,23 +197,19 @@ class LeaseService:
             job_id=lease.request.job_id if lease else data.get("job_id"),
             t=self.ctx.clock.now(),
         )
+        for observer in self.event_observers:
+            observer.recorded(event, lease, data)
+
+    def refused(self, error: MigdError) -> None:
+        """A lease request was refused at once (it never became a lease)."""
+        for observer in self.event_observers:
+            observer.lease_refused(error)
 
     def lease_for(self, lease_id: str) -> Lease:
         lease = self.ctx.sched.leases.get(lease_id) or self.ctx.db.get_lease(lease_id)
         if lease is None:
             raise LeaseNotFound(f"no lease {lease_id}")
         return lease
-
-    # -- after every scheduler change -------------------------------------------------------
-
-    def after_change(self, work: list[Work]) -> None:
-        """Persist leases that changed, run new work, answer waiting clients."""
-        for lease in list(self.ctx.sched.leases.values()):
-            if self._saved.get(lease.lease_id) != lease.version:
-                self.save(lease)
-        self.dispatch(work)
-        self.resolve_waiters()
-        self.prune()
 
     def prune(self, *, all_terminal: bool = False) -> None:
         """Forget ended leases, and every side table's entries of leases no longer known.
@@ -161,7 +222,7 @@ class LeaseService:
         for lease_id, lease in list(sched.leases.items()):
             if lease.state.terminal and (all_terminal or lease_id not in self.waiters):
                 sched.forget(lease_id)
-        for book in (self._saved, self._logged, self.work_seconds, self.peaks):
+        for book in (self._saved, self.work_seconds, self.peaks):
             for lease_id in [k for k in book if k not in sched.leases]:
                 del book[lease_id]
 
@@ -180,18 +241,19 @@ class LeaseService:
             return {"state": lease.state.value, "already": True}
         now, mono = self.ctx.now()
         mps_device = lease.mps_device_uuid if lease.state.holds_resources else None
-        work = sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
+        outcome = sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
         if mps_device and self.release_share is not None and lease.gpu is not None:
             # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
             self.release_share(lease.gpu, mps_device, lease.lease_id)
-        self.save(lease)
         peak = self.peaks.get(lease.lease_id)
-        # (the state change itself is logged by save(): every lease transition is)
         self.record(
             "reclaimed" if reclaim else "released", lease, reason=reason, peak_used_mib=peak
         )
-        self.after_change(work)
-        return {"state": lease.state.value, "peak_used_mib": peak}
+        self.apply(outcome)
+        reply: dict[str, Any] = {"state": lease.state.value, "peak_used_mib": peak}
+        if lease.warning.startswith("GPU lost: "):  # migd.daemon.gpu_health.GPU_LOST
+            reply["gpu_lost"] = lease.warning  # the wrapper has HTCondor run the job again
+        return reply
 
     # -- clients waiting for a grant --------------------------------------------------------
 
@@ -211,8 +273,7 @@ class LeaseService:
             now, mono = self.ctx.now()
             reason = "client disconnected while waiting" if hangup in done else "wait timed out"
             if not lease.state.terminal:
-                self.after_change(self.ctx.sched.release(lease.lease_id, now, mono, reason=reason))
-                self.save(lease)
+                self.apply(self.ctx.sched.release(lease.lease_id, now, mono, reason=reason))
                 self.record("cancelled", lease, reason=reason)
             raise LeaseTimeout(f"lease {lease.lease_id} not granted: {reason}")
         finally:
@@ -240,7 +301,8 @@ class LeaseService:
         for lease_id, waiter in list(self.waiters.items()):
             lease = self.ctx.sched.leases.get(lease_id)
             if lease is not None and not lease.state.terminal:
-                self.ctx.sched.release(lease_id, now, mono, reason=reason)
+                # Observed and saved, but its work is not run: migd is stopping.
+                self.notify(self.ctx.sched.release(lease_id, now, mono, reason=reason).transitions)
                 self.save(lease)
                 self.record("cancelled", lease, reason=lease.reason)
             if not waiter.future.done():

@@ -1,4 +1,11 @@
-"""structlog set-up, done once in main(): JSON under systemd, readable on a terminal.
+"""Logging set-up, done once in main() (and again on reload): one structured path.
+
+migd's own events go through structlog; the backends and libraries log through the
+standard library (``logging.getLogger(__name__)``). Both end in one stdlib handler whose
+structlog ``ProcessorFormatter`` renders every record the same way: JSON under systemd or
+into a pipe or file, readable lines on a terminal, each with its level and timestamp (a
+stdlib record also names its logger). So "GPU 3 left out of discovery" is a JSON line
+with ``"level": "error"``, not bare text between JSON lines, and INFO records are kept.
 
 Under systemd (stderr is the journal's stream, ``JOURNAL_STREAM`` names it) every
 JSON line starts with its sd-daemon(3) priority, ``<3>`` error, ``<4>`` warning,
@@ -77,27 +84,69 @@ class JournalJSONRenderer:
         return f"<{PRIORITIES.get(level, 6)}>{rendered}"
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``stream``, or to whatever ``sys.stderr`` is when a record is emitted.
+
+    Looking stderr up at each record (as logging's own last-resort handler does) keeps a
+    replaced ``sys.stderr`` working, e.g. pytest's capture in tests that reload the daemon
+    in-process, instead of writing to a stream that has since been closed.
+    """
+
+    def __init__(self, stream: TextIO | None) -> None:
+        super().__init__(stream or sys.stderr)
+        self._fixed = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._fixed is None:
+            self.stream = sys.stderr  # handle() holds the handler's lock here
+        super().emit(record)
+
+
+HANDLER_NAME = "migd"
+
+
 def configure_logging(
     fmt: Literal["auto", "json", "console"] = "auto",
     level: str = "info",
     stream: TextIO | None = None,
 ) -> None:
-    stream = stream or sys.stderr
-    processors: list[structlog.typing.Processor] = [
+    """Route structlog and stdlib logging into one handler on the root logger.
+
+    Idempotent: a second call (reload) replaces the handler the first one installed.
+    """
+    target = stream or sys.stderr
+    threshold = LEVELS.get(level, logging.INFO)
+    shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    if wants_json(fmt, stream):
+    final: list[structlog.typing.Processor]
+    if wants_json(fmt, target):
         renderer: structlog.typing.Processor = structlog.processors.JSONRenderer()
-        if stderr_is_journal(stream):
+        if stderr_is_journal(target):
             renderer = JournalJSONRenderer()
-        processors += [structlog.processors.dict_tracebacks, renderer]
+        final = [structlog.processors.dict_tracebacks, renderer]
     else:
-        processors += [structlog.dev.ConsoleRenderer(colors=stream.isatty())]
+        final = [structlog.dev.ConsoleRenderer(colors=target.isatty())]
+    formatter = structlog.stdlib.ProcessorFormatter(
+        # a stdlib record (a backend's, a library's) gets what structlog's events get,
+        # plus the name of the logger that wrote it
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = _Handler(stream)
+    handler.set_name(HANDLER_NAME)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == HANDLER_NAME]:
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    root.setLevel(threshold)
     structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )

@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     from migd.daemon.service import Daemon
 
     mps = build_mps(config)
+    if node is not None:
+        # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
+        mps.watch_servers(node.track_mps_servers)
 
     async def run() -> int:
         daemon = Daemon(config, backend, procs, reload_config=load, sim_node=node, mps=mps)

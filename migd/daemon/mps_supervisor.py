@@ -16,16 +16,33 @@ from typing import Any
 import structlog
 
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
-from migd.errors import GpuBusy, MigdError
+from migd.errors import MigdError
 from migd.ports import GpuInfo, GpuProcess, MpsControl
 
 log = structlog.get_logger("migd")
 #: GPU health while an MPS daemon on it cannot be brought back (cleared once it serves).
 MPS_UNHEALTHY = "MPS daemon cannot be restarted"
+
+
+def mps_compute_mode_warning(info: GpuInfo) -> str:
+    """Why MPS on this GPU is weaker than NVIDIA's recipe ("" when it is not).
+
+    NVIDIA's MPS recipe, its device plugin (``cmd/mps-control-daemon/mps/daemon.go``) and
+    its DRA driver (``sharing.go``) put MPS GPUs in EXCLUSIVE_PROCESS compute mode; migd
+    only reads it (``GpuInfo.compute_mode``).
+    """
+    if info.compute_mode == "EXCLUSIVE_PROCESS":
+        return ""
+    mode = info.compute_mode or "unknown"
+    return (
+        f"compute mode is {mode}, not EXCLUSIVE_PROCESS: a job that unsets "
+        f"CUDA_MPS_PIPE_DIRECTORY runs outside MPS without a memory limit "
+        f"(`nvidia-smi -i {info.index} -c EXCLUSIVE_PROCESS`)"
+    )
 
 
 class MpsSupervisor:
@@ -49,12 +66,25 @@ class MpsSupervisor:
     def configure(
         self, gpu: ManagedGpu, info: GpuInfo, mps_in_mig: bool, mps_profile: str | None
     ) -> None:
-        """MPS settings of a GPU: MPS inside MIG instances, and its compute slices."""
+        """MPS settings of a GPU: MPS inside MIG instances, and its compute slices.
+
+        With ``mps.require_exclusive_process``, a GPU not in EXCLUSIVE_PROCESS compute
+        mode gets no MPS: an MPS GPU is reported unhealthy (no work), a MIG GPU hosts no
+        MPS instances. Without that mode a job that unsets ``CUDA_MPS_PIPE_DIRECTORY``
+        runs outside MPS, without a memory limit (docs/operations.md).
+        """
         if gpu.space is not None:
             gpu.compute_slices = gpu.space.geometry.compute_slices
         elif gpu.mode is GpuMode.MPS:
             with contextlib.suppress(MigdError):  # a MIG-capable model used whole
                 gpu.compute_slices = self.ctx.backend.geometry(info.index).compute_slices
+        weak = mps_compute_mode_warning(info)
+        if weak and self.ctx.config.mps.require_exclusive_process:
+            if gpu.mode is GpuMode.MPS and gpu.health == "ok":
+                gpu.health = f"{weak}; mps.require_exclusive_process keeps MPS off it"
+            if mps_in_mig and gpu.mode is GpuMode.MIG:
+                log.warning("mps.not_offered", gpu=info.index, reason=weak)
+            return
         if not mps_in_mig or gpu.mode is not GpuMode.MIG:
             return
         gpu.mps_in_mig = True
@@ -66,15 +96,9 @@ class MpsSupervisor:
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
         """The job environment of an MPS share (the scheduler's ``mps_env``)."""
-        device = lease.mig_uuid or gpu.uuid
-        env = {
-            "CUDA_VISIBLE_DEVICES": device,
-            "NVIDIA_VISIBLE_DEVICES": device,
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={lease.request.memory_mib}M",
-        }
-        if self.mps is not None:
-            env.update(self.mps.client_env(device, lease))
-        return env
+        if self.mps is None:
+            return default_mps_env(gpu, lease)
+        return dict(self.mps.client_env(lease.mig_uuid or gpu.uuid, lease))
 
     async def start(self) -> None:
         """Adopt the daemons an earlier migd left (at start-up, before reconciling)."""
@@ -204,27 +228,23 @@ class MpsSupervisor:
         except Exception as exc:
             log.exception("mps.housekeeping_crashed", error=str(exc))
         now, mono = self.ctx.now()
-        self.leases.after_change(sched.schedule(now, mono))
+        # A GPU's health may have changed: place what fits now.
+        self.leases.apply(sched.schedule(now, mono))
 
     def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
-        """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon.
+        """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon and
+        wait (bounded, in the MPS manager) until its server has left the instance's NVML
+        process list.
 
         Raises:
-            GpuBusy: the instance's MPS server has clients (or cannot say): never destroy it.
+            GpuBusy: the instance's MPS server has clients (or cannot say), or is still on
+                the instance after the wait: never destroy it then.
         """
         mps = self.mps
-        if mps is None or not mig_uuid or not mps.manages(mig_uuid):
+        if mps is None or not mig_uuid:
             return
-        try:
-            clients = mps.client_count(mig_uuid)
-        except MigdError as exc:
-            raise GpuBusy(
-                f"the MPS daemon on {mig_uuid} does not say whether it has clients ({exc}); "
-                "not destroying the instance"
-            ) from exc
-        if clients:
-            raise GpuBusy(f"the MPS server on {mig_uuid} has {clients} client(s); not destroying")
-        mps.stop_device(mig_uuid)
+        backend = self.ctx.backend
+        mps.stop_for_teardown(mig_uuid, lambda: [p.pid for p in backend.processes(gpu, mig_uuid)])
         log.info("mps.stopped_for_destroy", gpu=gpu, device=mig_uuid)
 
     def usage(self, lease: Lease, procs: list[GpuProcess]) -> list[GpuProcess]:

@@ -37,7 +37,7 @@ from migd.daemon.lease_service import LeaseService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.periodic import known_sum
 from migd.daemon.status import build_status, explain_job
-from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NoCapacity, NotAuthorized
+from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
 
 _CLUSTER_PROC = re.compile(r"\d+\.\d+")
 log = structlog.get_logger("migd")
@@ -179,10 +179,14 @@ class Ops:
         )
         try:
             outcome = ctx.sched.submit(lease, now, mono)
-        except NoCapacity as refusal:
-            # Refused, but the same pass may have placed requests queued before it.
-            self.leases.after_change(list(refusal.started_work))
+        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
+            self.leases.refused(refusal)
             raise
+        if outcome.refusal is not None:
+            self.leases.refused(outcome.refusal)
+            # Refused, but the same pass may have placed requests queued before it.
+            self.leases.apply(outcome)
+            raise outcome.refusal
         self.leases.record(
             "submitted",
             lease,
@@ -192,8 +196,7 @@ class Ops:
             state=lease.state.value,
             queued_position=outcome.queued_position,
         )
-        self.leases.save(lease)
-        self.leases.after_change(outcome.work)
+        self.leases.apply(outcome)
         # Queued: no capacity now, the grant waits for other leases to end. Preparing: the
         # partition is being made for this request (NVML time, not queueing).
         first_state = lease.state
@@ -309,23 +312,22 @@ class Ops:
         gpu = self._gpu_ref(req.gpu)
         now, mono = ctx.now()
         if req.op in ("drain", "resume"):
-            sched.set_draining(gpu.index, req.op == "drain")
+            outcome = sched.set_draining(gpu.index, req.op == "drain", now, mono)
             draining = sorted(g.uuid for g in sched.gpus.values() if g.draining)
             ctx.db.set_meta("draining", draining)
             self.leases.record(req.op, None, gpu=gpu.index, uid=peer.uid)
             log.info(f"gpu.{req.op}", gpu=gpu.index, uid=peer.uid)
-            if req.op == "resume":
-                self.leases.after_change(sched.schedule(now, mono))
+            self.leases.apply(outcome)
             return {"gpu": gpu.index, "draining": gpu.draining}
         if gpu.mode is not GpuMode.MIG:
             raise InvalidRequest(f"GPU {gpu.index} is not in MIG mode; nothing to reset")
         busy = [str(i) for i in gpu.instances if i.busy]
-        work = sched.reset(gpu.index)
+        outcome = sched.reset(gpu.index)
         self.leases.record("reset", None, gpu=gpu.index, uid=peer.uid, kept=busy)
-        self.leases.after_change(work)
+        self.leases.apply(outcome)
         return {
             "gpu": gpu.index,
-            "destroying": [str(op) for w in work for op in w.ops],
+            "destroying": [str(op) for w in outcome.work for op in w.ops],
             "kept_busy": busy,
         }
 

@@ -111,7 +111,8 @@ class PeriodicTasks:
                     if self.reconciler.needs_resync(gpu):
                         for note in await self.reconciler.resync_gpu(gpu.index):
                             log.info("resync", gpu=gpu.index, note=note)
-                        self.leases.after_change(ctx.sched.schedule(now, mono))
+                        # Judged afresh, the GPU may take work again: place what fits.
+                        self.leases.apply(ctx.sched.schedule(now, mono))
             except Exception as exc:
                 log.exception("reaper.crashed", error=str(exc))
 
@@ -126,13 +127,11 @@ class PeriodicTasks:
             sched = ctx.sched
             try:
                 expired = sched.expire(now, mono)
-                for lease in expired:
-                    leases.save(lease)
+                for lease in expired.ended:
                     leases.record("expired", lease, reason=lease.reason)
-                # What an expired request blocked (FIFO, a reservation) may go now.
-                leases.after_change(sched.schedule(now, mono) if expired else [])
+                leases.apply(expired)
                 if tick % 10 == 0:
-                    leases.after_change(sched.idle_teardown(now))
+                    leases.apply(sched.idle_teardown(now, mono))
                     ctx.db.set_meta("demand", {"counts": sched.demand.snapshot(), "last_s": now})
                     leases.prune(all_terminal=True)
                 if tick % 3600 == 0:

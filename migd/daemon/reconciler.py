@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from migd.core.geometry import Profile
-from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu, Origin
 from migd.core.states import StateSpace, state_space
 from migd.daemon.context import DaemonContext
@@ -62,6 +61,13 @@ class Reconciler:
                 mode=GpuMode.OFF,
                 health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
                 f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
+            )
+        if info.persistence_mode is False:
+            log.warning(
+                "gpu.persistence_off",
+                gpu=info.index,
+                hint="an idle GPU can be de-initialised and lose its MIG instances; "
+                "enable nvidia-persistenced (docs/operations.md)",
             )
         override = config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
@@ -155,60 +161,25 @@ class Reconciler:
                     ctx.notes.append(f"GPU {gpu.index}: {note}")
                     log.info("reconcile.instance", gpu=gpu.index, note=note)
         for lease in ctx.db.live_leases():
-            self._restore_lease(lease, now, mono)
+            self._restore_lease(lease, now)
         await self.reap(now, mono)
-        work = ctx.sched.schedule(now, mono)
-        self.executor.dispatch(work)
+        self.leases.apply(ctx.sched.schedule(now, mono))
 
-    def _restore_lease(self, lease: Lease, now: float, mono: float) -> None:
-        sched, leases = self.ctx.sched, self.leases
-        if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
-            # Its client's connection died with the old daemon; the wrapper asks again.
-            lease.state = LeaseState.QUEUED
-            sched.leases[lease.lease_id] = lease
-            sched.release(lease.lease_id, now, mono, reason="daemon restarted while waiting")
-            leases.save(lease)
-            leases.record("cancelled", lease, reason=lease.reason)
-            return
-        gpu = sched.gpus.get(lease.gpu if lease.gpu is not None else -1)
-        if gpu is None or gpu.uuid != lease.gpu_uuid:
-            lease.state = LeaseState.ACTIVE
-            sched.leases[lease.lease_id] = lease
-            sched.release(lease.lease_id, now, mono, reclaim=True, reason="its GPU is gone")
-            leases.save(lease)
-            leases.record("reclaimed", lease, reason=lease.reason)
-            return
-        sched.leases[lease.lease_id] = lease
-        if lease.mode == "mig":
-            inst = gpu.instance_at(lease.start) if lease.start is not None else None
-            if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
-                sched.release(
-                    lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
-                )
-                leases.save(lease)
-                leases.record("reclaimed", lease, reason=lease.reason)
-                return
-            inst.lease_id, inst.idle_since_s = lease.lease_id, None
-            if inst.origin is Origin.UNEXPLAINED:
-                inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode == "mps" and not sched.restore_mps_share(gpu, lease):
-            sched.release(
-                lease.lease_id, now, mono, reclaim=True, reason="its MIG instance is gone"
+    def _restore_lease(self, lease: Lease, now: float) -> None:
+        outcome = self.ctx.sched.restore(lease, now)
+        if not outcome.transitions:
+            self.leases.restored(lease)
+            log.info(
+                "lease.restored",
+                lease_id=lease.lease_id,
+                job_id=lease.request.job_id,
+                gpu=lease.gpu,
+                mode=lease.mode,
+                holder_pid=lease.owner_pid,
             )
-            leases.save(lease)
-            leases.record("reclaimed", lease, reason=lease.reason)
-            return
-        elif lease.mode == "exclusive":
-            gpu.exclusive_lease = lease.lease_id
-        leases.restored(lease)
-        log.info(
-            "lease.restored",
-            lease_id=lease.lease_id,
-            job_id=lease.request.job_id,
-            gpu=lease.gpu,
-            mode=lease.mode,
-            holder_pid=lease.owner_pid,
-        )
+        for ended in outcome.ended:  # cancelled (it was waiting) or reclaimed (gone)
+            self.leases.record(ended.state.value, ended, reason=ended.reason)
+        self.leases.apply(outcome)
 
     # -- re-reading a GPU -------------------------------------------------------------------
 
@@ -281,7 +252,9 @@ class Reconciler:
         )
         now, _ = ctx.now()
         own = ctx.db.own_instances(gpu.uuid)
-        notes += sched.resync(index, observed, busy, now)
+        resynced = sched.resync(index, observed, busy, now)
+        notes += resynced.notes
+        self.leases.apply(resynced)
         for managed in gpu.instances:
             why = untouchable.get(managed.start)
             if why and managed.lease_id is None and managed.status is InstanceStatus.READY:
@@ -308,9 +281,9 @@ class Reconciler:
         for start in set(own) - present:
             ctx.db.forget_instance(gpu.uuid, start)  # work that never reached the GPU
         teardown = sched.discard_incomplete(index, own)
-        for work in teardown:
+        for work in teardown.work:
             notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
-        self.executor.dispatch(teardown)
+        self.leases.apply(teardown)
         return notes
 
     def _instances_in_use(self, index: int, instances: list[MigInstance]) -> set[int]:

@@ -36,7 +36,9 @@ from migd.daemon.auth import Authorizer
 from migd.daemon.config import MigdConfig, changed_restart_keys
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
+from migd.daemon.gpu_health import GpuHealthMonitor
 from migd.daemon.lease_service import LeaseService
+from migd.daemon.metrics import MetricsService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
 from migd.daemon.periodic import PeriodicTasks, Reaper
@@ -100,9 +102,10 @@ class Daemon:
         mps: MpsControl | None = None,
     ) -> None:
         clock = clock or SystemClock()
+        self.metrics = MetricsService(config)  # docs/operations.md, Monitoring
         self.ctx = ctx = DaemonContext(
             config=config,
-            backend=backend,
+            backend=self.metrics.wrap_backend(backend),
             procs=procs,
             clock=clock,
             notifier=notifier or Notifier(),
@@ -114,6 +117,8 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.executor = GpuExecutor(ctx)
         self.leases = LeaseService(ctx, self.executor.dispatch)
+        self.leases.add_observer(self.metrics)
+        self.leases.event_observers.append(self.metrics)
         self.mps = MpsSupervisor(ctx, self.executor, self.leases)
         self.leases.release_share = self.mps.release_share
         self.reaper = Reaper(ctx, self.executor, self.leases)
@@ -126,6 +131,13 @@ class Daemon:
         )
         self.api = ApiServer(ctx, self.leases.lease_for, self.stopping)
         Ops(ctx, self.leases, self.executor, self.mps, self.reload).register(self.api)
+        # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
+        self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, sim_node=sim_node)
+        self.leases.event_observers.append(self.health)
+        if sim_node is not None:
+            self.health.register_sim_op(self.api)
+        else:
+            self.api.missing["sim_xid"] = not_simulated
         if sim_node is not None:
             from migd.daemon.sim_ops import SimOps
 
@@ -169,6 +181,13 @@ class Daemon:
         await self.reconciler.reconcile()
         await self.mps.reattach()
         await self.api.bind()
+        await self.metrics.start(
+            ctx,
+            mps_status=ctx.mps.cached_status_for if ctx.mps is not None else None,
+            daemon_problem=lambda: self.executor.tripped,
+            health_conditions=self.health.condition_sources,
+        )
+        await self.health.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -242,7 +261,8 @@ class Daemon:
         log.info("config.reloaded", needs_restart=needs_restart)
         self.leases.record("reload", None, needs_restart=needs_restart)
         now, mono = ctx.now()
-        self.leases.after_change(ctx.sched.schedule(now, mono))
+        # The policy (queue order, placement) changed: place what fits under it.
+        self.leases.apply(ctx.sched.schedule(now, mono))
         ctx.notifier.ready("configuration reloaded")
         return {"reloaded": True, "needs_restart": needs_restart}
 
@@ -279,6 +299,8 @@ class Daemon:
         log.info("daemon.stopped")
 
     async def close(self) -> None:
+        await self.metrics.close()
+        self.health.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

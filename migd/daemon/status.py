@@ -13,6 +13,8 @@ from migd.core.planner import plan_on_gpu
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
+from migd.daemon.mps_supervisor import mps_compute_mode_warning
+from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
 
@@ -38,6 +40,21 @@ def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] 
     return None
 
 
+def gpu_warnings(info: GpuInfo, gpu: ManagedGpu) -> list[str]:
+    """GPU settings migd relies on but never changes (docs/operations.md)."""
+    warnings = []
+    if info.persistence_mode is False:
+        warnings.append(
+            "persistence mode is off: an idle GPU can be de-initialised and lose its MIG "
+            "instances; enable nvidia-persistenced"
+        )
+    if gpu.mode is GpuMode.MPS or gpu.mps_in_mig:
+        weak = mps_compute_mode_warning(info)
+        if weak:
+            warnings.append(weak)
+    return warnings
+
+
 def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:
     sched = daemon.sched
     info = next((g for g in daemon.gpus if g.index == gpu.index), None)
@@ -51,6 +68,9 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "mig_pending": info.mig_pending if info else None,
         "health": gpu.health,
         "healthy": gpu.health == "ok",
+        "persistence_mode": info.persistence_mode if info else None,
+        "compute_mode": info.compute_mode if info else None,
+        "warnings": gpu_warnings(info, gpu) if info else [],
         "draining": gpu.draining,
         "memory_total_mib": gpu.memory_total_mib,
         "memory_used_mib": gpu.used_mib,

@@ -43,10 +43,11 @@ from migd.sim.workloads import (
 SUBCOMMANDS = ("compare", "far", "list")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m migd.sim",
-        description="Simulate migd's node scheduler against the papers' baselines.",
+        prog=prog,
+        description="Simulate migd's node scheduler against the papers' baselines. "
+        "Without a subcommand, the arguments are compare's.",
     )
     sub = parser.add_subparsers(dest="command")
 
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "--queue",
         default="both",
         choices=("both", "size", "fifo"),
-        help="queue scheme: size = seed 002 A, fifo = B (default: both)",
+        help="queue scheme: size = [MIG-HT] A, fifo = B (default: both)",
     )
     cmp_.add_argument("--model", help="GPU model (default: the workload's, A100-40GB)")
     cmp_.add_argument("--gpus", type=int, help="GPUs per node (default: the workload's)")
@@ -93,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         "--p-sup",
         type=float,
         default=0.0,
-        help="share of memory-bound (super-linear) tasks; 0 matches seed 003 Table 4, "
+        help="share of memory-bound (super-linear) tasks; 0 matches [Villarrubia] Table 4, "
         "Figure 11 uses 0.5 (default: %(default)s)",
     )
     far.add_argument(
@@ -238,12 +239,16 @@ def _cmd_far(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m migd.sim") -> int:
+    """Entry point of ``python -m migd.sim`` and ``migctl simulate`` (``prog`` names which,
+    for the usage lines); returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or (args_list[0] not in SUBCOMMANDS and args_list[0] not in ("-h", "--help")):
+    # compare is the default subcommand. argparse has no default subparser, and compare's
+    # options take values that a subcommand positional would mistake for a command name, so
+    # the rule is stated on the first argument: a subcommand or a help flag, else compare.
+    if not args_list or args_list[0] not in (*SUBCOMMANDS, "-h", "--help"):
         args_list.insert(0, "compare")
-    parser = _parser()
+    parser = _parser(prog)
     args = parser.parse_args(args_list)
     try:
         if args.command == "list":

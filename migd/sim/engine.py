@@ -64,6 +64,9 @@ from migd.core.scheduler import (
     NodeScheduler,
     Work,
 )
+from migd.core.scheduler import (
+    Outcome as SchedOutcome,
+)
 from migd.core.states import StateSpace, state_space
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
 from migd.sim.interference import CALIBRATED, MpsInterference
@@ -475,15 +478,11 @@ class Simulation:
         except RequestTooLarge as exc:
             self._refuse(attempt, exc.message)
             return
-        except NoCapacity as exc:
-            self._execute(node, list(exc.started_work))
-            self._dirty.add(node.index)
-            self._refuse(attempt, exc.message)
+        self._apply(node, outcome)
+        if outcome.refusal is not None:
+            self._refuse(attempt, outcome.refusal.message)
             return
         node.pending[attempt.lease_id] = attempt
-        self._invalidate(node)
-        self._execute(node, outcome.work)
-        self._dirty.add(node.index)
         self._max_queue = max(self._max_queue, len(node.scheduler.queue))
         if attempt.wait_s is not None and attempt.wait_s > 0:
             self._push(self.now + attempt.wait_s, "deadline", None)
@@ -637,18 +636,12 @@ class Simulation:
         lease = self._lease(attempt, 0.0, profile)
         try:
             outcome = node.scheduler.submit(lease, self.now, self.now)
-        except NoCapacity as exc:
-            if exc.started_work:
-                self._invalidate(node)
-            self._execute(node, list(exc.started_work))
-            self._dirty.add(node.index)
-            return False
         except (RequestTooLarge, InvalidRequest):
             return False
+        self._apply(node, outcome)
+        if outcome.refusal is not None:
+            return False
         node.pending[attempt.lease_id] = attempt
-        self._invalidate(node)
-        self._execute(node, outcome.work)
-        self._dirty.add(node.index)
         return True
 
     def _refuse(self, attempt: Attempt, why: str) -> None:
@@ -663,15 +656,11 @@ class Simulation:
     def _on_deadline(self, _: None) -> None:
         for node in self.nodes:
             expired = node.scheduler.expire(self.now, self.now)
-            if expired:
-                self._invalidate(node)
-            for lease in expired:
-                self._dirty.add(node.index)
+            for lease in expired.ended:
                 attempt = node.pending.pop(lease.lease_id, None)
                 if attempt is not None:
                     self._refuse(attempt, "no partition before its deadline")
-            if expired:  # as the daemon does: what they blocked may go now
-                self._execute(node, node.scheduler.schedule(self.now, self.now))
+            self._apply(node, expired)
         if self.matcher is not None:
             for item in self.matcher.expired(self.now):
                 self._refuse(item.payload, "no partition before its deadline")
@@ -682,6 +671,15 @@ class Simulation:
         if isinstance(op, CreateOp):
             return self.costs.create_s(op.profile.compute_slices)
         return self.costs.destroy_s(op.profile.compute_slices)
+
+    def _apply(self, node: _Node, outcome: SchedOutcome) -> None:
+        """Act on a scheduler outcome as the daemon does: run its work (in simulated
+        time), and look at the node's leases again (grants start jobs). A node whose
+        books changed advertises anew to the matcher."""
+        if outcome.work or outcome.transitions:
+            self._invalidate(node)
+        self._execute(node, outcome.work)
+        self._dirty.add(node.index)
 
     def _execute(self, node: _Node, works: Sequence[Work]) -> None:
         for work in works:
@@ -736,11 +734,7 @@ class Simulation:
                     op.profile.memory_mib,
                 )
                 self._open_instances[key] = (op.profile.name, op.profile.memory_slices, at)
-        node.scheduler.work_done(work, created, self.now)
-        self._invalidate(node)
-        # as the daemon does after every finished work item: the queue may move now
-        self._execute(node, node.scheduler.schedule(self.now, self.now))
-        self._dirty.add(node_index)
+        self._apply(node, node.scheduler.work_done(work, created, self.now, self.now))
         self._sample(node_index, work.gpu)
 
     # -- running jobs --------------------------------------------------------------------------
@@ -917,10 +911,7 @@ class Simulation:
         record = self.records[job.job_id]
         self.spans.append(run.span(lease_id, self.now, run.stop))
         node = self.nodes[run.node]
-        works = node.scheduler.release(lease_id, self.now, self.now, reason=run.stop)
-        self._invalidate(node)  # the matcher asks this node again
-        self._execute(node, works)
-        self._dirty.add(node.index)
+        self._apply(node, node.scheduler.release(lease_id, self.now, self.now, reason=run.stop))
         self._negotiate = True
         if run.mode == "mps":
             self._rebalance_mps(run.node, run.gpu, run.host)
@@ -974,15 +965,9 @@ class Simulation:
 
     def _on_idle(self, node_index: int) -> None:
         node = self.nodes[node_index]
-        works = node.scheduler.idle_teardown(self.now)
-        self._execute(node, works)
-        if works:
-            self._invalidate(node)
-            # The torn-down slices are free in the intended layout at once (work on a GPU
-            # runs in order), but nothing in the scheduler re-runs the queue: the daemon
-            # has to, and so do we.
-            self._execute(node, node.scheduler.schedule(self.now, self.now))
-            self._dirty.add(node_index)
+        outcome = node.scheduler.idle_teardown(self.now, self.now)
+        if outcome.work:  # (its work places what the torn-down slices make room for)
+            self._apply(node, outcome)
             self._negotiate = True
 
     # -- bookkeeping -----------------------------------------------------------------------------

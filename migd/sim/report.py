@@ -103,7 +103,7 @@ MIG layout that no completion can ever use (seed 000), per GPU, time-weighted.
 the forecast, with the GPU-seconds (GPU share x time) they lost. *Energy/job*: idle
 watts per GPU plus watts per busy compute slice, integrated over the makespan, per
 completed job. *Steady*: completed jobs per hour from the first completion to the
-last start (the fully used part, as seed 004 Table 2 cuts). *Slice-weighted
+last start (the fully used part, as [Voigtlaender] Table 2 cuts). *Slice-weighted
 acceptance*: slice-hours (compute slices x runtime alone) of jobs that ran / of all
 jobs. *Isolation breaches*: runs that shared an MPS server with another user's job.
 """

@@ -71,6 +71,12 @@ Failure modes: create ``<pipe dir>/fake-fault-<name>`` (:func:`fault_path`):
   ``all CUDA-capable devices are busy or unavailable`` (logged).
 * ``die`` (one-shot): the daemon exits at once, leaving its pid file and socket.
 * ``hang`` (while present): the daemon stops answering.
+* ``chatty`` (while present): ``set_*`` and ``start_server`` commands print an
+  informational line before their usual reply. Whether the real daemon prints anything
+  on success is not documented (the "prints nothing" belief comes from one tutorial), so
+  migd must not take output for a refusal.
+* ``ignore-limits`` (while present): pinned-memory ``set_*`` commands are accepted and
+  print nothing, but change nothing: a refusal that only a follow-up ``get_*`` shows.
 """
 
 from __future__ import annotations
@@ -101,7 +107,7 @@ NO_DAEMON_MESSAGE = "Cannot find MPS control daemon process"
 ALREADY_RUNNING_MESSAGE = "An instance of this daemon is already running"
 DEVICES_UNAVAILABLE_MESSAGE = "all CUDA-capable devices are busy or unavailable"
 
-FAULTS = ("crash-server", "refuse-clients", "die", "hang")
+FAULTS = ("crash-server", "refuse-clients", "die", "hang", "chatty", "ignore-limits")
 _ONE_SHOT_FAULTS = ("crash-server", "die")
 _TICK_S = 0.05
 _END = b"\0"  # reply terminator: a reply without it means the daemon broke off
@@ -322,7 +328,11 @@ class _Daemon:
         if handler is None:
             return f"Invalid command: {cmd}"
         try:
-            return str(handler(args))
+            reply = str(handler(args))
+            if cmd.startswith(("set_", "start_server")) and self.fault("chatty"):
+                info = f"[fake] {cmd}: request accepted ({' '.join(args)})"
+                reply = f"{info}\n{reply}" if reply else info
+            return reply
         except (ValueError, IndexError, KeyError):
             return f"Invalid arguments for {cmd}: {' '.join(args)}"
 
@@ -389,6 +399,8 @@ class _Daemon:
         return "\n".join(str(pid) for pid in sorted(self._server(args[0]).clients))
 
     def cmd_set_default_device_pinned_mem_limit(self, args: list[str]) -> str:
+        if self.fault("ignore-limits"):
+            return ""
         self.default_limits[self._check_device(args[0])] = self._check_limit(args[1])
         return ""
 
@@ -397,6 +409,8 @@ class _Daemon:
 
     def cmd_set_device_pinned_mem_limit(self, args: list[str]) -> str:
         server = self._server(args[0])
+        if self.fault("ignore-limits"):
+            return ""
         server.pinned_limits[self._check_device(args[1])] = self._check_limit(args[2])
         return ""
 

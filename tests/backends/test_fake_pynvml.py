@@ -328,7 +328,7 @@ def _call_args(name: str, nvml: FakePynvml, h: dict[str, object]) -> tuple[objec
             ctypes.byref(nvml.c_nvmlGpuInstancePlacement_t(0, 2)),
         ),
         "nvmlDeviceGetGpuInstances": lambda: (device, 9, (nvml.c_nvmlGpuInstance_t * 2)(), ref),
-        "nvmlDeviceGetGpuInstanceById": lambda: (device, 1),
+        "nvmlDeviceGetGpuInstanceById": lambda: (device, 2),  # 3g.20gb at 4: id 2
         "nvmlGpuInstanceGetComputeInstanceProfileInfo": lambda: (gi, 2, 0),
         "nvmlGpuInstanceCreateComputeInstance": lambda: (new_gi(19, 0, 1), 0),
         "nvmlGpuInstanceGetComputeInstances": lambda: (

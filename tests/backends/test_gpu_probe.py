@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,14 +55,22 @@ def test_probe_changes_nothing_and_records_everything(gpu_probe: ModuleType) -> 
         ]
 
     before = state()
-    record = gpu_probe.probe(NvmlBackend(FakePynvml(node)))
+    # The PIDs are simulated, so their names come from the test, not from this host's /proc
+    # (where PID 78 may well exist).
+    looked_up: list[int] = []
+
+    def command_name(pid: int) -> str | None:
+        looked_up.append(pid)
+        return {77: "python3"}.get(pid)
+
+    record = gpu_probe.probe(NvmlBackend(FakePynvml(node)), command_name=command_name)
     assert state() == before and len(before[2]) == 2  # type: ignore[arg-type]
     assert all(node.call_counts[call] == 0 for call in WRITE_CALLS)
     assert json.loads(json.dumps(record)) == record  # plain JSON
     a100, v100 = record["gpus"]
     assert a100["uuid"] == node.gpu(0).uuid and a100["model"] == "A100-40GB"
     assert {(i["profile_id"], i["start"]) for i in a100["mig"]["instances"]} == {(9, 4), (14, 0)}
-    assert [p["pid"] for p in a100["processes"]] == [77]
+    assert [(p["pid"], p["name"]) for p in a100["processes"]] == [(77, "python3")]
     assert len(a100["mig"]["profiles"]) == 7
     assert all(p["placements"] for p in a100["mig"]["profiles"])
     assert v100["mig_current"] is None and "mig" not in v100
@@ -69,6 +78,26 @@ def test_probe_changes_nothing_and_records_everything(gpu_probe: ModuleType) -> 
         {"pid": 78, "used_mib": 100, "mig_uuid": None, "mps": False, "name": None}
     ]
     assert a100["errors"] == {} and v100["errors"] == {}
+    assert sorted(looked_up) == [77, 78]
+
+
+def test_a_real_node_names_processes_from_proc(gpu_probe: ModuleType) -> None:
+    """Without a lookup, a real node's process names come from /proc: this test's own
+    process is the one PID certain to exist on any host."""
+    assert gpu_probe._command_name(os.getpid()) == Path("/proc/self/comm").read_text().strip()
+    node = SimNode.from_description(f"""
+[[gpu]]
+model = "V100-32GB"
+processes = [{{pid = {os.getpid()}, used_mib = 100}}]
+""")
+    real = gpu_probe.probe(NvmlBackend(FakePynvml(node)))
+    simulated = gpu_probe.probe(NvmlBackend(FakePynvml(node)), simulated="test")
+    assert real["gpus"][0]["processes"][0]["name"] == gpu_probe._command_name(os.getpid())
+    assert simulated["gpus"][0]["processes"][0]["name"] is None  # not this host's PIDs
+
+
+def no_name(pid: int) -> str | None:
+    return None
 
 
 def test_probe_without_root_records_what_it_could_not_read(gpu_probe: ModuleType) -> None:
@@ -129,7 +158,9 @@ def test_a_node_built_from_a_probe_reports_what_was_recorded() -> None:
 
 def test_probing_the_simulated_probe_gives_the_probe_back(gpu_probe: ModuleType) -> None:
     data = _example()
-    record = gpu_probe.probe(NvmlBackend(FakePynvml(SimNode.from_probe(EXAMPLE))))
+    record = gpu_probe.probe(
+        NvmlBackend(FakePynvml(SimNode.from_probe(EXAMPLE))), command_name=no_name
+    )
     assert record["gpus"] == data["gpus"]
     assert (record["driver_version"], record["cuda_version"]) == (
         data["driver_version"],

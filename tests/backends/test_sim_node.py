@@ -168,17 +168,17 @@ def test_uuids_are_stable_per_seed_and_well_formed() -> None:
     assert all(uuid.UUID(g.uuid[4:]).version == 4 for g in first.gpus)
 
 
-def test_ids_are_reused_and_mig_uuids_are_not() -> None:
+def test_ids_follow_the_placement_and_mig_uuids_are_never_reused() -> None:
     node = SimNode.from_description("1xA100-40GB")
     a = node.create_gpu_instance(0, 19, 0, 1)
     b = node.create_gpu_instance(0, 19, 1, 1)
-    assert (a.gi_id, b.gi_id) == (1, 2)
+    assert (a.gi_id, b.gi_id) == (7, 8)  # 1g.5gb at start s: id 7 + s
     ci = node.create_compute_instance(a.serial, 0)
     old_uuid = ci.uuid
     node.destroy_compute_instance(ci.serial)
     node.destroy_gpu_instance(a.serial)
-    c = node.create_gpu_instance(0, 19, 5, 1)
-    assert c.gi_id == 1  # the freed id comes back, as the driver may do
+    c = node.create_gpu_instance(0, 19, 0, 1)
+    assert c.gi_id == 7  # the same placement, the same id
     new_ci = node.create_compute_instance(c.serial, 0)
     assert new_ci.ci_id == 0 and new_ci.uuid != old_uuid
     assert UUID_RE.match(new_ci.uuid)

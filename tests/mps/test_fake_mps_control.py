@@ -226,6 +226,7 @@ def test_client_cap_refuses_the_client_past_the_limit(
     assert "busy or unavailable" in replies[2]
 
 
+@pytest.mark.slow  # waits out real quit timeouts
 def test_quit_waits_for_clients_and_quit_t_forces_the_servers_down(
     fake_binary: Path, dirs: tuple[Path, Path], client_procs: Callable[[], int]
 ) -> None:
@@ -255,6 +256,7 @@ def test_quit_waits_for_clients_and_quit_t_forces_the_servers_down(
     assert f"Server {int(server)} exited with status 137" in (log / "control.log").read_text()
 
 
+@pytest.mark.slow  # waits out real quit timeouts
 def test_quit_returns_once_the_last_client_has_exited(
     fake_binary: Path, dirs: tuple[Path, Path]
 ) -> None:

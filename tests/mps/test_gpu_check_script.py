@@ -114,6 +114,7 @@ def test_dry_run_refuses_a_parent_gpu_with_mig_enabled(tmp_path: Path, fake_bina
     assert refused.returncode == 2 and "MIG enabled" in refused.stderr
 
 
+@pytest.mark.slow  # real daemons, clients and the check script
 def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
     tmp_path: Path, fake_binary: Path
 ) -> None:
@@ -135,16 +136,21 @@ def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
     assert "Cannot find MPS control daemon process" in summary
     assert "An instance of this daemon is already running" in summary
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["device"] == GPU and len(result["clients"]) == 5
+    labels = [c["label"] for c in result["clients"]]
+    assert result["device"] == GPU and len(labels) == 11, labels
+    # Issue 13's additions: two clients of one job, a fault, a quit with a live client.
+    assert {"same_job_a", "same_job_b", "fault", "after_fault", "live_at_quit"} <= set(labels)
+    assert "quit returned after" in summary
     assert result["migd"]["job_env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
     assert result["migd"]["stopped"] is True
     # No daemon is left: neither the script's nor migd's.
     pid_line = next(line for line in summary.splitlines() if "stop: quit daemon" in line)
-    assert not pid_alive(int(pid_line.split()[-1]))
+    assert not pid_alive(int(pid_line.split("stop: quit daemon ")[1].split()[0]))
     work = Path(summary.split("pipe dir: ", 1)[1].split()[0]).parent
     assert work.name.startswith("migd-mps.") and not work.exists()  # removed once stopped
 
 
+@pytest.mark.slow  # real daemons, clients and the check script
 def test_migd_check_classifies_the_clients_oom_and_stops_its_daemon(
     tmp_path: Path, fake_binary: Path, short_dir: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +25,7 @@ from migd.core.scheduler import (
     Work,
 )
 from migd.core.states import state_space
-from migd.errors import InsufficientResources, InvalidRequest, NoCapacity, RequestTooLarge
+from migd.errors import InsufficientResources, InvalidRequest, RequestTooLarge
 
 
 def mig_gpu(index: int = 0, model: str = "A100-40GB", **kw: object) -> ManagedGpu:
@@ -49,8 +50,14 @@ def lease(
     return Lease(lease_id, request, uid, 1, 0.0)
 
 
-def complete(node: NodeScheduler, work: list[Work], now: float = 1.0) -> dict[int, str]:
-    """Finish work as the daemon would; returns start -> new MIG UUID."""
+def complete(
+    node: NodeScheduler,
+    work: list[Work],
+    now: float = 1.0,
+    follow: Callable[[list[Work]], None] | None = None,
+) -> dict[int, str]:
+    """Finish work as the daemon would; returns start -> new MIG UUID. ``follow`` gets
+    the work each completion's outcome starts for queued requests."""
     uuids: dict[int, str] = {}
     for w in work:
         created = {
@@ -58,7 +65,9 @@ def complete(node: NodeScheduler, work: list[Work], now: float = 1.0) -> dict[in
             for op in w.ops
             if isinstance(op, CreateOp)
         }
-        node.work_done(w, created, now)
+        outcome = node.work_done(w, created, now, now)
+        if follow is not None:
+            follow(outcome.work)
         uuids.update({start: c[1] for start, c in created.items()})
     return uuids
 
@@ -119,7 +128,7 @@ def test_the_last_share_leaves_the_host_idle_and_idle_teardown_destroys_it() -> 
     a = lease("a", 1000)
     complete(node, node.submit(a, 0.0, 0.0).work)
     (host,) = gpu.instances
-    assert node.idle_teardown(100.0) == []  # busy: it has a share
+    assert node.idle_teardown(100.0, 100.0).work == []  # busy: it has a share
     node.release("a", 1.0, 1.0)
     assert host.mps_pool is not None and not host.mps_pool.shares and not host.busy
     # An idle MPS host is not given to a plain MIG request...
@@ -127,7 +136,7 @@ def test_the_last_share_leaves_the_host_idle_and_idle_teardown_destroys_it() -> 
     out = node.submit(plain, 2.0, 2.0)
     assert plain.start != host.start and any(w.ops for w in out.work)
     # ... and goes after the idle timeout.
-    (teardown,) = node.idle_teardown(20.0)
+    (teardown,) = node.idle_teardown(20.0, 20.0).work
     assert [str(op) for op in teardown.ops] == [f"destroy {host}"] or any(
         isinstance(op, DestroyOp) and op.start == host.start for op in teardown.ops
     )
@@ -277,16 +286,16 @@ def test_mps_in_mig_invariants(idle: str, steps: list[tuple[str, int, str, int]]
         now += 1.0
         if action == "submit":
             job = lease(f"L{next(ids)}", size, uid=1000 + pick % 2, mode=mode)
-            with contextlib.suppress(NoCapacity, RequestTooLarge, InvalidRequest):
+            with contextlib.suppress(RequestTooLarge, InvalidRequest):
                 take(node.submit(job, now, now).work)
         elif action == "release":
             live = [x for x in node.leases.values() if not x.state.terminal]
             if live:
-                take(node.release(live[pick % len(live)].lease_id, now, now))
+                take(node.release(live[pick % len(live)].lease_id, now, now).work)
         elif action in ("complete", "fail") and pending:
             work = pending.pop(0)
             if action == "complete":
-                complete(node, [work], now)
+                complete(node, [work], now, take)
             else:
                 node.work_failed(work, InsufficientResources("injected"), now)
                 g = node.gpus[work.gpu]
@@ -296,7 +305,7 @@ def test_mps_in_mig_invariants(idle: str, steps: list[tuple[str, int, str, int]]
                     if i.status is InstanceStatus.READY
                 ]
                 node.resync(work.gpu, observed, set(), now)
-            take(node.schedule(now, now))
+            take(node.schedule(now, now).work)
         elif action == "idle":
-            take(node.idle_teardown(now))
+            take(node.idle_teardown(now, now).work)
         check(node, destroyed_busy)

@@ -25,6 +25,9 @@ from migd.testing.fake_mps_control import fault_path
 
 from .conftest import Env, kill_fake, pid_alive, wait_for
 
+# Real fake-daemon processes, started and stopped per test (about 1.4 s each here).
+pytestmark = pytest.mark.slow
+
 GPU = "GPU-0a1b2c3d-0000-4000-8000-000000000001"
 GPU2 = "GPU-0a1b2c3d-0000-4000-8000-000000000002"
 MIG_LEGACY = "MIG-GPU-0a1b2c3d-0000-4000-8000-000000000001/1/0"
@@ -66,6 +69,7 @@ def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=4096M",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30",
         "CUDA_VISIBLE_DEVICES": GPU,
+        "NVIDIA_VISIBLE_DEVICES": GPU,
     }
     assert pipe == env.runtime_dir / "mps" / GPU / "pipe"
     assert pid_alive(daemon_pid(manager))
@@ -267,7 +271,7 @@ def test_dead_control_daemon_is_restarted_with_its_shares_and_limits(env: Env) -
     )
     new = daemon_pid(manager)
     assert new != old and pid_alive(new)
-    assert manager.environment(GPU, "job-1") == job_env
+    assert manager.ensure_share(GPU, share("job-1", memory_mib=6144)) == job_env
     status = fake_status(env, manager)
     assert status["default_pinned_limits"] == {"0": "6144M"}
     assert len(status["servers"]) == 1
@@ -430,12 +434,12 @@ def test_daemon_facing_methods_work_with_the_schedulers_lease_and_gpu(env: Env) 
     promised = manager.client_env(GPU, lease)  # at grant time, before any daemon runs
     assert not manager.pipe_dir(GPU).exists()
     assert promised["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
-    assert manager.ensure(gpu, lease) == promised
+    assert manager.ensure_share(gpu.uuid, manager.share_for(lease)) == promised
     assert fake_status(env, manager)["default_pinned_limits"] == {"0": "6144M"}
     (entry,) = manager.status_for(GPU)
     assert entry["shares"] == 1 and entry["device_uuid"] == GPU
     assert manager.status_for(GPU2) == []
-    manager.release(GPU, "L1")
+    manager.release_share(GPU, "L1")
     assert manager.status_for(GPU)[0]["shares"] == 0
 
 

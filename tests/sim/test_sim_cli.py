@@ -259,3 +259,62 @@ def test_far_plans_several_gpus_and_other_p_sup(capsys: pytest.CaptureFixture[st
     assert "p_sup=0.5," in capsys.readouterr().out
     assert cli.main(["far", "--gpus", "9", "-q"]) == 2
     assert "--gpus must be 1-8" in capsys.readouterr().err
+
+
+# -- `migctl simulate`: the same command behind migctl's parser ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        ["simulate"],
+        ["--socket", "/nonexistent/migd.sock", "simulate"],
+        ["-v", "--socket", "/nonexistent/migd.sock", "simulate"],  # simulate is the 4th word
+    ],
+)
+def test_migctl_simulate_passes_everything_after_it_on(
+    prefix: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from migd.cli import migctl
+
+    assert migctl.main([*prefix, "far", "--n", "12", "--runs", "2", "-q"]) == 0
+    assert "rho mean" in capsys.readouterr().out
+
+
+def test_migctl_simulate_defaults_to_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from migd.cli import migctl
+
+    argv = ["--workload", "hm4", "--policies", "migd", "--queue", "size", "--no-plots", "-q"]
+    assert migctl.main(["simulate", *argv, "--out", str(tmp_path)]) == 0
+    assert "# migd simulation: hm4" in (tmp_path / "report.md").read_text()
+    assert "report:" in capsys.readouterr().out
+
+
+def test_migctl_simulate_help_is_the_simulators(capsys: pytest.CaptureFixture[str]) -> None:
+    from migd.cli import migctl
+
+    with pytest.raises(SystemExit) as done:
+        migctl.main(["simulate", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: migctl simulate") and "{compare,far,list}" in out
+    with pytest.raises(SystemExit) as done:
+        migctl.main(["simulate", "far", "--bogus"])
+    assert done.value.code == 2
+    assert "migctl simulate: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_migctl_simulate_is_a_word_only_where_a_command_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A socket named "simulate" is a socket; other commands still refuse unknown options."""
+    from migd.cli import migctl
+
+    monkeypatch.chdir(tmp_path)  # no socket called "simulate" here
+    assert migctl.main(["--socket", "simulate", "status"]) == migctl.EXIT_DOWN
+    assert "rho mean" not in capsys.readouterr().out
+    assert migctl.main(["status", "--bogus"]) == migctl.EXIT_USAGE
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert migctl.main(["status", "simulate"]) == migctl.EXIT_USAGE

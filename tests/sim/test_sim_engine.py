@@ -14,7 +14,7 @@ from migd.core.catalog import geometry
 from migd.core.costs import CostModel
 from migd.core.forecast import Verdict
 from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import GpuMode, NodeScheduler, Work
+from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
 from migd.sim import engine
 from migd.sim.engine import SimConfig, SimResult, Simulation, simulate
 from migd.sim.jobs import Growth, SimJob, runtime_at
@@ -157,20 +157,21 @@ def test_pool_refuses_what_no_node_can_ever_hold_by_the_schedulers_own_check() -
 def test_the_queue_is_scheduled_after_every_finished_work_item(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # the daemon calls schedule() after each work item completes (service.py)
+    # work_done's outcome has the scheduling pass it makes possible; the simulator acts on
+    # it as the daemon does (lease_service.LeaseService.apply)
     calls: list[str] = []
-    real_done, real_schedule = NodeScheduler.work_done, NodeScheduler.schedule
+    real_done, real_schedule = NodeScheduler.work_done, NodeScheduler._schedule
 
-    def done(self: NodeScheduler, *args: object) -> None:
+    def done(self: NodeScheduler, *args: object) -> Outcome:
         calls.append("work_done")
-        real_done(self, *args)  # type: ignore[arg-type]
+        return real_done(self, *args)  # type: ignore[arg-type]
 
     def schedule(self: NodeScheduler, *args: object) -> list[Work]:
         calls.append("schedule")
         return real_schedule(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(NodeScheduler, "work_done", done)
-    monkeypatch.setattr(NodeScheduler, "schedule", schedule)
+    monkeypatch.setattr(NodeScheduler, "_schedule", schedule)
     simulate([small(i) for i in range(9)], named_policy("migd"), SimConfig())
     assert calls.count("work_done") >= 7
     for i, call in enumerate(calls):

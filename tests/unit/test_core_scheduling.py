@@ -54,8 +54,7 @@ def test_demand_counts_requests_not_grants() -> None:
     busy(node.gpus[0], "7g.40gb", 0)
     queued = node.submit(lease(9000), 1.0, 1.0)
     assert queued.lease.state is LeaseState.QUEUED
-    with pytest.raises(NoCapacity):
-        node.submit(lease(19000, wait_s=0.0), 1.0, 2.0)
+    assert isinstance(node.submit(lease(19000, wait_s=0.0), 1.0, 2.0).refusal, NoCapacity)
     space = node.gpus[0].space
     assert space is not None
     ids = {name: space.member(name).profile_id for name in ("1g.10gb", "3g.20gb")}
@@ -94,7 +93,7 @@ def test_weighted_placement_uses_the_models_own_mix() -> None:
     assert a100 is not None
     for _ in range(20):
         node.demand.observe("A100-40GB", a100.member("3g.20gb").profile_id, 0.0)
-    node.set_draining(1, True)
+    node.set_draining(1, True, 0.0, 0.0)
     out = node.submit(lease(9000, min_compute=2), 1.0, 1.0)
     assert (out.lease.gpu, out.lease.profile, out.lease.start) == (0, "2g.10gb", 0)
     assert out.lease.decision is not None
@@ -140,11 +139,11 @@ def test_a_deep_queue_plans_once_per_partition_size(monkeypatch: pytest.MonkeyPa
         return real(*args, **kw)
 
     monkeypatch.setattr(scheduler_module, "plan_on_node", counting)
-    assert node.schedule(2.0, 2.0) == []
+    assert node.schedule(2.0, 2.0).work == []
     assert len(calls) == 1  # fifo: the head blocks the pass
     node.set_policy(SchedulerPolicy(queue=QueuePolicy.SIZE))
     calls.clear()
-    assert node.schedule(3.0, 3.0) == []
+    assert node.schedule(3.0, 3.0).work == []
     sizes = {(c.memory_mib, c.min_compute) for c in calls}
     assert len(calls) == 2 == len(sizes), sizes  # one per distinct partition size
 
@@ -179,14 +178,30 @@ def test_a_refusal_hands_over_the_work_its_pass_started_for_others() -> None:
     committed for requests queued before it (their instance is already in the books)."""
     node = NodeScheduler([gpu(0, "A100-40GB")])  # FIFO, no backfill
     busy(node.gpus[0], "4g.20gb", 0)
+    node.gpus[0].health = "judged later"  # a change outside the books: no pass follows it
+    behind = node.submit(lease(1500, wait_s=None), 1.0, 1.0).lease
+    assert behind.state is LeaseState.QUEUED
+    node.gpus[0].health = "ok"
+    refused = node.submit(big := lease(39000, wait_s=0.0), 201.0, 201.0)
+    assert isinstance(refused.refusal, NoCapacity)
+    assert behind.state is LeaseState.PREPARING
+    [work] = refused.work
+    assert work.lease_id == behind.lease_id and work.ops
+    assert [(t.lease, t.new) for t in refused.transitions] == [(behind, LeaseState.PREPARING)]
+    assert big.lease_id not in node.leases  # a refused lease is not kept
+
+
+def test_an_expiry_places_what_the_expired_request_blocked() -> None:
+    """The outcome of expire() has the follow-on work: callers never re-run the queue."""
+    node = NodeScheduler([gpu(0, "A100-40GB")])  # FIFO, no backfill
+    busy(node.gpus[0], "4g.20gb", 0)
     head = node.submit(lease(30000, wait_s=100.0), 0.0, 0.0).lease  # blocks the queue
     behind = node.submit(lease(1500, wait_s=None), 1.0, 1.0).lease
     assert head.state is behind.state is LeaseState.QUEUED
-    assert node.expire(200.0, 200.0) == [head]  # nothing re-ran the queue yet
-    with pytest.raises(NoCapacity) as refused:
-        node.submit(lease(39000, wait_s=0.0), 201.0, 201.0)
+    expired = node.expire(200.0, 200.0)
+    assert expired.ended == [head] and head.state is LeaseState.EXPIRED
     assert behind.state is LeaseState.PREPARING
-    [work] = refused.value.started_work
+    [work] = expired.work
     assert work.lease_id == behind.lease_id and work.ops
 
 
@@ -197,7 +212,7 @@ def test_a_refusal_explains_itself_on_a_layout_the_state_machine_cannot_describe
     busy(node.gpus[0], "4g.20gb", 0)
     busy(node.gpus[0], "3g.20gb", 0)  # overlaps: no state of the model has both
     node.gpus[0].health = "layout not understood"
-    with pytest.raises(NoCapacity) as refused:
-        node.submit(lease(30000, wait_s=0.0), 1.0, 1.0)
-    [why] = refused.value.details["considered"]
+    refused = node.submit(lease(30000, wait_s=0.0), 1.0, 1.0).refusal
+    assert refused is not None
+    [why] = refused.details["considered"]
     assert why == {"gpu": 0, "state": "not understood", "why": "layout not understood"}

@@ -40,7 +40,7 @@ def test_the_daemon_runs_the_hybrid_on_simulated_gpus() -> None:
             for op in w.ops
             if isinstance(op, CreateOp)
         }
-        sched.work_done(w, created, 1.0)
+        sched.work_done(w, created, 1.0, 1.0)
     assert small.state is LeaseState.ACTIVE and small.mode == "mps" and small.mig_uuid
     assert small.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M"
     assert big.state is LeaseState.ACTIVE and big.mode == "mig"

@@ -596,6 +596,7 @@ class _GatedBackend:
         return self.inner.create_instance(gpu, profile_id, start)
 
 
+@pytest.mark.slow  # real threads and the real clock: several seconds
 def test_watchdog_fed_through_a_slow_create_and_starved_by_a_hung_thread(tmp_root: Path) -> None:
     """WatchdogSec 1 s: a 2.5 s creation (within daemon.work_timeout_s) keeps the pings
     coming; a heartbeat that hangs stops them."""

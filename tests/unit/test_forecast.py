@@ -1,4 +1,4 @@
-"""The memory forecast (migd.core.forecast, seed 002 §3.2.3).
+"""The memory forecast (migd.core.forecast, [MIG-HT] §3.2.3).
 
 Expected values come from independent sources: published Student-t tables, the
 standard library's ``statistics.linear_regression``, the textbook prediction-interval
@@ -11,6 +11,7 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Iterable
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -19,11 +20,21 @@ from hypothesis import strategies as st
 from migd.core.forecast import (
     Forecaster,
     ForecastPolicy,
+    LineFit,
     MemorySample,
-    fit_line,
     student_t_quantile,
 )
 from migd.errors import ConfigError
+
+
+def fit_line(xs: Iterable[float], ys: Iterable[float]) -> LineFit:
+    """Least-squares fit of ``ys`` against ``xs``, one point at a time as the forecaster
+    adds them."""
+    fit = LineFit()
+    for x, y in zip(xs, ys, strict=False):
+        fit = fit.add(float(x), float(y))
+    return fit
+
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -348,7 +359,7 @@ def test_context_override_and_missing_context() -> None:
 
 
 def test_reuse_model_combines_requested_and_inverse_ratio() -> None:
-    """physical = requested / (1 / reuse_ratio), both fitted linearly (seed 002 §3.2.3)."""
+    """physical = requested / (1 / reuse_ratio), both fitted linearly ([MIG-HT] §3.2.3)."""
     policy = ForecastPolicy(context_mib=400.0)
     by_ratio, by_allocated = Forecaster(policy), Forecaster(policy)
     for t in range(12):

@@ -102,7 +102,7 @@ def _finish(node: NodeScheduler, work: list[Work]) -> None:
             for op in w.ops
             if isinstance(op, CreateOp)
         }
-        node.work_done(w, created, 1.0)
+        node.work_done(w, created, 1.0, 1.0)
 
 
 def test_scheduler_routes_through_the_hook_and_explains() -> None:

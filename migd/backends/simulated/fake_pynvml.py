@@ -42,13 +42,16 @@ from typing import Any, Literal
 
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated.node import (
+    CI_PROFILE_1_SLICE_REV1,
     MIB,
+    REV1_REPORTED_ID,
     SimComputeInstance,
     SimGpu,
     SimGpuInstance,
     SimNode,
     SimProcess,
 )
+from migd.backends.simulated.specs import COMPUTE_MODES
 from migd.core.geometry import Profile
 
 # pynvml functions that nvml.h marks "Requires privileged user" / root.
@@ -343,6 +346,12 @@ class FakePynvml:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
         gpu, gi, _ci = self._device_or_mig("nvmlDeviceGetMemoryInfo", handle)
+        if gi is None and gpu.mig_current and not self.node.is_root:
+            # nvml.h (nvmlDeviceGetMemoryInfo): "In MIG mode, if device handle is provided,
+            # the API returns aggregate information, only if the caller has appropriate
+            # privileges. Per-instance information can be queried by using specific MIG
+            # device handles."
+            raise api.NVMLError(api.NVML_ERROR_NO_PERMISSION)
         gi_serial = gi.serial if gi is not None else None
         total, used = self.node.memory_mib(gpu.index, gi_serial)
         used += self.node.reserved_mib(gpu.index, gi_serial)
@@ -356,6 +365,15 @@ class FakePynvml:
         info.used = used * MIB
         info.free = (total - used) * MIB
         return info
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        # nvml.h: "For Linux only"; a MIG device handle is not a GPU (INVALID_ARGUMENT).
+        gpu = self._device("nvmlDeviceGetPersistenceMode", handle)
+        return api.NVML_FEATURE_ENABLED if gpu.spec.persistence_mode else api.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        gpu = self._device("nvmlDeviceGetComputeMode", handle)
+        return COMPUTE_MODES[gpu.spec.compute_mode]
 
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
         gpu, _gi, _ci = self._device_or_mig("nvmlDeviceGetCudaComputeCapability", handle)
@@ -515,8 +533,8 @@ class FakePynvml:
             else api.c_nvmlComputeInstanceProfileInfo_t()
         )
         # CI profile IDs equal the enum index on A100/H100 (nvidia-smi mig -lcip shows 0..4)
-        # and in the go-nvml mock.
-        info.id = profile
+        # and in the go-nvml mock; the REV1 duplicate answers with the 1-slice id (node.py).
+        info.id = REV1_REPORTED_ID if profile == CI_PROFILE_1_SLICE_REV1 else profile
         info.sliceCount = slices
         info.instanceCount = count
         info.multiprocessorCount = (gi.profile.sm_count or 0) * slices // gi.profile.compute_slices
@@ -602,7 +620,7 @@ class FakePynvml:
         if not 0 <= index < self.node.max_mig_devices(gpu.index):
             # nvml.h: INVALID_ARGUMENT "if device, index or migDevice reference is invalid".
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
-        found = self.node.mig_devices(gpu.index).get(index)
+        found = self.node.mig_device_at(gpu.index, index)
         if found is None:
             # nvml.h: NOT_FOUND "if no valid MIG device was found at index".
             raise api.NVMLError(api.NVML_ERROR_NOT_FOUND)
@@ -681,7 +699,8 @@ class FakePynvml:
         return api.nvmlFriendlyObject(
             {
                 "pid": proc.pid,
-                "usedGpuMemory": proc.used_mib * MIB,
+                # pynvml turns NVML_VALUE_NOT_AVAILABLE_ulonglong into None.
+                "usedGpuMemory": proc.used_mib * MIB if self.node.used_memory_visible else None,
                 "gpuInstanceId": gi_id,
                 "computeInstanceId": ci_id,
             }

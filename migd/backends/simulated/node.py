@@ -31,7 +31,7 @@ import threading
 import time
 import uuid as uuid_module
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,35 @@ MIB = 1024 * 1024
 DEFAULT_DRIVER_VERSION = "580.95.05"
 DEFAULT_CUDA_VERSION = 13000  # nvmlSystemGetCudaDriverVersion encoding: 1000*major + 10*minor
 
-# NVML_COMPUTE_INSTANCE_PROFILE_* index -> compute slices (nvml.h); REV1 and 7_SLICE_NVL
-# (0x7, 0x8) are special-purpose CI profiles the simulator does not offer.
-CI_PROFILE_SLICES: dict[int, int] = {0x0: 1, 0x1: 2, 0x2: 3, 0x3: 4, 0x4: 7, 0x5: 8, 0x6: 6}
+# NVML_COMPUTE_INSTANCE_PROFILE_* index -> compute slices (nvml.h). 0x7 is
+# COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1: a second 1-slice entry, which NVIDIA's DRA driver
+# skips because it has "the same number of slices" as 1_SLICE (k8s-dra-driver-gpu,
+# cmd/gpu-kubelet-plugin/nvlib.go, inspectMigProfilesAndPlacements). The simulator reports
+# it under the plain 1-slice profile's id (REV1_REPORTED_ID), the case in which a reader
+# that does not de-duplicate lists every 1-slice CI twice (docs/nvml.md). 7_SLICE_NVL
+# (0x8) is not offered.
+CI_PROFILE_1_SLICE_REV1 = 0x7
+CI_PROFILE_SLICES: dict[int, int] = {
+    0x0: 1,
+    0x1: 2,
+    0x2: 3,
+    0x3: 4,
+    0x4: 7,
+    0x5: 8,
+    0x6: 6,
+    CI_PROFILE_1_SLICE_REV1: 1,
+}
+#: The profile id ``nvmlGpuInstanceGetComputeInstanceProfileInfo`` reports for REV1.
+REV1_REPORTED_ID = 0x0
+
+
+#: Memory an MPS server holds on its device in the simulator (its own context). Unknown
+#: on real GPUs until a probe records one (scripts/gpu_probe.py --mps).
+MPS_SERVER_USED_MIB = 0
+
+#: PIDs of processes left behind (SimNode.leave_behind) start above Linux's largest
+#: pid_max (2^22), so they are never a host process.
+LEFT_BEHIND_FIRST_PID = 1 << 22
 
 
 class SimCudaError(RuntimeError):
@@ -106,6 +132,9 @@ class SimComputeInstance:
     # Index of its MIG device under the parent (nvmlDeviceGetMigDeviceHandleByIndex): the
     # lowest free slot when the compute instance was made, so destroys leave holes.
     mig_index: int = 0
+    # MIG device handle lookups that still answer NOT_FOUND for this new device
+    # (SimNode.mig_handle_delay): the handle appears a moment after the creation returns.
+    hidden_lookups: int = 0
 
 
 @dataclass(eq=False)
@@ -138,6 +167,9 @@ class SimProcess:
     # Start time of the host process with this PID when it attached (None: no such host
     # process, a purely simulated one). Tells a reused PID apart on a reload.
     host_start_s: float | None = None
+    # An MPS server (SimNode.track_mps_servers): an NVML compute process on its device for
+    # as long as its host process lives.
+    mps_server: bool = False
 
 
 @dataclass(eq=False)
@@ -199,7 +231,13 @@ class SimNode:
             the same GPUs (count, models, UUIDs); its initial instances, processes and
             MIG modes only apply to a node without a saved state.
         host_processes: the host's process table, to drop simulated processes whose
-            PID died while the node was down (default: psutil).
+            PID died while the node was down, and MPS servers that exited (default:
+            psutil).
+        mig_handle_delay: how many MIG device handle lookups
+            (``nvmlDeviceGetMigDeviceHandleByIndex``) still answer NOT_FOUND for a new
+            compute instance's slot after its creation returned (docs/nvml.md).
+        used_memory_visible: ``False``: process listings report ``usedGpuMemory`` as
+            unavailable (pynvml: ``None``), as drivers may (nvml.h, ``nvmlProcessInfo_t``).
 
     Raises:
         ConfigError: no GPUs, or (``where="backend.sim_state_file"``) a state file that
@@ -219,6 +257,8 @@ class SimNode:
         sleep: Callable[[float], None] = time.sleep,
         state_file: str | Path | None = None,
         host_processes: ProcessTable | None = None,
+        mig_handle_delay: int = 0,
+        used_memory_visible: bool = True,
     ) -> None:
         if not gpus:
             raise ConfigError("a simulated node needs at least one GPU", where="description")
@@ -240,6 +280,9 @@ class SimNode:
         self._serials = 0
         self.state_file = Path(state_file) if state_file is not None else None
         self._host = host_processes if host_processes is not None else PsutilProcessTable()
+        self.mig_handle_delay = mig_handle_delay
+        self.used_memory_visible = used_memory_visible
+        self._left_behind = LEFT_BEHIND_FIRST_PID
         self.loaded_from_file = False  # True: the state came from state_file, not the description
         self.pruned_on_load: list[SimProcess] = []  # processes dropped by the load (dead PIDs)
         self._persist_paused = 1  # nothing is written before the node is complete
@@ -497,6 +540,19 @@ class SimNode:
                 for ci in gi.cis.values()
             }
 
+    def mig_device_at(
+        self, index: int, mig_index: int
+    ) -> tuple[SimGpuInstance, SimComputeInstance] | None:
+        """The MIG device in slot ``mig_index`` as ``nvmlDeviceGetMigDeviceHandleByIndex``
+        sees it: ``None`` for an empty slot, and for a new device whose handle has not
+        appeared yet (each such lookup counts down ``mig_handle_delay``)."""
+        with self._lock:
+            found = self.mig_devices(index).get(mig_index)
+            if found is not None and found[1].hidden_lookups > 0:
+                found[1].hidden_lookups -= 1
+                return None
+            return found
+
     def max_mig_devices(self, index: int) -> int:
         """``nvmlDeviceGetMaxMigDeviceCount``: one per compute slice at most; 0 without MIG."""
         gpu = self.gpus[index]
@@ -649,10 +705,9 @@ class SimNode:
         geometry = gpu.geometry
         assert geometry is not None
         if gi_id is None:
-            # The driver hands out free ids and reuses freed ones. The whole-GPU instance
-            # gets id 0 as on A100/H100; everything else the lowest free id from 1.
-            whole = profile.memory_slices == geometry.units and 0 not in gpu.instances
-            gi_id = 0 if whole else _lowest_free(gpu.instances, 1)
+            gi_id = placement_gi_id(geometry.units, profile.memory_slices, start)
+            if gi_id in gpu.instances:  # a geometry the rule does not fit: any free id
+                gi_id = _lowest_free(gpu.instances, 1)
         self._serials += 1
         gi = SimGpuInstance(self._serials, gi_id, profile, start)
         gpu.instances[gi_id] = gi
@@ -746,6 +801,7 @@ class SimNode:
             slices=CI_PROFILE_SLICES[profile_index],
             uuid=uuid or f"MIG-{uuid_module.UUID(int=self._rng.getrandbits(128), version=4)}",
             mig_index=_lowest_free(taken, 0),
+            hidden_lookups=self.mig_handle_delay if uuid is None else 0,
         )
         gi.cis[ci.ci_id] = ci
         self._ci_by_serial[ci.serial] = (gpu, gi, ci)
@@ -762,6 +818,7 @@ class SimNode:
             gpu, _gi, _ci = self.lookup_ci(ci_serial)
         with self._writing(gpu.index), self._lock:
             _gpu, gi, ci = self.lookup_ci(ci_serial)
+            self._drop_exited_servers()
             if any(p.ci_serial == ci.serial for p in self._processes.values()):
                 # nvml.h: IN_USE "if processes (e.g. CUDA application) are active on the
                 # compute instance".
@@ -810,7 +867,8 @@ class SimNode:
                 return gpu.spec.memory_total_mib, used
             _, gi = self.lookup_gi(gi_serial)
             used = sum(p.used_mib for p in self._processes.values() if p.gi_serial == gi_serial)
-            return gi.profile.memory_mib, used
+            total = gpu.spec.mig_memory_mib.get(gi.profile.name, gi.profile.memory_mib)
+            return total, used
 
     def reserved_mib(self, index: int, gi_serial: int | None = None) -> int:
         """MiB the driver holds on an idle device: ``idle_used_mib`` on a whole GPU,
@@ -827,6 +885,7 @@ class SimNode:
     def processes_on(self, index: int, ci_serial: int | None = None) -> list[SimProcess]:
         """Processes on GPU ``index`` (all of them) or on one MIG device."""
         with self._lock:
+            self._drop_exited_servers()
             return [
                 p
                 for p in self._processes.values()
@@ -879,6 +938,70 @@ class SimNode:
                 proc.host_start_s = self._host.start_time(pid)
             self._processes[pid] = proc
             self._persist()
+
+    def track_mps_servers(self, device_uuid: str, pids: Iterable[int]) -> None:
+        """MPS servers run on ``device_uuid`` (a GPU or MIG UUID): each is an NVML compute
+        process there until its host process exits.
+
+        "The MPS server ... creates the shared GPU context" and clients are listed
+        against it (docs.nvidia.com/deploy/mps, "Architecture"); NVML lists the server
+        on the device it runs on, so a MIG instance that hosted MPS is IN_USE until the
+        server has exited, which happens a moment after its control daemon's ``quit``.
+        The simulated server holds :data:`MPS_SERVER_USED_MIB` (unknown on real GPUs
+        until a probe records one). Known PIDs are ignored; a PID that is not a live
+        host process is not added.
+
+        Raises:
+            SimCudaError: the UUID names no usable device.
+        """
+        with self._lock:
+            for pid in pids:
+                if pid in self._processes or not self._host.alive(pid):
+                    continue
+                self.attach(pid, device_uuid)
+                proc = self._processes[pid]
+                proc.mps_server = True
+                proc.used_mib = MPS_SERVER_USED_MIB
+                proc.host_start_s = self._host.start_time(pid)
+            self._persist()
+
+    def _drop_exited_servers(self) -> None:
+        gone = [
+            pid
+            for pid, proc in self._processes.items()
+            if proc.mps_server and not self._host.alive(pid, proc.host_start_s)
+        ]
+        for pid in gone:
+            del self._processes[pid]
+        if gone:
+            self._persist()
+
+    def leave_behind(self, device_uuid: str, used_mib: int) -> int:
+        """A process that outlives its lease: it holds ``used_mib`` on ``device_uuid`` until
+        :meth:`detach` (e.g. a job's child that escaped the wrapper's kill).
+
+        Real GPUs keep such a process's context and memory whatever migd's books say; the
+        daemon must then quarantine the instance, never destroy or reuse it. The PID is
+        a purely simulated one (above Linux's largest ``pid_max``, 2^22), so it is never
+        a host process; a node reloaded from ``state_file`` drops it like any dead PID.
+
+        Returns:
+            the process's PID.
+
+        Raises:
+            SimCudaError: the UUID names no usable device.
+            SimOutOfMemory: ``used_mib`` does not fit on the device.
+        """
+        with self._lock:
+            self._left_behind += 1
+            pid = self._left_behind
+            self.attach(pid, device_uuid)
+            try:
+                self.alloc(pid, used_mib)
+            except SimCudaError:
+                self.detach(pid)
+                raise
+            return pid
 
     def alloc(self, pid: int, mib: int) -> None:
         """``cudaMalloc`` of ``mib`` MiB by ``pid``.
@@ -1008,6 +1131,7 @@ class SimNode:
                         "mps": proc.mps,
                         "mps_pinned_limit_mib": proc.mps_pinned_limit_mib,
                         "host_start_s": proc.host_start_s,
+                        "mps_server": proc.mps_server,
                     }
                     for _, proc in sorted(self._processes.items())
                 ],
@@ -1180,6 +1304,7 @@ class SimNode:
             mps=_bool(entry["mps"], "mps"),
             mps_pinned_limit_mib=limit,
             host_start_s=None if start_s is None else float(start_s),
+            mps_server=_bool(entry.get("mps_server", False), "mps_server"),
         )
 
     @property
@@ -1203,6 +1328,27 @@ def _bool(value: Any, name: str) -> bool:
 
 def _gpu_label(model: Any, name: Any, uuid: Any) -> str:
     return f"{model or name} ({uuid})"
+
+
+def placement_gi_id(units: int, memory_slices: int, start: int) -> int:
+    """The GPU instance id the driver gives an instance at ``start``.
+
+    Real GPUs number instances by placement, not by order of creation: the memory slices
+    form a binary tree (the whole GPU at the root, id 0; halves 1-2; quarters 3-6; single
+    slices 7-14 on an 8-slice GPU), and an instance gets the id of the smallest node that
+    covers it. NVIDIA's MIG user guide ("Example 1: Creation of a 4-2-1 geometry",
+    A100-40GB) gets id 1 for 4g.20gb at 0, 5 for 2g.10gb at 4 and 13 for 1g.5gb at 6;
+    a published H100 ``nvidia-smi mig -lgi`` lists 1g.10gb at starts 0-6 as ids 7-13.
+    That the rule holds for every profile and model is inference;
+    ``scripts/mig_calibrate.py`` records the ids per placement to settle it.
+    """
+    span = 1
+    while span < memory_slices:
+        span *= 2
+    leaves = 1
+    while leaves < units:
+        leaves *= 2
+    return leaves // span - 1 + start // span
 
 
 def _lowest_free(used: dict[int, Any], first: int) -> int:

@@ -15,40 +15,10 @@ import ctypes
 from ctypes import POINTER, Structure, c_char, c_uint, c_ulonglong
 from typing import Any, ClassVar
 
-# -- return codes (pynvml.py:223-254) ------------------------------------------------------------
-
-NVML_SUCCESS = 0
-NVML_ERROR_UNINITIALIZED = 1
-NVML_ERROR_INVALID_ARGUMENT = 2
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_NO_PERMISSION = 4
-NVML_ERROR_ALREADY_INITIALIZED = 5
-NVML_ERROR_NOT_FOUND = 6
-NVML_ERROR_INSUFFICIENT_SIZE = 7
-NVML_ERROR_INSUFFICIENT_POWER = 8
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_TIMEOUT = 10
-NVML_ERROR_IRQ_ISSUE = 11
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_CORRUPTED_INFOROM = 14
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_RESET_REQUIRED = 16
-NVML_ERROR_OPERATING_SYSTEM = 17
-NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
-NVML_ERROR_IN_USE = 19
-NVML_ERROR_MEMORY = 20
-NVML_ERROR_NO_DATA = 21
-NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22
-NVML_ERROR_INSUFFICIENT_RESOURCES = 23
-NVML_ERROR_FREQ_NOT_SUPPORTED = 24
-NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
-NVML_ERROR_DEPRECATED = 26
-NVML_ERROR_NOT_READY = 27
-NVML_ERROR_GPU_NOT_FOUND = 28
-NVML_ERROR_INVALID_STATE = 29
-NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = 30
-NVML_ERROR_UNKNOWN = 999
+# Return codes (pynvml.py:223-254) and error_name: one table, shared with the NVML backend
+# (the names are this module's too, as in pynvml).
+from migd.backends.nvml_codes import *  # noqa: F403
+from migd.backends.nvml_codes import ERROR_STRINGS
 
 # -- flags and enums (pynvml.py:465, 2794-2881) --------------------------------------------------
 
@@ -92,6 +62,14 @@ NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 0x9
 NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0x0
 NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT = 0x1
 
+NVML_FEATURE_DISABLED = 0
+NVML_FEATURE_ENABLED = 1
+
+NVML_COMPUTEMODE_DEFAULT = 0
+NVML_COMPUTEMODE_EXCLUSIVE_THREAD = 1
+NVML_COMPUTEMODE_PROHIBITED = 2
+NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
+
 NVML_DEVICE_NAME_V2_BUFFER_SIZE = 96
 NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE = 32
 NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE = 16
@@ -106,32 +84,6 @@ VALUE_NOT_AVAILABLE_UINT = 0xFFFFFFFF
 
 
 # -- errors (pynvml.py:1037-1112) ----------------------------------------------------------------
-
-_ERROR_STRINGS: dict[int, str] = {
-    NVML_ERROR_UNINITIALIZED: "Uninitialized",
-    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
-    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
-    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
-    NVML_ERROR_ALREADY_INITIALIZED: "Already Initialized",
-    NVML_ERROR_NOT_FOUND: "Not Found",
-    NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
-    NVML_ERROR_INSUFFICIENT_POWER: "Insufficient External Power",
-    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
-    NVML_ERROR_TIMEOUT: "Timeout",
-    NVML_ERROR_IRQ_ISSUE: "Interrupt Request Issue",
-    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
-    NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
-    NVML_ERROR_CORRUPTED_INFOROM: "Corrupted infoROM",
-    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
-    NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
-    NVML_ERROR_OPERATING_SYSTEM: "The operating system has blocked the request.",
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
-    NVML_ERROR_IN_USE: "In use by another client",
-    NVML_ERROR_MEMORY: "Insufficient Memory",
-    NVML_ERROR_INSUFFICIENT_RESOURCES: "Insufficient Resources",
-    NVML_ERROR_GPU_NOT_FOUND: "GPU not found",
-    NVML_ERROR_UNKNOWN: "Unknown Error",
-}
 
 
 class NVMLError(Exception):
@@ -153,7 +105,7 @@ class NVMLError(Exception):
         super().__init__(*args)
 
     def __str__(self) -> str:
-        return _ERROR_STRINGS.get(self.value, f"NVML Error with code {self.value}")
+        return ERROR_STRINGS.get(self.value, f"NVML Error with code {self.value}")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, NVMLError) and self.value == other.value
@@ -193,14 +145,6 @@ for _name, _value in list(globals().items()):
         ERROR_CLASSES[_cls.__name__] = _cls
         NVMLError._valClassMapping[_value] = _cls
 globals().update(ERROR_CLASSES)
-
-
-def error_name(code: int) -> str:
-    """``19`` -> ``"NVML_ERROR_IN_USE"`` (for messages)."""
-    for name, value in globals().items():
-        if name.startswith("NVML_ERROR_") and value == code:
-            return name
-    return f"NVML error {code}"
 
 
 # -- ctypes structures (pynvml.py:1179-1447, 2817-2928) ------------------------------------------

@@ -63,6 +63,10 @@ class SimInstanceSpec:
     compute_instances: tuple[tuple[int, str | None], ...] | None = None
 
 
+#: Compute modes by NVML value (nvml.h ``nvmlComputeMode_t``; 1, EXCLUSIVE_THREAD, is gone).
+COMPUTE_MODES = {"DEFAULT": 0, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
+
+
 @dataclass(frozen=True, slots=True)
 class SimProcessSpec:
     """A CUDA process already running when the node starts.
@@ -99,6 +103,16 @@ class SimGpuSpec:
     latency: Mapping[int, tuple[float, float]] | None = field(default=None, hash=False)
     idle_used_mib: int = 0  # memory NVML reports used on the idle whole GPU (MIG off)
     mig_idle_used_mib: int = 0  # and on each idle GPU instance (driver reservations)
+    # nvmlDeviceGetPersistenceMode: on, as `nvidia-persistenced` keeps it on a node set up
+    # per docs/operations.md; a description can turn it off to see the warning.
+    persistence_mode: bool = True
+    # Memory total NVML reports for a MIG device of a profile (by name), where it differs
+    # from the profile's nominal memorySizeMB; unknown for real GPUs until a probe records
+    # it (docs/nvml.md).
+    mig_memory_mib: Mapping[str, int] = field(default_factory=dict, hash=False)
+    # nvmlDeviceGetComputeMode: "DEFAULT" (the driver's default), "EXCLUSIVE_PROCESS",
+    # "PROHIBITED" (nvidia-smi -c).
+    compute_mode: str = "DEFAULT"
 
     @classmethod
     def for_model(cls, model: str, **overrides: Any) -> SimGpuSpec:
@@ -260,6 +274,9 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
         "latency",
         "idle_used_mib",
         "mig_idle_used_mib",
+        "persistence_mode",
+        "compute_mode",
+        "mig_memory_mib",
     }
     unknown = set(entry) - allowed
     if unknown:
@@ -292,6 +309,27 @@ def _gpu_from_table(entry: Mapping[str, Any], where: str) -> list[SimGpuSpec]:
                     f"{key} must be a whole number of MiB >= 0", where=f"{where}.{key}"
                 )
             overrides[key] = value
+    if "mig_memory_mib" in entry:
+        table = entry["mig_memory_mib"]
+        if not isinstance(table, Mapping) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in table.values()
+        ):
+            raise ConfigError(
+                "mig_memory_mib maps profile names to MiB > 0",
+                where=f"{where}.mig_memory_mib",
+            )
+        overrides["mig_memory_mib"] = {str(k): int(v) for k, v in table.items()}
+    if "persistence_mode" in entry:
+        overrides["persistence_mode"] = bool(entry["persistence_mode"])
+    if "compute_mode" in entry:
+        mode = str(entry["compute_mode"]).upper()
+        if mode not in COMPUTE_MODES:
+            raise ConfigError(
+                f"unknown compute_mode {entry['compute_mode']!r}",
+                where=f"{where}.compute_mode",
+                hint="one of " + ", ".join(COMPUTE_MODES),
+            )
+        overrides["compute_mode"] = mode
     instances: list[SimInstanceSpec] = []
     for i, inst in enumerate(entry.get("instances", [])):
         if isinstance(inst, Mapping):
@@ -501,7 +539,24 @@ def _gpu_from_probe(gpu: Mapping[str, Any], where: str, with_processes: bool) ->
         spec,
         idle_used_mib=found.get("idle_used_mib", IDLE_USED_MIB),
         mig_idle_used_mib=found.get("mig_idle_used_mib", MIG_IDLE_USED_MIB),
+        mig_memory_mib=_mig_memory(mig, geometry),
+        persistence_mode=gpu.get("persistence_mode") is not False,
+        compute_mode=str(gpu.get("compute_mode") or "DEFAULT"),
     )
+
+
+def _mig_memory(mig: Mapping[str, Any], geometry: Geometry | None) -> dict[str, int]:
+    """MIG device memory totals NVML reported (``memory_total_nvml_mib``) where they
+    differ from the profile's nominal size, by profile name."""
+    if geometry is None:
+        return {}
+    out: dict[str, int] = {}
+    for inst in mig.get("instances") or []:
+        total = inst.get("memory_total_nvml_mib")
+        profile = next((p for p in geometry.profiles if p.profile_id == inst["profile_id"]), None)
+        if isinstance(total, int) and profile is not None and total != profile.memory_mib:
+            out[profile.name] = total
+    return out
 
 
 def _idle_used(gpu: Mapping[str, Any], mig: Mapping[str, Any]) -> dict[str, int]:

@@ -1,0 +1,243 @@
+"""GPU health from NVML events, applied to the daemon's books (docs/operations.md, GPU health).
+
+:class:`GpuHealthMonitor` runs an :class:`~migd.backends.nvml_events.NvmlEventListener`
+and applies each event on the event loop:
+
+* every XID is counted (``migd_gpu_xid_events_total``), logged and recorded in the history;
+* a critical one (not an application fault) raises the GPU's ``xid`` health condition: the
+  GPU takes no new leases, `migctl status` and the slot ads (``MigdGpuHealthy``,
+  ``MigdGpuReason``) say why, and the leases running on it are flagged (their ``warning``,
+  shown by `migctl leases`/`explain`);
+* where the event means the work is lost (an XID NVML attributes to a GPU instance, or one
+  after which the GPU needs a reset), each affected lease's warning starts with
+  :data:`GPU_LOST`, and the release reply carries ``gpu_lost`` so the wrapper can have
+  HTCondor run the job again with that reason.
+
+The condition stays until migd restarts: an XID is an edge, not a state, and NVIDIA's
+recovery for the critical ones (GPU reset, reboot, replacement) restarts migd anyway. An
+admin who judges a GPU fine can clear it with `migctl resume` (see :meth:`clear`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from migd.api import SimXidRequest
+from migd.backends.nvml_events import GpuEvent, NvmlEventListener, events_module
+from migd.core.scheduler import Lease, ManagedGpu
+from migd.daemon.api_server import Access, ApiServer, Call
+from migd.daemon.context import DaemonContext
+from migd.daemon.lease_service import LeaseService
+from migd.daemon.metrics import MetricsService
+from migd.errors import InvalidRequest, MigdError
+
+if TYPE_CHECKING:
+    from migd.backends.simulated.node import SimNode
+
+log = structlog.get_logger("migd.health")
+
+#: How a lease's warning starts when its GPU work was lost (the release reply's ``gpu_lost``).
+GPU_LOST = "GPU lost: "
+#: The health source of XID conditions (the agreed GpuHealth interface).
+SOURCE = "xid"
+
+
+def raise_condition(gpu: ManagedGpu, reason: str, now_s: float) -> None:
+    """Raise the GPU's ``xid`` condition, with a condition set where the scheduler has one
+    (``GpuHealth.raise_``), else as its one health string (an XID is the most severe
+    verdict, so it replaces another)."""
+    health: Any = gpu.health
+    if hasattr(health, "raise_"):
+        health.raise_(SOURCE, reason, now_s)
+    else:
+        gpu.health = reason
+
+
+def clear_condition(gpu: ManagedGpu, reason: str) -> None:
+    health: Any = gpu.health
+    if hasattr(health, "clear"):
+        health.clear(SOURCE)
+    elif health == reason:
+        gpu.health = "ok"
+
+
+class GpuHealthMonitor:
+    """Listens for NVML events and applies them (see the module docstring).
+
+    Args:
+        ctx: the daemon's shared state.
+        leases: persists flagged leases and records history.
+        metrics: counts the events.
+        nvml: the ``pynvml``-compatible module the listener uses (its own NVML client).
+    """
+
+    def __init__(
+        self,
+        ctx: DaemonContext,
+        leases: LeaseService,
+        metrics: MetricsService,
+        *,
+        sim_node: SimNode | None = None,
+        nvml: Any = None,
+    ) -> None:
+        self.ctx = ctx
+        self.leases = leases
+        self.metrics = metrics
+        self.sim_node = sim_node
+        kind = ctx.config.backend.kind
+        self.nvml = nvml if nvml is not None else events_module(kind, sim_node)
+        self.listener: NvmlEventListener | None = None
+        self.conditions: dict[int, str] = {}  # GPU index -> its xid condition's reason
+        self.events: list[GpuEvent] = []  # every event applied, newest last (bounded)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        cfg = self.ctx.config.health
+        if not cfg.xid_events or self.nvml is None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.listener = NvmlEventListener(
+            self.nvml,
+            [g.index for g in self.ctx.gpus],
+            self._from_listener,
+            ignore_xids=cfg.ignore_xids,
+        )
+        # Registering makes NVML calls: off the event loop.
+        await self._loop.run_in_executor(None, self.listener.start)
+        log.info(
+            "health.listening",
+            gpus=sorted(self.listener.registered),
+            without_events=self.listener.unsupported or None,
+            ignore_xids=cfg.ignore_xids,
+        )
+        if self.sim_node is not None:
+            from migd.backends.simulated.nvml_events import events_for
+
+            for item in cfg.sim_xids:
+                where, _, xid = item.partition(":")
+                gpu, _, gi = where.partition("/")
+                events_for(self.sim_node).inject_xid(
+                    int(gpu), int(xid), gi_id=int(gi) if gi else None
+                )
+
+    def register_sim_op(self, server: ApiServer) -> None:
+        """``sim_xid``: inject an XID on the simulated node (tests, demos; admins only)."""
+        server.register("sim_xid", self._sim_xid, Access.ADMIN, "inject XID events")
+
+    async def _sim_xid(self, call: Call) -> dict[str, Any]:
+        from migd.backends.simulated.nvml_events import events_for
+
+        req: SimXidRequest = call.request
+        assert self.sim_node is not None
+        try:
+            delivered = events_for(self.sim_node).inject_xid(
+                req.gpu, req.xid, gi_id=req.gi_id, ci_id=req.ci_id
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        return {"gpu": req.gpu, "xid": req.xid, "delivered": delivered}
+
+    # -- event observer (migd.daemon.lease_service.EventObserver) ---------------------------
+
+    def lease_refused(self, error: MigdError) -> None:
+        pass
+
+    def recorded(self, event: str, lease: Lease | None, data: Mapping[str, Any]) -> None:
+        """`migctl resume GPU` clears the GPU's xid condition as well as its drain."""
+        if event == "resume" and isinstance(data.get("gpu"), int):
+            self.clear(data["gpu"])
+
+    def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.stop()
+            self.listener = None
+
+    def _from_listener(self, event: GpuEvent) -> None:
+        """In the listener's thread: hand the event to the event loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.apply, event)
+
+    def condition_sources(self, gpu: ManagedGpu) -> Mapping[str, str]:
+        """The GPU's health conditions by source, for the metrics."""
+        health: Any = gpu.health
+        conditions = getattr(health, "conditions", None)
+        if conditions is not None:
+            return {s: getattr(c, "reason", str(c)) for s, c in conditions.items()}
+        if health == "ok":
+            return {}
+        if self.conditions.get(gpu.index) == health:
+            return {SOURCE: health}
+        return {"daemon": str(health)}
+
+    def apply(self, event: GpuEvent) -> list[Lease]:
+        """Apply one event to the books; returns the leases it flagged."""
+        ctx = self.ctx
+        now = ctx.clock.now()
+        self.events = [*self.events[-99:], event]
+        if event.xid is not None:
+            self.metrics.recorder.xid(event.gpu, event.xid, event.critical)
+        self.leases.record("gpu.event", None, **event.to_dict())
+        gpu = ctx.sched.gpus.get(event.gpu)
+        if not event.critical or gpu is None:
+            log.info("gpu.event", **event.to_dict())
+            return []
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+        reason = f"{event.reason} at {stamp}: no new leases on this GPU"
+        self.conditions[event.gpu] = reason
+        raise_condition(gpu, reason, now)
+        flagged = []
+        for lease in ctx.sched.active_leases():
+            if lease.gpu != event.gpu or not lease.state.holds_resources:
+                continue
+            lost = event.instance_lost and (event.gi_id is None or self._on_gi(gpu, lease, event))
+            if event.gi_id is not None and not lost:
+                continue  # another instance's fault: this lease's work goes on
+            if lost:
+                message = (
+                    f"{GPU_LOST}{event.reason}: the job's GPU work is lost; "
+                    "HTCondor should run it again"
+                )
+            else:
+                message = f"{event.reason}: the GPU takes no new leases; this lease is kept"
+            lease.warn(message, now)
+            self.leases.save(lease)
+            flagged.append(lease)
+        log.error(
+            "gpu.unhealthy",
+            **event.to_dict(),
+            leases=[lease.lease_id for lease in flagged],
+            jobs=[lease.request.job_id for lease in flagged],
+            hint="see docs/operations.md (GPU health): drain the GPU in HTCondor too, "
+            "reset or replace it, then restart migd",
+        )
+        return flagged
+
+    @staticmethod
+    def _on_gi(gpu: ManagedGpu, lease: Lease, event: GpuEvent) -> bool:
+        """Whether the lease runs on the GPU instance NVML named."""
+        for inst in gpu.instances:
+            if inst.gi_id != event.gi_id:
+                continue
+            if inst.lease_id == lease.lease_id:
+                return True
+            if inst.uuid is not None and inst.uuid == lease.mig_uuid:  # MPS inside it
+                return True
+        return False
+
+    def clear(self, index: int) -> bool:
+        """An admin cleared the GPU (``migctl resume``): drop its xid condition."""
+        reason = self.conditions.pop(index, None)
+        gpu = self.ctx.sched.gpus.get(index)
+        if reason is None or gpu is None:
+            return False
+        clear_condition(gpu, reason)
+        log.info("gpu.xid_cleared", gpu=index)
+        # The GPU's health changed outside the scheduler's books: place what now fits.
+        now, mono = self.ctx.now()
+        self.leases.apply(self.ctx.sched.schedule(now, mono))
+        return True

@@ -1,0 +1,40 @@
+"""Markers by directory, so that a tier's tests need no decorator each, and the GPU opt-in.
+
+``slow`` and ``htcondor`` select the tiers the fast subset leaves out
+(``pytest -m "not slow and not htcondor"``, README "Development"):
+
+* ``tests/process``: migd and the wrapper as real processes, with real sockets,
+  signals and timeouts (seconds per test): ``slow``.
+* ``tests/integration``: the real HTCondor pool; its own conftest marks each test
+  ``htcondor``.
+
+Elsewhere a test is marked ``slow`` where it is defined, with the reason. A test marked
+``gpu`` needs a real NVIDIA GPU and runs only with ``MIGD_GPU_TESTS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+SLOW_DIRECTORIES = ("process",)
+GPU_OPT_IN = "MIGD_GPU_TESTS"
+
+
+def apply_markers(
+    items: Sequence[pytest.Item], root: Path = TESTS, environ: Mapping[str, str] = os.environ
+) -> None:
+    slow = {root / name for name in SLOW_DIRECTORIES}
+    for item in items:
+        if slow & set(item.path.parents):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None and environ.get(GPU_OPT_IN) != "1":
+            item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: set {GPU_OPT_IN}=1"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    apply_markers(items)
