@@ -32,7 +32,8 @@ before smaller. Profiles that hold no more of the job per memory slice than its 
 instance are left out (a ``2g.10gb`` host holds two 3 GB jobs, as two ``1g.5gb`` do).
 The scheduler takes the first one its planner can place: creating an
 instance, reusing an idle one or fusing idle ones into it (fission/fusion). Hosts
-shrink when idle: a host without clients is torn down by the idle policy, and the next
+shrink when idle: a host whose last client leaves is destroyed at once (the daemon stops
+its MPS server first; a live server must never be handed to a MIG lease), and the next
 one is sized to the demand then.
 
 Every decision carries a one-line reason the scheduler appends to the lease's

@@ -1112,11 +1112,13 @@ class NodeScheduler:
         if inst.mps_pool.shares or inst.status is not InstanceStatus.READY:
             return []
         inst.idle_since_s = now_s
-        if self.policy.hybrid is not None:
-            # The hybrid shrinks hosts when idle: an empty host is a plain idle instance
-            # again, which the planner may reuse, fuse into a larger one or tear down.
-            inst.mps_pool = None
-        if self.policy.idle_policy == "destroy" and inst.origin is not Origin.UNEXPLAINED:
+        hybrid = self.policy.hybrid is not None
+        if (
+            hybrid or self.policy.idle_policy == "destroy"
+        ) and inst.origin is not Origin.UNEXPLAINED:
+            # The hybrid shrinks hosts when idle: an empty host is destroyed at once (the
+            # daemon stops its MPS server first), so its slices are free for any size. It
+            # is never handed to a MIG lease as it is: its server may still hold the device.
             return self._teardown(gpu, [inst])
         return []
 

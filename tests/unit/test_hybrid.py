@@ -7,9 +7,10 @@ import pytest
 from migd.core import catalog
 from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.leases import LeaseState
-from migd.core.planner import CreateOp
+from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import (
     GpuMode,
+    InstanceStatus,
     Lease,
     LeaseRequest,
     ManagedGpu,
@@ -118,7 +119,7 @@ def test_scheduler_routes_through_the_hook_and_explains() -> None:
     assert b.mode == "mig" and b.decision is not None and "packs no better" in b.decision["hybrid"]
 
 
-def test_users_get_separate_hosts_and_an_emptied_host_is_a_plain_idle_instance() -> None:
+def test_users_get_separate_hosts_and_an_emptied_host_is_destroyed() -> None:
     node = NodeScheduler([_gpu()], SchedulerPolicy(hybrid=HybridPolicy()))
     for lid, uid in (("a", 1000), ("b", 1000), ("c", 2000)):
         _finish(node, node.submit(_lease(lid, 3000, uid), 0.0, 0.0).work)
@@ -128,5 +129,12 @@ def test_users_get_separate_hosts_and_an_emptied_host_is_a_plain_idle_instance()
     gpu = node.gpus[0]
     host = gpu.instance_at(lc.start) if lc.start is not None else None
     assert host is not None and host.mps_pool is not None
-    node.release("c", 2.0, 2.0)
-    assert host.mps_pool is None and not host.busy and host.idle_since_s == 2.0
+    outcome = node.release("c", 2.0, 2.0)
+    # never handed to a MIG lease with its server still up: destroyed (server stopped first)
+    assert host.status is InstanceStatus.DESTROYING
+    assert any(
+        isinstance(op, DestroyOp) and op.start == host.start for w in outcome.work for op in w.ops
+    )
+    node.release("a", 3.0, 3.0)  # the shared host stays while b runs
+    shared = gpu.instance_at(lb.start) if lb.start is not None else None
+    assert shared is not None and shared.status is InstanceStatus.READY
