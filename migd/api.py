@@ -12,13 +12,12 @@ replies, never removed or changed in meaning.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from migd.errors import MigdError, ProtocolError
-from migd.protocol import API_VERSION, MAX_NESTING, encode
+from migd.protocol import API_VERSION, MAX_NESTING, decode, encode
 
 JOB_ID = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 LEASE_ID = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
@@ -92,6 +91,9 @@ class HistoryRequest(_Request):
     op: Literal["history"]
     job_id: JOB_ID | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] = 50
+    # Paging: rows older than this id (the reply's next_before_id); a page also stops at
+    # api.max_reply_bytes, so a reply's size is bounded however large the rows are.
+    before_id: Annotated[int | None, Field(ge=1)] = None
 
 
 class GpuRequest(_Request):
@@ -163,7 +165,7 @@ def decode_request(line: bytes) -> Request:
             wrong version, unknown op, bad fields.
     """
     try:
-        raw = json.loads(line)
+        raw = decode(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"not a JSON message: {exc}") from exc
     except RecursionError as exc:  # the C parser recurses once per nesting level

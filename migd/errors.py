@@ -37,6 +37,7 @@ HTCondor) into this tree once, at their boundary, with ``raise ... from exc``.
     │   ├── NotAuthorized           peer credentials do not allow the operation
     │   └── LeaseTimeout            queued request passed its deadline
     ├── StateStoreError             SQLite state unreadable or corrupt
+    │   └── StateDiskError          the state disk is full, read-only or failing
     ├── ApiError
     │   ├── ProtocolError           malformed, oversized or unknown message
     │   └── DaemonUnavailable       no daemon answering on the socket
@@ -228,6 +229,17 @@ class StateStoreError(MigdError):
     default_hint = (
         "the state database is unreadable; migd moved it aside and started empty, "
         "leases are re-adopted from the GPUs"
+    )
+
+
+class StateDiskError(StateStoreError):
+    """The file system under the state directory refuses writes (full, read-only, I/O
+    error). Nothing is wrong with the database itself: it is left where it is."""
+
+    code = "state_disk"
+    default_hint = (
+        "free space on (or remount read-write) the file system of migd's state directory "
+        "(`df -h /var/lib/migd`); migd retries by itself and recovers when writes succeed"
     )
 
 

@@ -24,6 +24,11 @@ if ! command -v debootstrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v 
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
+# tests/packaging builds the .rpm with rpmbuild (Debian's rpm package).
+if ! command -v rpmbuild >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm >/dev/null
+fi
 
 # tests/metrics/test_scrape.py scrapes a simulated node with a real Prometheus (Debian's
 # package); it is skipped, saying why, where the package cannot be installed.

@@ -67,7 +67,8 @@ from migd.core.mps import (
     parse_limit_mib,
     share_environment,
 )
-from migd.errors import GpuBusy, MpsError
+from migd.daemon.paths import ensure_dir
+from migd.errors import ConfigError, GpuBusy, MpsError
 from migd.ports import Clock, SystemClock
 
 if TYPE_CHECKING:
@@ -1415,16 +1416,24 @@ class MpsManager:
 
     # -- internals: files
 
-    @staticmethod
-    def _make_dir(path: Path, mode: int, owner: RunAs | None = None) -> None:
+    def _make_dir(self, path: Path, mode: int, owner: RunAs | None = None) -> None:
+        # Through migd.daemon.paths: the runtime directory is checked like the socket's,
+        # and nothing under it is followed if it is a symlink (a user's `mps -> /root`
+        # must not make migd chmod /root). Only the directory is chowned: log directories
+        # are per user, so nothing in them belongs to anybody else.
+        base = self.root.parent
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            path.chmod(mode)
-            if owner is not None and os.geteuid() == 0:
-                # Only the directory: log directories are per user, so nothing in them
-                # belongs to anybody else (a hand-over never hands the last user's logs on).
-                os.chown(path, owner.uid, owner.gid)
-        except OSError as exc:
+            ensure_dir(
+                base,
+                path.relative_to(base),
+                mode,
+                owner=(owner.uid, owner.gid) if owner is not None else None,
+            )
+        except ConfigError as exc:
+            raise MpsError(
+                f"unsafe MPS directory {path}: {exc.message}", hint=exc.hint, where=exc.where
+            ) from exc
+        except (OSError, ValueError) as exc:
             raise MpsError(
                 f"cannot prepare MPS directory {path}: {exc}",
                 hint="migd needs to own its runtime directory (run it as root)",

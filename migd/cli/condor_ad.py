@@ -10,21 +10,39 @@ slot per GPU). The ``START`` expression in ``condor_config/`` uses
 ``gpu-inventory`` prints what ``MACHINE_RESOURCE_INVENTORY_GPUs`` expects: the
 *physical* GPUs (short UUIDs, as condor_gpu_discovery names them), independent
 of the MIG layout at the moment the startd starts, each listed as ``K``
-distinct shares ``GPU-xxxxxxxx_s0 .. _s{K-1}``: HTCondor 23.x collapses
-repeated IDs (HTCONDOR-2678, docs/htcondor-notes.md (e)), distinct ones work.
+distinct shares ``GPU-s00-xxxxxxxx .. GPU-s{K-1}-xxxxxxxx``, each with
+condor_gpu_discovery's property ad: HTCondor 23.x collapses repeated IDs
+(HTCONDOR-2678, docs/htcondor-notes.md (e)), distinct ones work.
 ``vram-inventory`` prints the node's GPU memory pool for
 ``MACHINE_RESOURCE_INVENTORY_VRAM``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from migd.errors import MigdError
 
 
 def short_uuid(uuid: str) -> str:
     """``GPU-61342749-a9b5-...`` -> ``GPU-61342749`` (condor_gpu_discovery's default id)."""
     head, _, rest = uuid.partition("-")
     return f"{head}-{rest.split('-')[0]}" if rest else uuid
+
+
+def share_id(uuid: str, n: int) -> str:
+    """The ``n``-th HTCondor GPU ID of a physical GPU: ``GPU-s03-61342749``.
+
+    The share index comes first so that the IDs sort share by share across GPUs
+    (``GPU-s00-aaaa``, ``GPU-s00-bbbb``, ``GPU-s01-aaaa``, ...): HTCondor 23.9 keeps
+    a slot's GPU IDs sorted and gives a new job the first free one (checked in the
+    pool, docs/htcondor-notes.md (q)), so each job goes to the GPU with the fewest
+    jobs, and a GPU that just became free gets the next job. With the GPU first,
+    every job went to the first GPU until its shares ran out, and whole-GPU jobs
+    queued there while the other GPU idled.
+    """
+    return f"GPU-s{n:02d}-{short_uuid(uuid).removeprefix('GPU-')}"
 
 
 def _classad_str(text: str) -> str:
@@ -36,9 +54,17 @@ def _bool(value: bool) -> str:
 
 
 def free_mib(gpu: dict[str, Any]) -> int:
-    """GPU memory not held by jobs: all but busy MIG instances, or unpinned MPS memory."""
+    """GPU memory new leases could still get on this GPU (``MigdFreeMB``).
+
+    migd's ``placeable_mib`` (:mod:`migd.core.capacity`): memory profiles can still
+    use, so it agrees with the GPU's share of ``TotalVRAM`` and is 0 on a full GPU.
+    A status without it (an older daemon) falls back to the memory busy instances
+    or MPS shares do not hold.
+    """
     if gpu["mode"] == "off":
         return 0
+    if "placeable_mib" in gpu:
+        return int(gpu["placeable_mib"])
     if gpu["mode"] == "mps":
         busy = int((gpu.get("mps") or {}).get("pinned_mib", 0))
     elif gpu["mode"] == "exclusive":
@@ -54,7 +80,10 @@ def _usable(gpu: dict[str, Any]) -> bool:
 
 def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     gpus = status["gpus"]
-    healthy_gpus = [g for g in gpus if _usable(g)]
+    # A state disk that refuses writes is node-level: migd refuses new leases meanwhile.
+    state_disk = status.get("state_disk") or {"ok": True, "reason": ""}
+    healthy_gpus = [g for g in gpus if _usable(g)] if state_disk["ok"] else []
+    queued = (status.get("queue_summary") or {}).get("length", len(status.get("queue", [])))
     largest = max(
         ((g["largest_placeable"] or {}).get("memory_mib", 0) for g in healthy_gpus), default=0
     )
@@ -66,7 +95,9 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
         f"MigdHealthyGpus = {len(healthy_gpus)}",
         f"MigdLargestPlaceableMB = {largest}",
         f"MigdFreeMB = {free}",
-        f"MigdQueued = {len(status.get('queue', []))}",
+        f"MigdQueued = {queued}",
+        f"MigdStateDiskOk = {_bool(bool(state_disk['ok']))}",
+        f"MigdNodeReason = {_classad_str(state_disk['reason'])}",
         f"MigdModes = {_classad_str(','.join(sorted({g['mode'] for g in gpus})))}",
         "- migd",
     ]
@@ -78,9 +109,10 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
             if g["mode"] == "off":
                 reason = reason or "not managed by migd (mode off)"
             lines += [
-                # AssignedGPUs holds share IDs (GPU-xxxxxxxx_sN): match on the GPU's prefix
-                f"SlotMergeConstraint = regexp({_classad_str(short_uuid(g['uuid']) + '_s')},"
-                ' AssignedGPUs ?: "")',
+                # AssignedGPUs holds share IDs (GPU-sNN-xxxxxxxx): match on the GPU's part
+                "SlotMergeConstraint = regexp("
+                + _classad_str("GPU-s[0-9]+-" + short_uuid(g["uuid"]).removeprefix("GPU-"))
+                + ', AssignedGPUs ?: "")',
                 f"MigdGpuHealthy = {_bool(ok)}",
                 f"MigdGpuMode = {_classad_str(g['mode'])}",
                 f"MigdGpuModel = {_classad_str(g['model'])}",
@@ -95,15 +127,129 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def share_attr(share_id: str) -> str:
+    """The attribute naming a GPU ID's property ad: ``GPU-s00-ab12`` -> ``GPU_s00_ab12``.
+
+    condor_gpu_discovery names its nested ads the same way (the ID with every
+    character that may not appear in an attribute name replaced by ``_``); the 23.9
+    startd stores them in slot ads as ``GPUs_<name>`` and lists those in
+    ``AvailableGPUs``.
+    """
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in share_id)
+
+
+def _device_uuid(uuid: str) -> str:
+    """``GPU-61342749-a9b5-...`` -> ``61342749-a9b5-...``: the starter prepends ``GPU-``."""
+    return uuid[4:] if uuid.startswith("GPU-") else uuid
+
+
+def _cuda_version_int(version: str) -> int | None:
+    """``"12.4"`` -> ``12040`` (cuDriverGetVersion's encoding, condor_gpu_discovery's
+    ``MaxSupportedVersion``)."""
+    major, _, minor = version.partition(".")
+    try:
+        return int(major) * 1000 + int(minor or 0) * 10
+    except ValueError:
+        return None
+
+
+def gpu_properties(gpu: dict[str, Any]) -> dict[str, str]:
+    """condor_gpu_discovery ``-properties`` of one GPU, as ClassAd literals.
+
+    ``DeviceUuid`` is the parent GPU's UUID without ``GPU-`` (the form
+    condor_gpu_discovery prints), so the starter's device-hiding expression
+    ``join(",",evalInEachContext(strcat("GPU-",DeviceUuid),AvailableGPUs))``
+    names the GPU the job's lease is on (docs/htcondor-notes.md (q)).
+    ``GlobalMemoryMb`` is the largest partition migd can give a job on it (the
+    full MIG profile on a MIG GPU), so ``gpus_minimum_memory`` matches exactly
+    the GPUs that can hold the job.
+    """
+    props = {
+        "DeviceUuid": _classad_str(_device_uuid(gpu["uuid"])),
+        "DeviceName": _classad_str(str(gpu.get("name") or "")),
+        "GlobalMemoryMb": str(int(gpu.get("vram_mib") or 0)),
+    }
+    capability = gpu.get("compute_capability")
+    if capability:
+        props["Capability"] = str(capability)
+    cuda = str(gpu.get("cuda_version") or "")
+    cuda_int = _cuda_version_int(cuda) if cuda else None
+    if cuda_int is not None:
+        # condor_gpu_discovery: DriverVersion is the CUDA driver API version as
+        # major.minor, MaxSupportedVersion the same as an integer (gpus_minimum_runtime).
+        props["DriverVersion"] = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}"
+        props["MaxSupportedVersion"] = str(cuda_int)
+    if gpu.get("driver_version"):
+        props["MigdDriverVersion"] = _classad_str(str(gpu["driver_version"]))
+    return props
+
+
+def render_unavailable(message: str) -> str:
+    """The ad while migd does not answer: the startd keeps a cron job's last values, so
+    say unhealthy rather than leave a stale ``MigdHealthy = true``."""
+    return f"MigdHealthy = false\nMigdHealthReason = {_classad_str(message)}\n- migd update:true\n"
+
+
+def watch(
+    fetch: Callable[[], dict[str, Any]],
+    out: TextIO,
+    *,
+    sleep: Callable[[float], None],
+    clock: Callable[[], float],
+    per_gpu: bool = False,
+    interval_s: float = 0.5,
+    heartbeat_s: float = 60.0,
+    rounds: int | None = None,
+) -> None:
+    """``condor-ad --watch``: a publisher for ``STARTD_CRON_<name>_MODE = WaitForExit``.
+
+    The startd reads a running cron job's output as it arrives and publishes an ad at
+    every line that starts with ``-`` (``CronJob::StdoutHandler`` in HTCondor's
+    ``src/condor_utils/condor_cron_job.cpp``; docs/htcondor-notes.md (r)). So this
+    asks migd for its status every ``interval_s`` and writes a new ad only when it
+    differs from the last one written (``update:true`` sends it to the collector at
+    once), and the same ad again after ``heartbeat_s`` so a restarted collector
+    learns it. A freed partition reaches the slot ad within ``interval_s`` plus the
+    startd's update. ``rounds`` bounds the loop (tests); ``None`` runs until the
+    startd closes the pipe (``BrokenPipeError`` ends it).
+    """
+    last = ""
+    written_at = float("-inf")
+    n = 0
+    while rounds is None or n < rounds:
+        n += 1
+        try:
+            ad = render_condor_ad(fetch(), per_gpu=per_gpu)
+        except MigdError as exc:  # down, restarting, or an answer it could not give
+            ad = render_unavailable(exc.message)
+        now = clock()
+        if ad != last or now - written_at >= heartbeat_s:
+            out.write(ad)
+            out.flush()
+            last, written_at = ad, now
+        sleep(interval_s)
+
+
+def max_vram(gpus: list[dict[str, Any]]) -> int:
+    """The largest partition this node can give one job (MiB): ``MIGD_MAX_VRAM`` for a
+    pool is the largest of its nodes' values."""
+    return max((int(g.get("vram_mib") or 0) for g in gpus if g.get("mode") != "off"), default=0)
+
+
 def render_inventory(gpus: list[dict[str, Any]], *, shares: int = 1) -> str:
-    """``DetectedGPUs`` for the startd: K distinct share IDs per managed GPU."""
-    ids = []
-    for g in gpus:
-        if g.get("mode") == "off":
-            continue
-        base = short_uuid(g["uuid"])
-        ids += [f"{base}_s{n}" for n in range(shares)] if shares > 1 else [base]
-    return f'DetectedGPUs = "{", ".join(ids)}"\n'
+    """``DetectedGPUs`` for the startd (K distinct share IDs per managed GPU, share by
+    share across GPUs, see :func:`share_id`) and one nested property ad per ID, as
+    ``condor_gpu_discovery -properties -nested`` prints them."""
+    managed = [g for g in gpus if g.get("mode") != "off"]
+    ids: list[str] = []
+    props: list[str] = []
+    for n in range(shares):
+        for g in managed:
+            i = share_id(g["uuid"], n) if shares > 1 else short_uuid(g["uuid"])
+            ids.append(i)
+            body = "; ".join(f"{k}={v}" for k, v in gpu_properties(g).items())
+            props.append(f'{share_attr(i)}=[ id="{i}"; {body}; ]')
+    return "\n".join([f'DetectedGPUs="{", ".join(ids)}"', *props]) + "\n"
 
 
 def render_vram_inventory(gpus: list[dict[str, Any]]) -> str:
@@ -119,7 +265,17 @@ def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:
         for g in status["gpus"]:
             largest = max((i["memory_mib"] for i in g.get("instances", [])), default=0)
             full = g.get("full_profile_mib") or largest or g["memory_total_mib"]
-            out.append({"uuid": g["uuid"], "mode": g["mode"], "vram_mib": full})
+            out.append(
+                {
+                    "uuid": g["uuid"],
+                    "mode": g["mode"],
+                    "vram_mib": full,
+                    "name": g.get("name"),
+                    "compute_capability": g.get("compute_capability"),
+                    "cuda_version": g.get("cuda_version"),
+                    "driver_version": g.get("driver_version"),
+                }
+            )
         return out
     # The startd runs inventories once at start-up; if migd is not up yet, read NVML
     # (read-only) rather than advertise no GPUs for the startd's whole lifetime.
@@ -135,8 +291,17 @@ def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:
                     vram = backend.geometry(info.index).full_profile.memory_mib
                 except Exception:
                     vram = info.memory_total_mib
+            cap = info.compute_capability
             gpus.append(
-                {"uuid": info.uuid, "mode": "mig" if info.mig_current else "mps", "vram_mib": vram}
+                {
+                    "uuid": info.uuid,
+                    "mode": "mig" if info.mig_current else "mps",
+                    "vram_mib": vram,
+                    "name": info.name,
+                    "compute_capability": f"{cap[0]}.{cap[1]}" if cap else None,
+                    "cuda_version": info.cuda_version,
+                    "driver_version": info.driver_version,
+                }
             )
         return gpus
     finally:

@@ -85,7 +85,10 @@ def render_status(status: dict[str, Any]) -> str:
     if served:
         lines.append("service time p50/p99 ms (last 2048 each): " + ", ".join(served))
     for gpu in status["gpus"]:
-        health = "healthy" if gpu["healthy"] else f"UNHEALTHY: {gpu['health']}"
+        # Each condition gets its own line below (older daemons send only the summary).
+        health = "healthy" if gpu["healthy"] else "UNHEALTHY"
+        if not gpu["healthy"] and not gpu.get("conditions"):
+            health += f": {gpu['health']}"
         if gpu["draining"]:
             health += ", draining"
         head = (
@@ -95,6 +98,8 @@ def render_status(status: dict[str, Any]) -> str:
         if gpu.get("reachability") is not None:
             head += f"  reachability {gpu['reachability']}/{gpu['reachability_max']}"
         lines.append(head)
+        for condition in gpu.get("conditions") or []:
+            lines.append(f"  [{condition['source']}] {condition['reason']}")
         lines.extend(f"  WARNING: {warning}" for warning in gpu.get("warnings", []))
         bar = slice_bar(gpu)
         if bar:
@@ -130,7 +135,10 @@ def render_status(status: dict[str, Any]) -> str:
         if mps:
             lines.extend(_render_mps(mps))
     queue = status.get("queue", [])
-    lines.append(f"Queue: {len(queue)} waiting")
+    waiting = (status.get("queue_summary") or {}).get("length", len(queue))
+    lines.append(
+        f"Queue: {waiting} waiting" + (f" (first {len(queue)})" if waiting > len(queue) else "")
+    )
     for item in queue:
         lines.append(
             f"  {item['position']}. job {item['job_id']}  {format_mib(item['memory_mib'])}  "
@@ -322,15 +330,25 @@ def cmd_reload(client: MigdClient, args: argparse.Namespace) -> int:
 
 
 def cmd_condor_ad(client: MigdClient, args: argparse.Namespace) -> int:
-    from migd.cli.condor_ad import render_condor_ad
+    from migd.cli.condor_ad import render_condor_ad, render_unavailable, watch
 
+    if args.watch:
+        try:
+            watch(
+                client.status,
+                sys.stdout,
+                sleep=time.sleep,
+                clock=time.monotonic,
+                per_gpu=args.per_gpu,
+                interval_s=args.interval,
+            )
+        except BrokenPipeError:  # the startd stopped reading: it restarts us if it wants
+            return EXIT_OK
+        return EXIT_OK
     try:
         status = client.status()
     except DaemonUnavailable as exc:
-        # The startd keeps the last values of a cron job that fails; say unhealthy instead.
-        print("MigdHealthy = false")
-        print(f'MigdHealthReason = "{exc.message}"')
-        print("- migd update:true")
+        sys.stdout.write(render_unavailable(exc.message))
         return EXIT_OK
     sys.stdout.write(render_condor_ad(status, per_gpu=args.per_gpu))
     return EXIT_OK
@@ -347,6 +365,10 @@ def cmd_inventory(client: MigdClient, args: argparse.Namespace) -> int:
     gpus = gpus_for_inventory(status)
     if args.command == "vram-inventory":
         sys.stdout.write(render_vram_inventory(gpus))
+    elif args.command == "max-vram":
+        from migd.cli.condor_ad import max_vram
+
+        print(f"MIGD_MAX_VRAM = {max_vram(gpus)}")
     else:
         sys.stdout.write(render_inventory(gpus, shares=args.shares))
     return EXIT_OK
@@ -406,6 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--per-gpu", action="store_true", help="also one ad per GPU (one p-slot per GPU layouts)"
     )
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep running, print a new ad when it changes (STARTD_CRON mode WaitForExit)",
+    )
+    p.add_argument(
+        "--interval", type=float, default=0.5, help="--watch: seconds between looks at migd"
+    )
     p = add(
         "gpu-inventory",
         "MACHINE_RESOURCE_INVENTORY_GPUs output: physical GPUs as distinct share IDs",
@@ -417,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "vram-inventory",
         "MACHINE_RESOURCE_INVENTORY_VRAM output: the node's GPU memory pool",
+        json_flag=False,
+    )
+    add(
+        "max-vram",
+        "the largest partition this node gives one job (MiB): set the access point's "
+        "MIGD_MAX_VRAM to the largest over the pool's nodes",
         json_flag=False,
     )
     p = add("states", "dump a model's partition state table (offline)")
@@ -447,6 +483,7 @@ COMMANDS: dict[str, Callable[[MigdClient, argparse.Namespace], int]] = {
     "condor-ad": cmd_condor_ad,
     "gpu-inventory": cmd_inventory,
     "vram-inventory": cmd_inventory,
+    "max-vram": cmd_inventory,
 }
 
 

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
+from migd.core.health import GpuHealth
 from migd.core.hybrid import HybridPolicy, Route
 from migd.core.leases import LeaseEvent, LeaseState, next_state
 from migd.core.mps import (
@@ -145,7 +146,7 @@ class Lease:
     updated_s: float = 0.0
     gpu: int | None = None
     gpu_uuid: str | None = None
-    mode: str | None = None  # granted: mig / mps / exclusive
+    mode: GpuMode | None = None  # granted: MIG, MPS or EXCLUSIVE (never OFF)
     profile: str | None = None
     start: int | None = None
     mig_uuid: str | None = None
@@ -163,11 +164,15 @@ class Lease:
     warning: str = ""
     warning_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.mode is not None:  # the state db and JSON give the value
+            self.mode = GpuMode(self.mode)
+
     @property
     def mps_device_uuid(self) -> str | None:
         """The MPS device an ``mps`` lease runs on: its MIG instance (MPS inside MIG) or
         its whole GPU."""
-        if self.mode != "mps":
+        if self.mode is not GpuMode.MPS:
             return None
         return self.mig_uuid or self.gpu_uuid
 
@@ -260,7 +265,8 @@ class ManagedGpu:
     space: StateSpace | None = None
     instances: list[ManagedInstance] = field(default_factory=list)
     draining: bool = False
-    health: str = "ok"
+    #: Conditions that keep new work off the GPU, each owned by its source (core.health).
+    health: GpuHealth = field(default_factory=GpuHealth)
     exclusive_lease: str | None = None  # EXCLUSIVE-mode bookkeeping
     mps_pool: MpsPool | None = None  # MPS-mode accounting (migd.core.mps)
     used_mib: int | None = None
@@ -279,7 +285,7 @@ class ManagedGpu:
 
     @property
     def available(self) -> bool:
-        return not self.draining and self.health == "ok"
+        return not self.draining and self.health.available
 
     def instance_at(
         self, start: int, status: InstanceStatus | None = None
@@ -302,7 +308,9 @@ class ManagedGpu:
 
     def view(self) -> GpuView:
         assert self.space is not None
-        reason = "draining" if self.draining else ("" if self.health == "ok" else self.health)
+        reason = (
+            "draining" if self.draining else ("" if self.health.available else str(self.health))
+        )
         return GpuView(
             index=self.index,
             space=self.space,
@@ -774,7 +782,7 @@ class NodeScheduler:
         gpu = self.gpus[decision.gpu]
         inst, work = self._take_partition(gpu, decision, lease.lease_id, lease.lease_id)
         self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mig"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MIG
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
         lease.decision = decision.to_dict()
@@ -847,7 +855,7 @@ class NodeScheduler:
         self._event(lease, LeaseEvent.PLAN, now_s)
         share = self._mps_request(lease, gpu.compute_slices)
         gpu.mps_pool = mps_admit(self.mps_pool(gpu), share)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
         lease.memory_limit_mib = lease.request.memory_mib
         lease.mps_thread_percentage = share.thread_percentage
         lease.decision = {
@@ -1058,7 +1066,7 @@ class NodeScheduler:
         inst.mps_pool = mps_admit(inst.mps_pool, share)
         inst.idle_since_s = None
         self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "mps"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
         lease.profile, lease.start = inst.profile.name, inst.start
         lease.memory_limit_mib = share.memory_mib
         lease.mps_thread_percentage = share.thread_percentage
@@ -1125,7 +1133,7 @@ class NodeScheduler:
     def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
         self._event(lease, LeaseEvent.PLAN, now_s)
         gpu.exclusive_lease = lease.lease_id
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, "exclusive"
+        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.EXCLUSIVE
         lease.memory_limit_mib = gpu.memory_total_mib
         lease.env = {"CUDA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_VISIBLE_DEVICES": gpu.uuid}
         lease.decision = {"action": "exclusive", "gpu": gpu.index, "reason": "whole GPU"}
@@ -1296,6 +1304,18 @@ class NodeScheduler:
                     inst.origin, inst.note = Origin.ADOPTED, ""
                     inst.idle_since_s = now_s
                     notes.append(f"{inst} is idle now; adopted")
+                elif (
+                    uuid in busy_uuids
+                    and inst.lease_id is None
+                    and inst.mps_pool is None  # an MPS host's server is a process of its own
+                    and inst.status is InstanceStatus.READY
+                    and inst.origin is not Origin.UNEXPLAINED
+                ):
+                    # An idle instance with processes (a job's child that outlived its
+                    # lease): never handed out or destroyed until they exit.
+                    inst.origin = Origin.UNEXPLAINED
+                    inst.note = "processes run on it without a migd lease"
+                    notes.append(f"{inst}: unexplained ({inst.note})")
                 fresh.append(inst)
                 continue
             origin, note = Origin.ADOPTED, ""
@@ -1330,8 +1350,9 @@ class NodeScheduler:
         try:
             gpu.space.key_of((i.profile, i.start) for i in gpu.instances)
         except Exception as exc:
-            gpu.health = f"layout not understood: {exc}"
-            notes.append(gpu.health)
+            reason = f"layout not understood: {exc}"
+            gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
+            notes.append(reason)
         return self._outcome(notes=notes)
 
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
@@ -1354,7 +1375,7 @@ class NodeScheduler:
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
-            if lease.mode == "mig":
+            if lease.mode is GpuMode.MIG:
                 inst = gpu.instance_of(lease_id)
                 if inst is not None:
                     # A CREATING instance stays untouchable by its status; work_done then
@@ -1367,9 +1388,9 @@ class NodeScheduler:
                             and inst.origin is not Origin.UNEXPLAINED
                         ):
                             work.extend(self._teardown(gpu, [inst]))
-            elif lease.mode == "mps":
+            elif lease.mode is GpuMode.MPS:
                 work.extend(self._release_mps(gpu, lease, now_s))
-            elif lease.mode == "exclusive" and gpu.exclusive_lease == lease_id:
+            elif lease.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease == lease_id:
                 gpu.exclusive_lease = None
         work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
@@ -1391,7 +1412,7 @@ class NodeScheduler:
         gone = ""
         if gpu is None or gpu.uuid != lease.gpu_uuid:
             gone = "its GPU is gone"
-        elif lease.mode == "mig":
+        elif lease.mode is GpuMode.MIG:
             inst = gpu.instance_at(lease.start) if lease.start is not None else None
             if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
                 gone = "its MIG instance is gone"
@@ -1399,14 +1420,30 @@ class NodeScheduler:
                 inst.lease_id, inst.idle_since_s = lease.lease_id, None
                 if inst.origin is Origin.UNEXPLAINED:
                     inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode == "mps":
+        elif lease.mode is GpuMode.MPS:
             if not self.restore_mps_share(gpu, lease):
                 gone = "its MIG instance is gone"
-        elif lease.mode == "exclusive":
+        elif lease.mode is GpuMode.EXCLUSIVE:
             gpu.exclusive_lease = lease.lease_id
         if gone:
             self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
         return self._outcome()
+
+    def quarantine(self, lease_id: str, why: str) -> str | None:
+        """Keep the MIG instance of ``lease_id`` from being reused or destroyed: processes
+        still run on it (call before :meth:`release`, which schedules queued requests).
+
+        The instance is UNEXPLAINED (``migctl status`` shows ``why``) until a resync finds
+        it without processes. Returns the instance's name, ``None`` if the lease has none.
+        """
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.gpu is None or lease.mode != "mig":
+            return None
+        inst = self.gpus[lease.gpu].instance_of(lease_id)
+        if inst is None:
+            return None
+        inst.origin, inst.note = Origin.UNEXPLAINED, why
+        return str(inst)
 
     def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> bool:
         """Re-account an MPS lease found in the state db at start-up (it may overcommit).
@@ -1538,7 +1575,7 @@ class NodeScheduler:
                 why = (
                     "draining"
                     if g.draining
-                    else (g.health if g.health != "ok" else "busy instances in the way")
+                    else (str(g.health) if not g.health.available else "busy instances in the way")
                 )
                 try:
                     state = describe(g.space, g.view().key)

@@ -15,20 +15,20 @@ import grp
 import os
 import socket
 import stat
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 
-from migd.api import Request, decode_request, error_reply, ok_reply
+from migd.api import LeaseRef, ReportRequest, Request, decode_request, error_reply, ok_reply
 from migd.core.scheduler import Lease
 from migd.daemon.auth import Peer
 from migd.daemon.config import ApiSection
 from migd.daemon.context import DaemonContext
+from migd.daemon.paths import check_directory_chain
 from migd.errors import (
     ConfigError,
     DaemonUnavailable,
@@ -41,6 +41,11 @@ from migd.errors import (
 
 log = structlog.get_logger("migd")
 
+# How long a refused connection may take to send its request before it is closed: long
+# enough for a client that writes right after connecting, short enough that refused
+# connections cannot pile up.
+_REFUSAL_GRACE_S = 1.0
+
 
 class Access(Enum):
     """Who may call an op; checked by the server before the handler runs."""
@@ -52,11 +57,14 @@ class Access(Enum):
     OWNER = "owner"  # the lease named by the request's lease_id is the caller's (or admin)
 
 
-@dataclass(frozen=True)
-class Call:
-    """One decoded request as a handler gets it."""
+R = TypeVar("R")
 
-    request: Any  # the op's request model (migd.api); the table guarantees which
+
+@dataclass(frozen=True)
+class Call(Generic[R]):
+    """One decoded request as a handler gets it (``R``: the op's model in migd.api)."""
+
+    request: R
     peer: Peer
     reader: asyncio.StreamReader
     #: For ``Access.OWNER`` ops: the request's lease, ownership checked.
@@ -68,7 +76,7 @@ class Call:
         return self.lease
 
 
-Handler = Callable[[Call], Awaitable[Any]]
+Handler = Callable[[Call[Any]], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -187,12 +195,17 @@ class ApiServer:
             writer.close()
             return
         reader_only = peer.uid != 0 and not self.ctx.auth.may_lease(peer)
+        # Counted from accept to close, whatever the client sends (nothing, too much, a
+        # request): every open connection is one descriptor of its uid's allowance.
         self._clients += 1
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
         self._readers += int(reader_only)
         try:
             await self._serve_peer(peer, reader_only, reader, writer)
         finally:
+            # Every path ends here: a client that connects and closes without a line
+            # used to leave its descriptor open (an early return skipped the close).
+            writer.close()
             self._clients -= 1
             self._readers -= int(reader_only)
             left = self._per_uid[peer.uid] - 1
@@ -211,45 +224,81 @@ class ApiServer:
         api = self.ctx.config.api
         try:
             self._admit(peer, reader_only)
+        except MigdError as exc:
+            await self._refuse(reader, writer, error_reply(None, exc))
+            return
+        try:
             line = await asyncio.wait_for(reader.readline(), api.request_timeout_s)
         except (ValueError, asyncio.LimitOverrunError):
             error = ProtocolError(f"message longer than {api.max_message_bytes} bytes")
-            await _send(writer, error_reply(None, error))
+            await self._refuse(reader, writer, error_reply(None, error))
             return
         except TimeoutError:
             error = ProtocolError(
                 f"no complete request line within {api.request_timeout_s:g} s; closing",
                 hint="send the request and its newline right after connecting",
             )
-            await _send(writer, error_reply(None, error))
-            return
-        except MigdError as exc:
-            await _send(writer, error_reply(None, exc))
+            await self._send(writer, error_reply(None, error))
             return
         except OSError:
-            writer.close()
             return
+        if not line:
+            return  # connected and closed without a request
         request_id: int | str | None = None
         try:
-            if not line:
-                return
             request = decode_request(line)
             request_id = request.id
             if self.stopping.is_set():
                 raise DaemonUnavailable("migd is stopping", hint="retry in a few seconds")
-            began = time.perf_counter()
+            began = self.ctx.clock.monotonic()
             result = await self.handle(request, peer, reader)
-            await _send(writer, ok_reply(request_id, result))
+            await self._send(writer, ok_reply(request_id, result))
             self.ctx.latency_s[latency_class(request.op, result)].append(
-                time.perf_counter() - began
+                self.ctx.clock.monotonic() - began
             )
         except MigdError as exc:
             if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):
                 log.info("request.refused", error=exc.code, message=exc.message, peer_uid=peer.uid)
-            await _send(writer, error_reply(request_id, exc))
+            await self._send(writer, error_reply(request_id, exc))
         except Exception as exc:  # never let one request take the daemon down
             log.exception("request.crashed", error=str(exc))
-            await _send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
+            await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        """Write one reply and close. A client that does not read it within
+        api.send_timeout_s is dropped: its transport is aborted, which frees what the
+        daemon buffered for it (replies are bounded, and so is this wait)."""
+        timeout = self.ctx.config.api.send_timeout_s
+        try:
+            writer.write(data)
+            await asyncio.wait_for(writer.drain(), timeout)
+        except TimeoutError:
+            log.info("client.dropped", reason=f"did not read its reply within {timeout:g} s")
+            writer.transport.abort()
+            return
+        except OSError:
+            writer.transport.abort()
+            return
+        with contextlib.suppress(OSError, TimeoutError):
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), timeout)
+
+    async def _refuse(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: bytes
+    ) -> None:
+        """Answer a connection refused before its request was read, then read (and drop)
+        the request it sends meanwhile before closing: a socket closed with unread data
+        resets the peer (ECONNRESET), so a client reading to the end lost the reply."""
+        with contextlib.suppress(OSError):
+            writer.write(reply)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(writer.drain(), _REFUSAL_GRACE_S)
+            if writer.can_write_eof():
+                writer.write_eof()
+        cap = 2 * self.ctx.config.api.max_message_bytes
+        with contextlib.suppress(OSError, TimeoutError):
+            # Bounded in time and bytes; what is read is dropped at once.
+            await asyncio.wait_for(_discard(reader, cap), _REFUSAL_GRACE_S)
 
     async def handle(self, req: Request, peer: Peer, reader: asyncio.StreamReader) -> Any:
         """Check the op's declared access, then run its handler."""
@@ -269,18 +318,21 @@ class ApiServer:
         elif spec.access is Access.ADMIN:
             auth.require_admin(peer, verb)
         elif spec.access is Access.OWNER:
-            lease = self.lease_for(req.lease_id)  # type: ignore[union-attr]
+            if not isinstance(req, (LeaseRef, ReportRequest)):  # pragma: no cover
+                raise ProtocolError(f"op {req.op!r} names no lease; it cannot be OWNER")
+            lease = self.lease_for(req.lease_id)
             auth.require_owner(peer, lease.owner_uid, verb)
         return await spec.handler(Call(req, peer, reader, lease))
 
 
-async def _send(writer: asyncio.StreamWriter, data: bytes) -> None:
-    with contextlib.suppress(OSError):
-        writer.write(data)
-        await writer.drain()
-    with contextlib.suppress(OSError):
-        writer.close()
-        await writer.wait_closed()
+async def _discard(reader: asyncio.StreamReader, cap: int) -> None:
+    """Read and drop up to ``cap`` bytes, or until the client closes its side."""
+    got = 0
+    while got < cap:
+        chunk = await reader.read(65536)
+        if not chunk:
+            return
+        got += len(chunk)
 
 
 def not_simulated(op: str) -> MigdError:
@@ -343,32 +395,8 @@ def check_socket_path(path: Path) -> None:
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o755, parents=True)
-    ours = (0, os.geteuid())
-    for directory in (parent, *parent.parents):
-        st = directory.lstat()
-        if stat.S_ISLNK(st.st_mode):
-            raise ConfigError(
-                f"{directory} is a symlink; refusing to put the socket under it",
-                where=where,
-                hint=f"give the real path ({directory} -> {os.path.realpath(directory)})",
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{directory} is not a directory", where=where)
-        if st.st_uid not in ours:
-            raise ConfigError(
-                f"{directory} belongs to uid {st.st_uid}, who could replace the socket",
-                where=where,
-                hint="use a directory owned by root, such as /run/migd",
-            )
-        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        sticky_root = st.st_mode & stat.S_ISVTX and st.st_uid == 0
-        if writable and (directory == parent or not sticky_root):
-            who = "world" if st.st_mode & stat.S_IWOTH else "group"
-            raise ConfigError(
-                f"{directory} is {who}-writable; another user could replace the socket",
-                where=where,
-                hint="use a private directory such as /run/migd (the systemd unit creates it)",
-            )
+    # The rules every directory migd creates things in follows (migd.daemon.paths).
+    check_directory_chain(parent, where, purpose="the socket")
     if path.is_symlink():
         raise ConfigError(f"{path} is a symlink; refusing to use it", where=where)
     if path.exists():

@@ -48,6 +48,13 @@ class Peer:
         return _user_name(self.uid)
 
 
+def forget_accounts() -> None:
+    """Drop the cached user names and group memberships (on SIGHUP: an admin who added
+    a user to a group, then reloaded, expects it to count)."""
+    _user_name.cache_clear()
+    _group_ids.cache_clear()
+
+
 @lru_cache(maxsize=1024)
 def _user_name(uid: int) -> str:
     try:

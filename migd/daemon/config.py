@@ -43,6 +43,11 @@ class DaemonSection(_Section):
     )
     shutdown_grace_s: float = Field(30.0, ge=0)
     history_keep: int = Field(100_000, ge=100, description="history rows kept in the state db")
+    history_keep_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="bytes of history event data kept in the state db (oldest pruned first)",
+    )
 
 
 class BackendSection(_Section):
@@ -90,6 +95,20 @@ class ApiSection(_Section):
     )
     request_timeout_s: float = Field(
         10.0, gt=0, description="a client must send its request line within this time"
+    )
+    send_timeout_s: float = Field(
+        10.0, gt=0, description="a client that does not read its reply within this is dropped"
+    )
+    max_reply_bytes: int = Field(
+        1024 * 1024,
+        ge=64 * 1024,
+        description="history and leases replies are cut into pages of at most this size",
+    )
+    max_report_bytes: int = Field(
+        4096, ge=256, le=65536, description="largest 'data' of one report, as JSON"
+    )
+    max_reports_per_lease: int = Field(
+        200, ge=10, description="reports one lease may record in the history"
     )
 
 

@@ -10,7 +10,7 @@ reports the result back to the scheduler and the lease service.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import GpuMode, InstanceStatus, ManagedGpu, Work
 from migd.daemon.context import DaemonContext
 from migd.daemon.lease_service import LeaseService
-from migd.errors import GpuBusy, GpuError, MigdError
+from migd.errors import GpuBusy, GpuError, MigdError, StateDiskError
 
 T = TypeVar("T")
 log = structlog.get_logger("migd")
@@ -133,13 +133,15 @@ class GpuExecutor:
                 inst = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
                 targets[op.start] = (inst.gi_id, inst.uuid) if inst else (None, None)
         lease = sched.leases.get(work.lease_id or "")
-        for op in work.ops:
-            if isinstance(op, CreateOp):
-                # Written before the NVML call: after a crash mid-create, a GPU instance
-                # without a compute instance at this start is known to be migd's own.
-                ctx.db.remember_instance(gpu.uuid, op.start, op.profile.profile_id, None)
-        started = time.monotonic()
+        started = ctx.clock.monotonic()
         try:
+            for op in work.ops:
+                if isinstance(op, CreateOp):
+                    # Written before the NVML call: after a crash mid-create, a GPU instance
+                    # without a compute instance at this start is known to be migd's own.
+                    # A state disk that refuses it fails the work (StateDiskError) before
+                    # NVML is touched, so the books give the capacity back.
+                    ctx.db.remember_instance(gpu.uuid, op.start, op.profile.profile_id, None)
             created = await self.on_gpu(work.gpu, self._execute, work, targets)
         except (MigdError, TimeoutError) as exc:
             error = exc if isinstance(exc, MigdError) else GpuError("NVML call timed out")
@@ -160,8 +162,8 @@ class GpuExecutor:
                 error=error.to_dict(),
             )
             if isinstance(exc, TimeoutError):
-                gpu.health = "an NVML call hung; the watchdog will restart migd"
-                self.tripped = gpu.health
+                self.tripped = "an NVML call hung; the watchdog will restart migd"
+                gpu.health.raise_("watchdog", self.tripped, now)
                 return
             for note in await self.resync(work.gpu):
                 log.info("resync", gpu=work.gpu, note=note)
@@ -170,14 +172,17 @@ class GpuExecutor:
             return
         now, mono = ctx.now()
         outcome = sched.work_done(work, created, now, mono)
-        for op in work.ops:
-            if isinstance(op, DestroyOp):
-                ctx.db.forget_instance(gpu.uuid, op.start)
-            else:
-                ctx.db.remember_instance(
-                    gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
-                )
-        elapsed = time.monotonic() - started
+        # The work is done on the GPU whatever the state disk says: a row that cannot be
+        # written only makes a restart call the instance adopted instead of migd's own.
+        with contextlib.suppress(StateDiskError):
+            for op in work.ops:
+                if isinstance(op, DestroyOp):
+                    ctx.db.forget_instance(gpu.uuid, op.start)
+                else:
+                    ctx.db.remember_instance(
+                        gpu.uuid, op.start, op.profile.profile_id, created[op.start][1]
+                    )
+        elapsed = ctx.clock.monotonic() - started
         log.info(
             "work.done",
             gpu=work.gpu,
@@ -233,11 +238,11 @@ class GpuExecutor:
 
             loop.run_in_executor(worker.executor, beat).add_done_callback(done)
 
-    def starved_gpus(self, stale_after: float) -> list[int]:
-        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds,
-        unless NVML work younger than ``daemon.work_timeout_s`` runs (see
-        :mod:`migd.daemon.periodic`, the watchdog)."""
-        now = self.ctx.clock.monotonic()
+    def starved_gpus(self, stale_after: float, mono: float | None = None) -> list[int]:
+        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds at
+        monotonic time ``mono`` (default: now), unless NVML work younger than
+        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.periodic.Watchdog`)."""
+        now = self.ctx.clock.monotonic() if mono is None else mono
         limit = self.ctx.config.daemon.work_timeout_s
         if any(
             w.busy_since_mono is not None and now - w.busy_since_mono < limit

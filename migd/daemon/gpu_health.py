@@ -48,22 +48,15 @@ SOURCE = "xid"
 
 
 def raise_condition(gpu: ManagedGpu, reason: str, now_s: float) -> None:
-    """Raise the GPU's ``xid`` condition, with a condition set where the scheduler has one
-    (``GpuHealth.raise_``), else as its one health string (an XID is the most severe
-    verdict, so it replaces another)."""
-    health: Any = gpu.health
-    if hasattr(health, "raise_"):
-        health.raise_(SOURCE, reason, now_s)
-    else:
-        gpu.health = reason
+    """Raise the GPU's ``xid`` condition (other sources' conditions stay)."""
+    gpu.health.raise_(SOURCE, reason, now_s)
 
 
 def clear_condition(gpu: ManagedGpu, reason: str) -> None:
-    health: Any = gpu.health
-    if hasattr(health, "clear"):
-        health.clear(SOURCE)
-    elif health == reason:
-        gpu.health = "ok"
+    """Clear the GPU's ``xid`` condition (``reason`` names what is cleared, for callers
+    that log it)."""
+    del reason
+    gpu.health.clear(SOURCE)
 
 
 class GpuHealthMonitor:
@@ -129,10 +122,10 @@ class GpuHealthMonitor:
         """``sim_xid``: inject an XID on the simulated node (tests, demos; admins only)."""
         server.register("sim_xid", self._sim_xid, Access.ADMIN, "inject XID events")
 
-    async def _sim_xid(self, call: Call) -> dict[str, Any]:
+    async def _sim_xid(self, call: Call[SimXidRequest]) -> dict[str, Any]:
         from migd.backends.simulated.nvml_events import events_for
 
-        req: SimXidRequest = call.request
+        req = call.request
         assert self.sim_node is not None
         try:
             delivered = events_for(self.sim_node).inject_xid(
@@ -164,15 +157,7 @@ class GpuHealthMonitor:
 
     def condition_sources(self, gpu: ManagedGpu) -> Mapping[str, str]:
         """The GPU's health conditions by source, for the metrics."""
-        health: Any = gpu.health
-        conditions = getattr(health, "conditions", None)
-        if conditions is not None:
-            return {s: getattr(c, "reason", str(c)) for s, c in conditions.items()}
-        if health == "ok":
-            return {}
-        if self.conditions.get(gpu.index) == health:
-            return {SOURCE: health}
-        return {"daemon": str(health)}
+        return {source: c.reason for source, c in gpu.health.conditions.items()}
 
     def apply(self, event: GpuEvent) -> list[Lease]:
         """Apply one event to the books; returns the leases it flagged."""

@@ -33,7 +33,7 @@ import structlog
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, Outcome, Transition, Work
 from migd.daemon.context import DaemonContext
-from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError
+from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 
 log = structlog.get_logger("migd")
 
@@ -146,6 +146,7 @@ class LeaseService:
         self.event_observers: list[EventObserver] = []
         self.waiters: dict[str, Waiter] = {}
         self._saved: dict[str, int] = {}  # lease id -> version last written
+        self._disk_logged = False  # the current state disk failure is logged
         self.work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
         # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
@@ -181,8 +182,17 @@ class LeaseService:
                 self.save(lease)
 
     def save(self, lease: Lease) -> None:
-        self.ctx.db.save_lease(lease)
-        self._saved[lease.lease_id] = lease.version
+        """Persist ``lease``. A write the state disk refuses does not stop the change in
+        memory (the scheduler's books and the NVML work stay consistent with each other);
+        the lease stays unsaved and is written again by the next :meth:`apply` or
+        :meth:`flush` once the disk takes writes. Requests that would *start* a change
+        are refused before it instead (``StateStore.require_writable``)."""
+        try:
+            self.ctx.db.save_lease(lease)
+        except StateDiskError as exc:
+            self._disk_failed(exc)
+        else:
+            self._saved[lease.lease_id] = lease.version
 
     def restored(self, lease: Lease) -> None:
         """A lease reloaded from the store as it was there: nothing to write."""
@@ -190,13 +200,17 @@ class LeaseService:
 
     def record(self, event: str, lease: Lease | None = None, /, **data: Any) -> None:
         # Positional-only: a client's report may use any key, "event" and "lease" too.
-        self.ctx.db.record(
-            event,
-            data,
-            lease_id=lease.lease_id if lease else None,
-            job_id=lease.request.job_id if lease else data.get("job_id"),
-            t=self.ctx.clock.now(),
-        )
+        try:
+            self.ctx.db.record(
+                event,
+                data,
+                lease_id=lease.lease_id if lease else None,
+                job_id=lease.request.job_id if lease else data.get("job_id"),
+                t=self.ctx.clock.now(),
+            )
+        except StateDiskError as exc:
+            # The history misses this event; the log (journal) still has it.
+            self._disk_failed(exc)
         for observer in self.event_observers:
             observer.recorded(event, lease, data)
 
@@ -204,6 +218,25 @@ class LeaseService:
         """A lease request was refused at once (it never became a lease)."""
         for observer in self.event_observers:
             observer.lease_refused(error)
+
+    def _disk_failed(self, exc: StateDiskError) -> None:
+        if not self._disk_logged:
+            self._disk_logged = True
+            log.error("state_disk.failing", message=exc.message, hint=exc.hint)
+
+    def flush(self) -> bool:
+        """While the state disk was failing: try it again, and once it takes writes,
+        write every lease changed meanwhile. True when nothing is left unsaved."""
+        db = self.ctx.db
+        if db.failing is None and not self._disk_logged:
+            return True
+        if not db.probe():
+            return False
+        log.info("state_disk.recovered")
+        self._disk_logged = False
+        self._save_changed()
+        self.prune()
+        return db.failing is None
 
     def lease_for(self, lease_id: str) -> Lease:
         lease = self.ctx.sched.leases.get(lease_id) or self.ctx.db.get_lease(lease_id)
@@ -220,7 +253,13 @@ class LeaseService:
         """
         sched = self.ctx.sched
         for lease_id, lease in list(sched.leases.items()):
-            if lease.state.terminal and (all_terminal or lease_id not in self.waiters):
+            # An ended lease the state disk has not taken yet stays until it is written.
+            unsaved = self._saved.get(lease_id) != lease.version
+            if (
+                lease.state.terminal
+                and not unsaved
+                and (all_terminal or lease_id not in self.waiters)
+            ):
                 sched.forget(lease_id)
         for book in (self._saved, self.work_seconds, self.peaks):
             for lease_id in [k for k in book if k not in sched.leases]:

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 
 from migd import __version__
-from migd.daemon.config import MigdConfig, example_toml, load_config
+from migd.daemon.config import DEFAULT_CONFIG_PATH, MigdConfig, example_toml, load_config
 from migd.daemon.logs import configure_logging
 from migd.errors import ConfigError, MigdError
 
@@ -118,9 +118,12 @@ def build_mps(config: MigdConfig) -> Any:
 
     binary = config.mps.control_binary
     if config.backend.kind == "simulated" and shutil.which(binary) is None:
+        from migd.daemon.paths import ensure_dir
         from migd.testing import write_fake_mps_control
 
-        binary = str(write_fake_mps_control(config.daemon.runtime_dir / "sim-bin"))
+        runtime = config.daemon.runtime_dir  # checked, never through a symlink (paths.py)
+        bin_dir = ensure_dir(runtime.parent, f"{runtime.name}/sim-bin", 0o755)
+        binary = str(write_fake_mps_control(bin_dir))
     return MpsManager(
         config.daemon.runtime_dir,
         MpsManagerConfig(
@@ -153,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 2
+    # Name the file that was read: load_config reads the default path when it exists,
+    # so "defaults" is only true when there is no file.
+    config_file = args.config or DEFAULT_CONFIG_PATH
+    source = str(config_file) if config_file.exists() else f"defaults, no {config_file}"
     if args.check_config:
-        print(f"configuration OK ({args.config or 'defaults'})")
+        print(f"configuration OK ({source})")
         return 0
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     log = structlog.get_logger("migd")
@@ -162,18 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         "daemon.starting",
         version=__version__,
         python=sys.version.split()[0],
-        config=str(args.config or "defaults"),
+        config=source,
         pid=os.getpid(),
     )
 
     try:
         backend, procs, node = build_ports(config)
+        mps = build_mps(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
         return 1
     from migd.daemon.service import Daemon
 
-    mps = build_mps(config)
     if node is not None:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
         mps.watch_servers(node.track_mps_servers)

@@ -267,7 +267,7 @@ class StateCollector(Collector):
         self.source = source
         self.mps_status = mps_status
         self.daemon_problem = daemon_problem or (lambda: "")
-        self.health_conditions = health_conditions or _legacy_conditions
+        self.health_conditions = health_conditions or _conditions
 
     def describe(self) -> list[Metric]:
         # Families depend on the state; an empty description keeps registration from
@@ -471,13 +471,9 @@ class StateCollector(Collector):
         yield oldest
 
 
-def _legacy_conditions(gpu: ManagedGpu) -> Mapping[str, str]:
-    """Health conditions of a GPU whose health is one string ("ok" or a reason)."""
-    health = getattr(gpu, "health", "ok")
-    if isinstance(health, str):
-        return {} if health == "ok" else {"daemon": health}
-    conditions = getattr(health, "conditions", {})  # migd.core.health.GpuHealth
-    return {source: getattr(c, "reason", str(c)) for source, c in conditions.items()}
+def _conditions(gpu: ManagedGpu) -> Mapping[str, str]:
+    """A GPU's health conditions by source (migd.core.health)."""
+    return {source: c.reason for source, c in gpu.health.conditions.items()}
 
 
 def build_registry(

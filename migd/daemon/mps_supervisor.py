@@ -21,7 +21,7 @@ from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
 from migd.errors import MigdError
-from migd.ports import GpuInfo, GpuProcess, MpsControl
+from migd.ports import GpuInfo, GpuProcess, MpsControl, MpsHealthReport
 
 log = structlog.get_logger("migd")
 #: GPU health while an MPS daemon on it cannot be brought back (cleared once it serves).
@@ -80,8 +80,12 @@ class MpsSupervisor:
                 gpu.compute_slices = self.ctx.backend.geometry(info.index).compute_slices
         weak = mps_compute_mode_warning(info)
         if weak and self.ctx.config.mps.require_exclusive_process:
-            if gpu.mode is GpuMode.MPS and gpu.health == "ok":
-                gpu.health = f"{weak}; mps.require_exclusive_process keeps MPS off it"
+            if gpu.mode is GpuMode.MPS:
+                gpu.health.raise_(
+                    "startup",
+                    f"{weak}; mps.require_exclusive_process keeps MPS off it",
+                    self.ctx.clock.now(),
+                )
             if mps_in_mig and gpu.mode is GpuMode.MIG:
                 log.warning("mps.not_offered", gpu=info.index, reason=weak)
             return
@@ -92,13 +96,16 @@ class MpsSupervisor:
             try:
                 gpu.mps_profile = gpu.space.member(mps_profile).name
             except MigdError as exc:
-                gpu.health = f"mps_profile {mps_profile!r}: {exc.message}"
+                reason = f"mps_profile {mps_profile!r}: {exc.message}"
+                gpu.health.raise_("startup", reason, self.ctx.clock.now())
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
-        """The job environment of an MPS share (the scheduler's ``mps_env``)."""
-        if self.mps is None:
-            return default_mps_env(gpu, lease)
-        return dict(self.mps.client_env(lease.mig_uuid or gpu.uuid, lease))
+        """The job environment of an MPS share (the scheduler's ``mps_env``): the core's,
+        with the pipe and log directories of migd's daemon for the device."""
+        env = default_mps_env(gpu, lease)
+        if self.mps is not None:
+            env.update(self.mps.client_env(lease.mig_uuid or gpu.uuid, lease))
+        return env
 
     async def start(self) -> None:
         """Adopt the daemons an earlier migd left (at start-up, before reconciling)."""
@@ -207,22 +214,7 @@ class MpsSupervisor:
         loop = asyncio.get_running_loop()
         sched = self.ctx.sched
         try:
-            report = await loop.run_in_executor(None, mps.check_health)
-            for event in report.events:
-                # (not event=: structlog's own first argument has that name)
-                log.warning("mps.health", device=event.device_uuid, **event.to_dict())
-            for uuid in report.affected_devices:
-                detail = next(e.detail for e in report.events if e.device_uuid == uuid)
-                self.clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
-            sick = {u: g for u in report.failed_devices if (g := self._gpu_of_device(u))}
-            for uuid, gpu in sick.items():
-                gpu.health = f"{MPS_UNHEALTHY}: {uuid}"
-            sick_gpus = {gpu.index for gpu in sick.values()}
-            # A later check that finds the device serving again (or gone) clears the mark.
-            for gpu in sched.gpus.values():
-                if gpu.health.startswith(MPS_UNHEALTHY) and gpu.index not in sick_gpus:
-                    gpu.health = "ok"
-                    log.info("mps.recovered", gpu=gpu.index)
+            self.apply_health(await loop.run_in_executor(None, mps.check_health))
             await loop.run_in_executor(None, mps.stop_idle)
             await loop.run_in_executor(None, mps.refresh_status)
         except Exception as exc:
@@ -230,6 +222,25 @@ class MpsSupervisor:
         now, mono = self.ctx.now()
         # A GPU's health may have changed: place what fits now.
         self.leases.apply(sched.schedule(now, mono))
+
+    def apply_health(self, report: MpsHealthReport) -> None:
+        """Act on a health check (the housekeeping round's step): flag the leases whose
+        clients were lost, mark the GPUs whose MPS device could not be brought back, and
+        clear the mark of those that serve again (or are gone)."""
+        for event in report.events:
+            # (not event=: structlog's own first argument has that name)
+            log.warning("mps.health", device=event.device_uuid, **event.to_dict())
+        for uuid in report.affected_devices:
+            detail = next(e.detail for e in report.events if e.device_uuid == uuid)
+            self.clients_lost(uuid, f"the MPS server or daemon was restarted ({detail})")
+        now = self.ctx.clock.now()
+        sick = {u: g for u in report.failed_devices if (g := self._gpu_of_device(u))}
+        for uuid, gpu in sick.items():
+            gpu.health.raise_("mps", f"{MPS_UNHEALTHY}: {uuid}", now)
+        sick_gpus = {gpu.index for gpu in sick.values()}
+        for gpu in self.ctx.sched.gpus.values():
+            if gpu.index not in sick_gpus and gpu.health.clear("mps"):
+                log.info("mps.recovered", gpu=gpu.index)
 
     def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
         """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon and
@@ -247,7 +258,7 @@ class MpsSupervisor:
         mps.stop_for_teardown(mig_uuid, lambda: [p.pid for p in backend.processes(gpu, mig_uuid)])
         log.info("mps.stopped_for_destroy", gpu=gpu, device=mig_uuid)
 
-    def usage(self, lease: Lease, procs: list[GpuProcess]) -> list[GpuProcess]:
+    def usage(self, holder_pid: int, procs: list[GpuProcess]) -> list[GpuProcess]:
         """The GPU processes of an MPS lease: those in its holder's process tree.
 
         Every client of an MPS device shows on it, so the device's list has other jobs'
@@ -257,7 +268,7 @@ class MpsSupervisor:
         for proc in procs:
             pid, depth = proc.pid, 0
             while pid > 1 and depth < 64:
-                if pid == lease.owner_pid:
+                if pid == holder_pid:
                     mine.append(proc)
                     break
                 parent = self.ctx.procs.parent(pid)

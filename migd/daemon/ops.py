@@ -8,6 +8,7 @@ whose authorisation is already checked.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -34,6 +35,7 @@ from migd.daemon.auth import Peer
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
+from migd.daemon.leftovers import quarantine_leftovers
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.periodic import known_sum
 from migd.daemon.status import build_status, explain_job
@@ -87,6 +89,35 @@ class Ops:
             view.pop("env", None)  # another user's environment is not theirs to read
         return view
 
+    def _hidden_from(self, peer: Peer) -> frozenset[str]:
+        """The MIG device UUIDs ``peer`` may not see: those of live leases of other users.
+
+        A MIG UUID is the ``CUDA_VISIBLE_DEVICES`` value of the job that holds it, so a
+        reply must not pair another user's lease with it (docs/api.md, "What another
+        user sees"). Everything else of the lease stays visible (id, job, state, GPU,
+        profile, placement), and so do idle instances' UUIDs and GPU UUIDs.
+        """
+        if self.ctx.auth.is_admin(peer):
+            return frozenset()
+        gpu_uuids = {g.uuid for g in self.ctx.sched.gpus.values()}
+        return frozenset(
+            lease.mig_uuid
+            for lease in self.ctx.sched.leases.values()
+            if lease.owner_uid != peer.uid
+            and lease.mig_uuid
+            and lease.mig_uuid not in gpu_uuids
+            and not lease.state.terminal
+        )
+
+    def _for_peer(self, reply: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """``reply`` with every UUID ``peer`` may not see replaced by None (in strings that
+        merely contain one, by "<hidden>")."""
+        hidden = self._hidden_from(peer)
+        if not hidden:
+            return reply
+        scrubbed: dict[str, Any] = _scrub(reply, hidden)
+        return scrubbed
+
     def _job_id(self, given: str) -> str:
         """A job as admins name it: its GlobalJobId as the wrapper sends it, or the
         ``ClusterId.ProcId`` that ``condor_q`` shows when one schedd's job matches."""
@@ -106,36 +137,51 @@ class Ops:
 
     # -- ops anyone or readers may call -----------------------------------------------------
 
-    async def ping(self, call: Call) -> dict[str, Any]:
+    async def ping(self, call: Call[Any]) -> dict[str, Any]:
         return {"version": __version__, "pid": os.getpid(), "backend": self.ctx.config.backend.kind}
 
-    async def status(self, call: Call) -> dict[str, Any]:
-        return build_status(self.ctx)
+    async def status(self, call: Call[Any]) -> dict[str, Any]:
+        return self._for_peer(build_status(self.ctx), call.peer)
 
-    async def list_leases(self, call: Call) -> dict[str, Any]:
-        req: StatusRequest = call.request
+    async def list_leases(self, call: Call[StatusRequest]) -> dict[str, Any]:
+        req = call.request
         sched, db = self.ctx.sched, self.ctx.db
         leases = sched.active_leases() if not req.all else db.recent_leases(500)
-        return {"leases": [self.lease_view(lease, call.peer) for lease in leases]}
+        reply = {"leases": [self.lease_view(lease, call.peer) for lease in leases]}
+        return self._for_peer(reply, call.peer)
 
-    async def explain(self, call: Call) -> dict[str, Any]:
-        req: ExplainRequest = call.request
+    async def explain(self, call: Call[ExplainRequest]) -> dict[str, Any]:
+        req = call.request
         job_id = self._job_id(req.job_id)
-        return explain_job(self.ctx, job_id, lambda lease: self.lease_view(lease, call.peer))
+        reply = explain_job(self.ctx, job_id, lambda lease: self.lease_view(lease, call.peer))
+        return self._for_peer(reply, call.peer)
 
-    async def history(self, call: Call) -> dict[str, Any]:
-        req: HistoryRequest = call.request
+    async def history(self, call: Call[HistoryRequest]) -> dict[str, Any]:
+        """A page of the history, newest first: at most ``limit`` rows and
+        ``api.max_reply_bytes`` of event data; ``next_before_id`` asks for the next."""
+        req = call.request
+        db = self.ctx.db
         job = self._job_id(req.job_id) if req.job_id else None
-        rows = self.ctx.db.history(limit=req.limit, job_id=job)
-        return {"history": [r.to_dict() for r in rows]}
+        rows = db.history(
+            limit=req.limit,
+            job_id=job,
+            before_id=req.before_id,
+            max_bytes=self.ctx.config.api.max_reply_bytes,
+        )
+        more = bool(rows) and bool(db.history(limit=1, job_id=job, before_id=rows[-1].id))
+        reply = {
+            "history": [r.to_dict() for r in rows],
+            "next_before_id": rows[-1].id if more else None,
+        }
+        return self._for_peer(reply, call.peer)
 
-    async def reload_config(self, call: Call) -> dict[str, Any]:
+    async def reload_config(self, call: Call[Any]) -> dict[str, Any]:
         return await self.reload()
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def lease(self, call: Call) -> dict[str, Any]:
-        req: LeaseRequestMsg = call.request
+    async def lease(self, call: Call[LeaseRequestMsg]) -> dict[str, Any]:
+        req = call.request
         ctx, peer = self.ctx, call.peer
         # The holder is the caller as the kernel names it (SO_PEERCRED, translated into
         # migd's PID namespace). A client may name another process of its own; a PID
@@ -177,6 +223,9 @@ class Ops:
             owner_start_s=ctx.procs.start_time(holder),
             created_s=now,
         )
+        # A state disk that refuses writes refuses the request here, before the books
+        # change (a grant migd cannot record would be lost by the next restart).
+        ctx.db.require_writable()
         try:
             outcome = ctx.sched.submit(lease, now, mono)
         except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
@@ -208,10 +257,10 @@ class Ops:
         view["prepared"] = first_state is LeaseState.PREPARING
         return view
 
-    async def get_lease(self, call: Call) -> dict[str, Any]:
+    async def get_lease(self, call: Call[LeaseRef]) -> dict[str, Any]:
         return self.lease_view(call.owned, call.peer)
 
-    async def heartbeat(self, call: Call) -> dict[str, Any]:
+    async def heartbeat(self, call: Call[LeaseRef]) -> dict[str, Any]:
         lease = call.owned
         if lease.state is not LeaseState.ACTIVE:
             raise LeaseNotFound(f"lease {lease.lease_id} is {lease.state.value}, not active")
@@ -219,15 +268,17 @@ class Ops:
         self.leases.save(lease)
         return {"state": lease.state.value}
 
-    async def release(self, call: Call) -> dict[str, Any]:
-        req: LeaseRef = call.request
-        return self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
+    async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
+        req = call.request
+        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, call.owned)
+        result = self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
+        return {**result, "leftover_pids": leftover} if leftover else result
 
-    async def release_job(self, call: Call) -> dict[str, Any]:
+    async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of
         the job, anyone else only their own (a job id alone proves nothing: any user can
         name any job)."""
-        req: ReleaseJobRequest = call.request
+        req = call.request
         peer = call.peer
         # Job ids are GlobalJobIds (unique across access points); a caller that knows the
         # slot narrows it further, so a bare ClusterId.ProcId cannot hit another schedd's job.
@@ -250,26 +301,27 @@ class Ops:
         released = []
         for lease in leases:
             reason = req.reason or f"released by the JOB_EXIT hook (uid {peer.uid})"
+            await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
             self.leases.release(lease, reason)
             released.append(lease.lease_id)
         return {"released": released}
 
-    async def usage(self, call: Call) -> dict[str, Any]:
+    async def usage(self, call: Call[LeaseRef]) -> dict[str, Any]:
         lease = call.owned
         if lease.gpu is None or lease.state is not LeaseState.ACTIVE:
             return {"state": lease.state.value}
         gpu, on_gpu, backend = lease.gpu, self.executor.on_gpu, self.ctx.backend
         # MIG: the instance; MPS: its device (a MIG instance or the whole GPU).
-        device = lease.mig_uuid if lease.mode in ("mig", "mps") else None
+        device = lease.mig_uuid if lease.mode in (GpuMode.MIG, GpuMode.MPS) else None
         try:
             memory = await on_gpu(gpu, backend.memory, gpu, device, timeout_s=10.0)
             procs = await on_gpu(gpu, backend.processes, gpu, device, timeout_s=10.0)
-            if lease.mode == "mps":  # the device is shared: only this job's processes
-                procs = await on_gpu(gpu, self.mps.usage, lease, procs, timeout_s=10.0)
+            if lease.mode is GpuMode.MPS:  # the device is shared: only this job's processes
+                procs = await on_gpu(gpu, self.mps.usage, lease.owner_pid, procs, timeout_s=10.0)
         except (MigdError, TimeoutError) as exc:
             return {"state": lease.state.value, "error": str(exc)}
         self.leases.note_peak(
-            lease.lease_id, known_sum(procs) if lease.mode == "mps" else memory.used_mib
+            lease.lease_id, known_sum(procs) if lease.mode is GpuMode.MPS else memory.used_mib
         )
         return {
             "state": lease.state.value,
@@ -278,11 +330,11 @@ class Ops:
             "device_used_mib": memory.used_mib,
             "device_total_mib": memory.total_mib,
             "processes": [{"pid": p.pid, "used_mib": p.used_mib} for p in procs],
-            "scope": "job" if lease.mode == "mps" else "device",
+            "scope": "job" if lease.mode is GpuMode.MPS else "device",
         }
 
-    async def report(self, call: Call) -> dict[str, Any]:
-        req: ReportRequest = call.request
+    async def report(self, call: Call[ReportRequest]) -> dict[str, Any]:
+        req = call.request
         lease = call.owned
         if req.event == "mps_client_error":
             message = str(req.data.get("message", "")).strip()[:4096]
@@ -292,6 +344,24 @@ class Ops:
                     hint='send {"message": "<the stderr line>"}',
                 )
             return await self.mps.client_error(lease, message)
+        # What one lease's owner can make migd store is bounded: each report's size and
+        # their number (1,500 reports of 60 KB grew the database by 191 MB in a second).
+        api = self.ctx.config.api
+        size = len(json.dumps(req.data, separators=(",", ":")))
+        if size > api.max_report_bytes:
+            raise InvalidRequest(
+                f"report data is {size} bytes of JSON; at most {api.max_report_bytes} "
+                "(api.max_report_bytes)",
+                hint="send a summary; keep large output in the job's own files",
+            )
+        recorded = self.ctx.db.count_events(lease.lease_id, "wrapper.")
+        if recorded >= api.max_reports_per_lease:
+            raise InvalidRequest(
+                f"lease {lease.lease_id} has recorded {recorded} reports already "
+                f"(api.max_reports_per_lease = {api.max_reports_per_lease})",
+                hint="report only what changes the lease's story (OOM, exit, forecasts)",
+            )
+        self.ctx.db.require_writable()  # a report the history cannot keep is refused
         self.leases.record(f"wrapper.{req.event}", lease, **req.data)
         # Nested, so a client's keys can neither clash with nor forge the log's own
         # fields (level, timestamp, event, lease_id).
@@ -305,11 +375,12 @@ class Ops:
 
     # -- GPUs -------------------------------------------------------------------------------
 
-    async def gpu_op(self, call: Call) -> dict[str, Any]:
-        req: GpuRequest = call.request
+    async def gpu_op(self, call: Call[GpuRequest]) -> dict[str, Any]:
+        req = call.request
         peer, ctx = call.peer, self.ctx
         sched = ctx.sched
         gpu = self._gpu_ref(req.gpu)
+        ctx.db.require_writable()  # a drain flag that cannot be kept would not survive
         now, mono = ctx.now()
         if req.op in ("drain", "resume"):
             outcome = sched.set_draining(gpu.index, req.op == "drain", now, mono)
@@ -338,3 +409,19 @@ class Ops:
         raise InvalidRequest(
             f"no GPU {ref!r} on this node", hint="use an index or UUID from `migctl status`"
         )
+
+
+def _scrub(value: Any, hidden: frozenset[str]) -> Any:
+    """A copy of a JSON-like ``value`` with the ``hidden`` strings taken out."""
+    if isinstance(value, str):
+        if value in hidden:
+            return None
+        if "MIG-" in value:
+            for secret in hidden:
+                value = value.replace(secret, "<hidden>")
+        return value
+    if isinstance(value, dict):
+        return {k: _scrub(v, hidden) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub(v, hidden) for v in value]
+    return value

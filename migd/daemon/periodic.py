@@ -1,16 +1,27 @@
 """The periodic tasks: reaper, timers, memory sampler and systemd watchdog.
 
-* reaper (every ``reaper.interval_s``): reclaim leases whose holder died or stopped
-  heartbeating, start an MPS housekeeping round, re-read GPUs that need it;
-* timers (every second): queue deadlines; every 10 s idle teardown, the demand model's
-  snapshot and pruning; hourly the history;
-* sampler (every second): GPU, instance and lease memory for status and OOM evidence;
-* watchdog: feed systemd only while every GPU thread answers.
+Each task's decisions are a synchronous step over the time it is given (the
+:class:`~migd.ports.Clock` the daemon was built with), tested with a manual clock; the
+asyncio loops around them only sleep, run the NVML reads a step needs in the GPU's
+thread, and call the step (cobald's ``regulate()`` / ``run()`` split):
+
+* reaper (every ``reaper.interval_s``): :meth:`Reaper.holders_gone` picks the leases
+  whose holder died or stopped heartbeating; the loop checks their instances for
+  processes and reclaims them, starts an MPS housekeeping round, re-reads GPUs that
+  need it;
+* timers (every second): :meth:`Timers.step` expires queued requests past their
+  deadline; every 10 s idle teardown, the demand model's snapshot and pruning; hourly
+  the history;
+* sampler (every second): :func:`sample_plan` says what to read, the GPU's thread reads
+  it (:meth:`Sampler.read`), :meth:`Sampler.apply` books GPU, instance and lease
+  memory for status and OOM evidence;
+* watchdog: :meth:`Watchdog.step` feeds systemd only while every GPU thread answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -35,20 +46,27 @@ class Reaper:
         self.executor = executor
         self.leases = leases
 
-    async def reap(self, now: float, mono: float) -> None:
-        """Reclaim leases whose holder is gone; never free an instance processes still use."""
+    def holders_gone(self, now: float) -> list[tuple[Lease, str]]:
+        """Active leases whose holder process exited, or whose heartbeat is older than
+        ``reaper.heartbeat_timeout_s`` (0: no heartbeats needed), with the reason."""
         ctx = self.ctx
         timeout = ctx.config.reaper.heartbeat_timeout_s
-        for lease in list(ctx.sched.active_leases()):
+        gone = []
+        for lease in ctx.sched.active_leases():
             if lease.state is not LeaseState.ACTIVE:
                 continue
             alive = ctx.procs.alive(lease.owner_pid, lease.owner_start_s)
             stale = timeout > 0 and (now - (lease.heartbeat_s or lease.updated_s)) > timeout
-            if alive and not stale:
-                continue
-            reason = "holder process exited" if not alive else "no heartbeat"
+            if not alive or stale:
+                gone.append((lease, "holder process exited" if not alive else "no heartbeat"))
+        return gone
+
+    async def reap(self, now: float, mono: float) -> None:
+        """Reclaim leases whose holder is gone; never free an instance processes still use."""
+        ctx = self.ctx
+        for lease, reason in self.holders_gone(now):
             still_used = False
-            if lease.mode == "mig" and lease.mig_uuid and lease.gpu is not None:
+            if lease.mode is GpuMode.MIG and lease.mig_uuid and lease.gpu is not None:
                 try:
                     still_used = bool(
                         await self.executor.on_gpu(
@@ -72,8 +90,144 @@ class Reaper:
             self.leases.release(lease, reason, reclaim=True)
 
 
+class Timers:
+    """Queue deadlines, idle teardown, the demand snapshot and pruning (see module)."""
+
+    HOUSEKEEPING_EVERY_S = 10.0
+    HISTORY_EVERY_S = 3600.0
+
+    def __init__(self, ctx: DaemonContext, leases: LeaseService) -> None:
+        self.ctx = ctx
+        self.leases = leases
+        self._next_housekeeping: float | None = None  # monotonic
+        self._next_history: float | None = None
+
+    def step(self, now: float, mono: float) -> None:
+        """One round at wall-clock ``now`` / monotonic ``mono`` (the loop: every second)."""
+        ctx, leases, sched = self.ctx, self.leases, self.ctx.sched
+        # A failing state disk is retried every round; once it takes writes, the leases
+        # changed meanwhile are written (recovery needs no restart).
+        leases.flush()
+        if self._next_housekeeping is None or self._next_history is None:
+            self._next_housekeeping = mono + self.HOUSEKEEPING_EVERY_S
+            self._next_history = mono + self.HISTORY_EVERY_S
+        expired = sched.expire(now, mono)  # its outcome places what they blocked
+        for lease in expired.ended:
+            leases.record("expired", lease, reason=lease.reason)
+        leases.apply(expired)
+        if mono >= self._next_housekeeping:
+            self._next_housekeeping = mono + self.HOUSEKEEPING_EVERY_S
+            leases.apply(sched.idle_teardown(now, mono))
+            ctx.db.set_meta("demand", {"counts": sched.demand.snapshot(), "last_s": now})
+            leases.prune(all_terminal=True)
+        if mono >= self._next_history:
+            self._next_history = mono + self.HISTORY_EVERY_S
+            ctx.db.prune(ctx.config.daemon.history_keep, ctx.config.daemon.history_keep_bytes)
+
+
+class Watchdog:
+    """Feeds systemd's watchdog only while every GPU thread is sound.
+
+    Every GPU thread must answer a heartbeat within half the watchdog interval,
+    except while NVML work (a create or destroy) younger than
+    ``daemon.work_timeout_s`` runs on some GPU: a heartbeat queued behind a slow but
+    legitimate creation, in that GPU's thread or behind the driver's lock that
+    serialises MIG changes across GPUs, must not get migd killed. A call that hangs
+    stops the pings either way: a short call (memory sampling, the reaper) at once,
+    a create or destroy when ``work_timeout_s`` ends it (migd then records the
+    failure and marks the GPU, see ``GpuExecutor.run_work``). systemd restarts migd
+    one ``WatchdogSec`` after the last ping; leases survive in the state db.
+    """
+
+    def __init__(self, ctx: DaemonContext, executor: GpuExecutor) -> None:
+        self.ctx = ctx
+        self.executor = executor
+        self.interval_s = ctx.notifier.watchdog_s or 20.0
+        self.tick_s = self.interval_s / 4
+        self.stale_after_s = self.interval_s / 2
+
+    def step(self, mono: float) -> bool:
+        """Ping systemd unless a GPU thread is starved or an NVML call hung; True if pinged."""
+        stale = self.executor.starved_gpus(self.stale_after_s, mono)
+        if stale or self.executor.tripped:
+            log.error(
+                "watchdog.starved",
+                gpus=stale,
+                reason=self.executor.tripped or "GPU thread did not answer",
+                hint="an NVML call hangs; systemd restarts migd when WatchdogSec passes",
+            )
+            return False
+        self.ctx.notifier.watchdog()
+        return True
+
+
+@dataclass
+class SamplePlan:
+    """What one sampling round reads on a GPU (decided on the event loop)."""
+
+    gpu: int
+    instances: list[str] = field(default_factory=list)  # READY instances' UUIDs
+    #: MPS devices (None: the whole GPU) -> (lease id, holder pid) of their shares
+    shares: dict[str | None, list[tuple[str, int]]] = field(default_factory=dict)
+
+
+@dataclass
+class SampleReading:
+    """What the GPU's thread read for a :class:`SamplePlan` (None: NVML could not say)."""
+
+    gpu_used_mib: int | None
+    instance_used_mib: dict[str, int | None] = field(default_factory=dict)
+    share_used_mib: dict[str, int | None] = field(default_factory=dict)
+
+
+def sample_plan(ctx: DaemonContext, gpu: ManagedGpu) -> SamplePlan:
+    plan = SamplePlan(gpu.index)
+    plan.instances = [i.uuid for i in gpu.instances if i.uuid and i.status is InstanceStatus.READY]
+    for lease in ctx.sched.active_leases():
+        if lease.gpu == gpu.index and lease.mode is GpuMode.MPS:
+            plan.shares.setdefault(lease.mig_uuid, []).append((lease.lease_id, lease.owner_pid))
+    return plan
+
+
+class Sampler:
+    """GPU memory once a second: per GPU and instance for ``migctl status``, and the
+    peak of every active lease as OOM evidence for the wrapper, whose own sampling
+    misses short jobs. An instance's lease uses the instance, an exclusive lease the
+    GPU, an MPS share the memory of its holder's processes on the share's device."""
+
+    def __init__(self, ctx: DaemonContext, leases: LeaseService, mps: MpsSupervisor) -> None:
+        self.ctx = ctx
+        self.leases = leases
+        self.mps = mps
+
+    def read(self, plan: SamplePlan) -> SampleReading:
+        """The NVML reads of a plan (in the GPU's thread; raises what the backend raises)."""
+        backend, index = self.ctx.backend, plan.gpu
+        reading = SampleReading(backend.memory(index).used_mib)
+        for uuid in plan.instances:
+            reading.instance_used_mib[uuid] = backend.memory(index, uuid).used_mib
+        for device, shares in plan.shares.items():
+            procs = backend.processes(index, device)
+            for lease_id, holder in shares:
+                reading.share_used_mib[lease_id] = known_sum(self.mps.usage(holder, procs))
+        return reading
+
+    def apply(self, gpu: ManagedGpu, reading: SampleReading) -> None:
+        note_peak = self.leases.note_peak
+        gpu.used_mib = reading.gpu_used_mib
+        if gpu.exclusive_lease is not None:
+            note_peak(gpu.exclusive_lease, reading.gpu_used_mib)
+        for inst in gpu.instances:
+            if inst.uuid in reading.instance_used_mib:
+                inst.used_mib = reading.instance_used_mib[inst.uuid]
+                if inst.lease_id is not None and inst.mps_pool is None:
+                    note_peak(inst.lease_id, inst.used_mib)
+        for lease_id, used in reading.share_used_mib.items():
+            note_peak(lease_id, used)
+
+
 class PeriodicTasks:
-    """The daemon's background loops (see the module docstring)."""
+    """The daemon's background loops: thin asyncio around the steps above."""
 
     def __init__(
         self,
@@ -90,6 +244,8 @@ class PeriodicTasks:
         self.reaper = reaper
         self.reconciler = reconciler
         self.mps = mps
+        self.timers = Timers(ctx, leases)
+        self.sampler = Sampler(ctx, leases, mps)
 
     def start(self) -> list[asyncio.Task[None]]:
         return [
@@ -111,114 +267,53 @@ class PeriodicTasks:
                     if self.reconciler.needs_resync(gpu):
                         for note in await self.reconciler.resync_gpu(gpu.index):
                             log.info("resync", gpu=gpu.index, note=note)
+                        self.reconciler.forget_explained(gpu.index)
                         # Judged afresh, the GPU may take work again: place what fits.
                         self.leases.apply(ctx.sched.schedule(now, mono))
             except Exception as exc:
                 log.exception("reaper.crashed", error=str(exc))
 
     async def timer_loop(self) -> None:
-        """Queue deadlines, idle teardown, re-checks of unexplained instances, pruning."""
-        ctx, leases = self.ctx, self.leases
-        tick = 0
         while True:
             await asyncio.sleep(1.0)
-            tick += 1
-            now, mono = ctx.now()
-            sched = ctx.sched
             try:
-                expired = sched.expire(now, mono)
-                for lease in expired.ended:
-                    leases.record("expired", lease, reason=lease.reason)
-                leases.apply(expired)
-                if tick % 10 == 0:
-                    leases.apply(sched.idle_teardown(now, mono))
-                    ctx.db.set_meta("demand", {"counts": sched.demand.snapshot(), "last_s": now})
-                    leases.prune(all_terminal=True)
-                if tick % 3600 == 0:
-                    ctx.db.prune(ctx.config.daemon.history_keep)
+                self.timers.step(*self.ctx.now())
             except Exception as exc:
                 log.exception("timers.crashed", error=str(exc))
 
     async def sampler_loop(self) -> None:
-        """GPU memory once a second: per GPU and instance for ``migctl status``, and the
-        peak of every active lease as OOM evidence for the wrapper, whose own sampling
-        misses short jobs. Reads may degrade to unknown; the first round runs at once,
-        so status shows memory from the start."""
+        """Reads may degrade to unknown; the first round runs at once, so status shows
+        memory from the start."""
         while True:
             for gpu in list(self.ctx.sched.gpus.values()):
                 if gpu.mode is GpuMode.OFF or gpu.index not in self.executor.workers:
                     continue
                 try:
-                    await self._sample_gpu(gpu)
+                    plan = sample_plan(self.ctx, gpu)
+                    reading = await self.executor.on_gpu(
+                        gpu.index, self.sampler.read, plan, timeout_s=10.0
+                    )
+                    self.sampler.apply(gpu, reading)
                 except (MigdError, TimeoutError):
                     gpu.used_mib = None
                 except Exception as exc:  # sampling must outlive any surprise
                     log.exception("sampler.crashed", gpu=gpu.index, error=str(exc))
             await asyncio.sleep(1.0)
 
-    async def _sample_gpu(self, gpu: ManagedGpu) -> None:
-        """One GPU's memory, its instances', and its leases' peaks: an instance's lease
-        uses the instance, an exclusive lease the GPU, an MPS share the memory of its
-        holder's processes on the share's device."""
-        on_gpu, backend, note_peak = self.executor.on_gpu, self.ctx.backend, self.leases.note_peak
-        index = gpu.index
-        memory = await on_gpu(index, backend.memory, index, timeout_s=10.0)
-        gpu.used_mib = memory.used_mib
-        if gpu.exclusive_lease is not None:
-            note_peak(gpu.exclusive_lease, memory.used_mib)
-        for inst in gpu.instances:
-            if inst.uuid and inst.status is InstanceStatus.READY:
-                mem = await on_gpu(index, backend.memory, index, inst.uuid, timeout_s=10.0)
-                inst.used_mib = mem.used_mib
-                if inst.lease_id is not None and inst.mps_pool is None:
-                    note_peak(inst.lease_id, mem.used_mib)
-        shares: dict[str | None, list[Lease]] = {}
-        for lease in self.ctx.sched.active_leases():
-            if lease.gpu == index and lease.mode == "mps":
-                shares.setdefault(lease.mig_uuid, []).append(lease)
-        for device, leases in shares.items():
-            procs = await on_gpu(index, backend.processes, index, device, timeout_s=10.0)
-            for lease in leases:
-                mine = await on_gpu(index, self.mps.usage, lease, procs, timeout_s=10.0)
-                note_peak(lease.lease_id, known_sum(mine))
-
     async def watchdog_loop(self) -> None:
-        """Feed systemd's watchdog only while every GPU thread is sound.
-
-        Every GPU thread must answer a heartbeat within half the watchdog interval,
-        except while NVML work (a create or destroy) younger than
-        ``daemon.work_timeout_s`` runs on some GPU: a heartbeat queued behind a slow but
-        legitimate creation, in that GPU's thread or behind the driver's lock that
-        serialises MIG changes across GPUs, must not get migd killed. A call that hangs
-        stops the pings either way: a short call (memory sampling, the reaper) at once,
-        a create or destroy when ``work_timeout_s`` ends it (migd then records the
-        failure and marks the GPU, see ``GpuExecutor.run_work``). systemd restarts migd
-        one ``WatchdogSec`` after the last ping; leases survive in the state db.
-        """
-        notifier = self.ctx.notifier
-        interval = notifier.watchdog_s or 20.0
-        tick, stale_after = interval / 4, interval / 2
-        if notifier.watchdog_s:
+        watchdog = Watchdog(self.ctx, self.executor)
+        if self.ctx.notifier.watchdog_s:
             log.info(
                 "watchdog.enabled",
-                watchdog_s=interval,
-                ping_every_s=tick,
-                heartbeat_stale_after_s=stale_after,
+                watchdog_s=watchdog.interval_s,
+                ping_every_s=watchdog.tick_s,
+                heartbeat_stale_after_s=watchdog.stale_after_s,
                 work_timeout_s=self.ctx.config.daemon.work_timeout_s,
             )
         while True:
             self.executor.send_heartbeats()
-            await asyncio.sleep(tick)
-            stale = self.executor.starved_gpus(stale_after)
-            if stale or self.executor.tripped:
-                log.error(
-                    "watchdog.starved",
-                    gpus=stale,
-                    reason=self.executor.tripped or "GPU thread did not answer",
-                    hint="an NVML call hangs; systemd restarts migd when WatchdogSec passes",
-                )
-                continue
-            notifier.watchdog()
+            await asyncio.sleep(watchdog.tick_s)
+            watchdog.step(self.ctx.clock.monotonic())
 
 
 def known_sum(procs: list[GpuProcess]) -> int | None:

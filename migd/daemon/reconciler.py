@@ -43,25 +43,31 @@ class Reconciler:
         self.leases = leases
         self.mps = mps
         self.reap = reap
-        self.resync_health: dict[int, str] = {}  # GPU -> the health a resync set on it
         self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
 
     # -- how each GPU is managed ------------------------------------------------------------
 
     def manage(self, info: GpuInfo) -> ManagedGpu:
-        config, backend = self.ctx.config, self.ctx.backend
+        """How a discovered GPU is managed; what keeps it from work is its ``startup``
+        health condition."""
+        config, backend, now = self.ctx.config, self.ctx.backend, self.ctx.clock.now()
         if not info.mig_mode_known:
             # Unknown is not "no MIG": a MIG GPU managed whole would be handed out wrongly.
-            return ManagedGpu(
+            unknown = ManagedGpu(
                 index=info.index,
                 uuid=info.uuid,
                 model=info.model or info.name,
                 name=info.name,
                 memory_total_mib=info.memory_total_mib,
                 mode=GpuMode.OFF,
-                health=f"{info.mig_mode_error}; no work on this GPU: restart migd once "
-                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
             )
+            unknown.health.raise_(
+                "startup",
+                f"{info.mig_mode_error}; no work on this GPU: restart migd once "
+                f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
+                now,
+            )
+            return unknown
         if info.persistence_mode is False:
             log.warning(
                 "gpu.persistence_off",
@@ -73,7 +79,7 @@ class Reconciler:
         wanted = override.mode if override else "auto"
         # hybrid: a MIG GPU whose MPS hosts the hybrid policy decides (migd.core.hybrid)
         mps_in_mig = bool(override and (override.mps_in_mig or override.mode == "hybrid"))
-        health = "ok"
+        health = ""
         space = None
         mode: GpuMode
         if wanted == "off":
@@ -123,8 +129,9 @@ class Reconciler:
             memory_total_mib=info.memory_total_mib,
             mode=mode,
             space=space,
-            health=health,
         )
+        if health:
+            gpu.health.raise_("startup", health, now)
         self.mps.configure(gpu, info, mps_in_mig, override.mps_profile if override else None)
         return gpu
 
@@ -154,15 +161,21 @@ class Reconciler:
         """Adopt what the GPUs have, reload leases, reclaim those whose holder is gone."""
         ctx = self.ctx
         now, mono = ctx.now()
+        found: list[tuple[int, str]] = []
         for gpu in ctx.sched.gpus.values():
             if gpu.mode is GpuMode.MIG and gpu.space is not None:
-                notes = await self.resync_gpu(gpu.index)
-                for note in notes:
-                    ctx.notes.append(f"GPU {gpu.index}: {note}")
-                    log.info("reconcile.instance", gpu=gpu.index, note=note)
+                found += [(gpu.index, note) for note in await self.resync_gpu(gpu.index)]
         for lease in ctx.db.live_leases():
             self._restore_lease(lease, now)
         await self.reap(now, mono)
+        # The GPUs are read before the leases are back, so an instance whose job kept
+        # running through the restart looks unexplained until its lease is restored; the
+        # notes say what is true once leases are restored and reaped (after a kill -9 with
+        # 100 jobs, 51 instances were listed unexplained though each had its lease back).
+        for index, note in found:
+            if self._still_true(index, note):
+                ctx.notes.append(f"GPU {index}: {note}")
+                log.info("reconcile.instance", gpu=index, note=note)
         self.leases.apply(ctx.sched.schedule(now, mono))
 
     def _restore_lease(self, lease: Lease, now: float) -> None:
@@ -181,12 +194,36 @@ class Reconciler:
             self.leases.record(ended.state.value, ended, reason=ended.reason)
         self.leases.apply(outcome)
 
+    def _still_true(self, index: int, note: str) -> bool:
+        """False for a note that calls an instance unexplained which no longer is."""
+        if ": unexplained" not in note:
+            return True
+        gpu = self.ctx.sched.gpus.get(index)
+        if gpu is None:
+            return False
+        return any(
+            note.startswith(f"{inst}: ")
+            and inst.origin is Origin.UNEXPLAINED
+            and inst.lease_id is None
+            for inst in gpu.instances
+        )
+
+    def forget_explained(self, index: int) -> None:
+        """Drop status notes about instances of GPU ``index`` that are explained now
+        (adopted once their processes ended, leased, or gone)."""
+        prefix = f"GPU {index}: "
+        self.ctx.notes[:] = [
+            note
+            for note in self.ctx.notes
+            if not note.startswith(prefix) or self._still_true(index, note.removeprefix(prefix))
+        ]
+
     # -- re-reading a GPU -------------------------------------------------------------------
 
     def needs_resync(self, gpu: ManagedGpu) -> bool:
         """Instances that had processes without a lease are adopted once they empty;
         a GPU an earlier resync found wanting is judged again."""
-        return gpu.index in self.resync_health or any(
+        return "resync" in gpu.health.conditions or any(
             i.origin is Origin.UNEXPLAINED for i in gpu.instances
         )
 
@@ -209,13 +246,12 @@ class Reconciler:
             instances = await self.executor.on_gpu(index, ctx.backend.list_instances, index)
             in_use = await self.executor.on_gpu(index, self._instances_in_use, index, instances)
         except (MigdError, TimeoutError) as exc:
-            gpu.health = f"cannot read instances: {exc}"
-            self.resync_health[index] = gpu.health
-            return [gpu.health]
-        # Nothing below waits: the books and the health change in one step.
-        if gpu.health == self.resync_health.pop(index, None):
-            gpu.health = "ok"  # an earlier resync's verdict; judged afresh below
-        health_before = gpu.health
+            reason = f"cannot read instances: {exc}"
+            gpu.health.raise_("resync", reason, ctx.clock.now())
+            return [reason]
+        # Nothing below waits: the books and the health change in one step. An earlier
+        # resync's verdict is judged afresh below (no other source's is touched).
+        gpu.health.clear("resync")
         observed: list[tuple[Profile, int, int | None, str | None, int]] = []
         notes: list[str] = []
         untouchable: dict[int, str] = {}  # start -> why migd must leave it alone
@@ -262,18 +298,20 @@ class Reconciler:
                     notes.append(f"{managed}: unexplained ({why})")
                 managed.origin, managed.note = Origin.UNEXPLAINED, why
         if foreign:
-            gpu.health = (
+            gpu.health.raise_(
+                "resync",
                 "instances of profiles outside policy.profiles ("
                 + ", ".join(sorted({p.name for p in foreign}))
-                + "): no new work on this GPU until they are gone or policy.profiles lists them"
+                + "): no new work on this GPU until they are gone or policy.profiles lists them",
+                now,
             )
         if unknown:
-            gpu.health = (
+            gpu.health.raise_(
+                "resync",
                 f"{', '.join(unknown)} of a profile migd's geometry does not have: no new work "
-                "on this GPU until it is gone"
+                "on this GPU until it is gone",
+                now,
             )
-        if gpu.health != health_before:
-            self.resync_health[index] = gpu.health
         present = {m.start for m in gpu.instances}
         for managed in gpu.instances:
             if managed.start in own and managed.origin is Origin.ADOPTED:

@@ -20,11 +20,11 @@ import asyncio
 import contextlib
 import gc
 import signal
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from pydantic import BaseModel
 
 from migd import __version__
 from migd.core.hybrid import HybridPolicy, ShareRule
@@ -32,8 +32,8 @@ from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
 from migd.daemon.api_server import ApiServer, not_simulated, socket_access
-from migd.daemon.auth import Authorizer
-from migd.daemon.config import MigdConfig, changed_restart_keys
+from migd.daemon.auth import Authorizer, forget_accounts
+from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.gpu_health import GpuHealthMonitor
@@ -41,6 +41,7 @@ from migd.daemon.lease_service import LeaseService
 from migd.daemon.metrics import MetricsService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
+from migd.daemon.paths import ensure_dir
 from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
@@ -84,6 +85,24 @@ def _hybrid_policy(config: MigdConfig) -> HybridPolicy | None:
         if override.mode == "hybrid":
             return HybridPolicy(rule=ShareRule(override.share), reserve_mib=config.mps.reserve_mib)
     return None
+
+
+def keep_restart_keys(old: MigdConfig, new: MigdConfig) -> MigdConfig:
+    """``new`` with the value of every key in ``RESTART_KEYS`` taken from ``old``: what a
+    reload applies (``changed_restart_keys`` reports those it could not)."""
+
+    def keep(into: BaseModel, source: BaseModel, path: list[str]) -> BaseModel:
+        head, *rest = path
+        value = getattr(source, head)
+        if rest:
+            value = keep(getattr(into, head), value, rest)
+        return into.model_copy(update={head: value})
+
+    merged: BaseModel = new
+    for dotted in RESTART_KEYS:
+        merged = keep(merged, old, dotted.split("."))
+    assert isinstance(merged, MigdConfig)
+    return merged
 
 
 class Daemon:
@@ -141,7 +160,7 @@ class Daemon:
         if sim_node is not None:
             from migd.daemon.sim_ops import SimOps
 
-            SimOps(sim_node).register(self.api)
+            SimOps(sim_node, ctx).register(self.api)
         else:
             from migd.daemon.sim_ops import SIM_OPS
 
@@ -154,10 +173,16 @@ class Daemon:
 
     # -- start-up ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    def open(self) -> None:
+        """Open the state db, discover and manage the GPUs, build the scheduler and the
+        GPU threads: everything but reconciling, the socket and the loops (tests drive
+        the parts from here with a manual clock)."""
         ctx = self.ctx
         cfg = ctx.config
-        cfg.daemon.state_dir.mkdir(parents=True, exist_ok=True)
+        # Checked like the socket's directory, and never through a symlink (paths.py).
+        state_dir, runtime_dir = cfg.daemon.state_dir, cfg.daemon.runtime_dir
+        ensure_dir(state_dir.parent, state_dir.name, 0o700, where="daemon.state_dir")
+        ensure_dir(runtime_dir.parent, runtime_dir.name, 0o755, where="daemon.runtime_dir")
         ctx.store = store = StateStore(cfg.daemon.state_dir / "migd.db")
         store.checkpoint_in_background()
         if store.recovered_from is not None:
@@ -177,6 +202,12 @@ class Daemon:
             if gpu.uuid in draining:
                 gpu.draining = True
         self.executor.add_gpus(managed)
+
+    async def start(self) -> None:
+        ctx = self.ctx
+        cfg = ctx.config
+        self.open()
+        managed = list(ctx.sched.gpus.values())
         await self.mps.start()
         await self.reconciler.reconcile()
         await self.mps.reattach()
@@ -226,22 +257,9 @@ class Daemon:
             log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
             ctx.notifier.ready("reload failed; old configuration kept")
             return {"reloaded": False, "error": exc.to_dict()}
-        old = ctx.config
-        needs_restart = changed_restart_keys(old, new)
-        ctx.config = new.model_copy(
-            update={
-                "daemon": new.daemon.model_copy(
-                    update={
-                        "state_dir": old.daemon.state_dir,
-                        "runtime_dir": old.daemon.runtime_dir,
-                    }
-                ),
-                "backend": old.backend,
-                "api": new.api.model_copy(update={"socket": old.api.socket}),
-                "gpu": old.gpu,
-                "policy": new.policy.model_copy(update={"profiles": old.policy.profiles}),
-            }
-        )
+        needs_restart = changed_restart_keys(ctx.config, new)
+        ctx.config = keep_restart_keys(ctx.config, new)
+        forget_accounts()  # users and groups may have changed with the configuration
         ctx.auth = Authorizer(ctx.config.api)
         if self.api.bound:
             try:
@@ -288,8 +306,8 @@ class Daemon:
             DaemonUnavailable("migd is stopping", hint="the wrapper retries after restart"),
             reason="migd stopped while waiting",
         )
-        deadline = time.monotonic() + ctx.config.daemon.shutdown_grace_s
-        while time.monotonic() < deadline and self.executor.busy():
+        deadline = ctx.clock.monotonic() + ctx.config.daemon.shutdown_grace_s
+        while ctx.clock.monotonic() < deadline and self.executor.busy():
             await asyncio.sleep(0.05)
         self.mps.shutdown()
         for lease in ctx.sched.active_leases():

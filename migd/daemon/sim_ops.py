@@ -5,6 +5,10 @@
 registered with the API server only when migd runs the simulated backend; otherwise the
 server answers that they exist only there. Nothing in the production ops depends on
 this module.
+
+They check ownership like every other lease operation: a fake CUDA process may attach
+only to a device of one of its user's live leases, and only the process's user (or an
+admin) may allocate, free or detach for it.
 """
 
 from __future__ import annotations
@@ -14,22 +18,63 @@ from typing import Any
 from migd.api import SimRequest
 from migd.backends.simulated.node import SimCudaError, SimNode, SimOutOfMemory
 from migd.daemon.api_server import Access, ApiServer, Call
-from migd.errors import InvalidRequest
+from migd.daemon.auth import Peer
+from migd.daemon.context import DaemonContext
+from migd.errors import InvalidRequest, NotAuthorized
 
 SIM_OPS = ("sim_attach", "sim_alloc", "sim_free", "sim_detach")
 
 
 class SimOps:
-    def __init__(self, node: SimNode) -> None:
+    def __init__(self, node: SimNode, ctx: DaemonContext) -> None:
         self.node = node
+        self.ctx = ctx
+
+    def _check(self, req: SimRequest, peer: Peer) -> None:
+        """The caller owns the process, and (attach) a live lease on the device."""
+        if self.ctx.auth.is_admin(peer):
+            return
+        owner = self.ctx.procs.uid(req.pid)
+        if owner is None:  # the process is gone: judge by the device it used
+            proc = self.node.process(req.pid)
+            device = proc.device_uuid if proc is not None else None
+            if device is None or not self._leases_device(peer, device):
+                raise NotAuthorized(
+                    f"process {req.pid} is not one of uid {peer.uid}'s",
+                    hint="a fake CUDA job acts only for its own processes",
+                    uid=peer.uid,
+                )
+        elif owner != peer.uid:
+            raise NotAuthorized(
+                f"user {peer.user} (uid {peer.uid}) may not {req.op} for process {req.pid} "
+                f"of uid {owner}",
+                hint="a fake CUDA job acts only for its own processes",
+                uid=peer.uid,
+            )
+        device = req.device_uuid
+        if req.op == "sim_attach" and device is not None and not self._leases_device(peer, device):
+            raise NotAuthorized(
+                f"uid {peer.uid} holds no lease on {device}",
+                hint="attach to the device of your own lease (its mig_uuid or GPU)",
+                uid=peer.uid,
+            )
+
+    def _leases_device(self, peer: Peer, device: str) -> bool:
+        return any(
+            lease.owner_uid == peer.uid
+            and not lease.state.terminal
+            and device in (lease.mig_uuid, lease.gpu_uuid, lease.mps_device_uuid)
+            for lease in self.ctx.sched.leases.values()
+        )
 
     def register(self, server: ApiServer) -> None:
         for op in SIM_OPS:
             server.register(op, self.handle, Access.LEASE)
 
-    async def handle(self, call: Call) -> dict[str, Any]:
-        req: SimRequest = call.request
+    async def handle(self, call: Call[SimRequest]) -> dict[str, Any]:
+        req = call.request
         node = self.node
+        self._check(req, call.peer)
         try:
             if req.op == "sim_attach":
                 if req.device_uuid is None:

@@ -7,16 +7,20 @@ from collections.abc import Callable
 from typing import Any
 
 from migd import __version__
+from migd.core.capacity import placeable_mib
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
 from migd.core.planner import plan_on_gpu
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.mps_supervisor import mps_compute_mode_warning
+from migd.errors import MigdError
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
+#: Queued requests listed by status (the first, in policy order); queue_summary counts all.
+STATUS_QUEUE_SHOWN = 20
 
 
 def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] | None:
@@ -55,6 +59,29 @@ def gpu_warnings(info: GpuInfo, gpu: ManagedGpu) -> list[str]:
     return warnings
 
 
+def placeable(daemon: DaemonContext, gpu: ManagedGpu) -> int:
+    """GPU memory new leases could still get on this GPU, in total (MiB); see
+    :mod:`migd.core.capacity`. 0 when the GPU takes no work."""
+    if not gpu.available:
+        return 0
+    if gpu.mode is GpuMode.MIG and gpu.space is not None:
+        busy = [
+            (i.profile, i.start)
+            for i in gpu.instances
+            if i.busy and i.status is not InstanceStatus.DESTROYING
+        ]
+        try:
+            return placeable_mib(gpu.space, busy)
+        except MigdError:  # a layout the state machine does not know: promise nothing
+            return 0
+    if gpu.mode is GpuMode.MPS:
+        pool = daemon.sched.mps_pool(gpu)
+        return max(0, pool.free_mib) if pool.clients < pool.max_clients else 0
+    if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
+        return gpu.memory_total_mib
+    return 0
+
+
 def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:
     sched = daemon.sched
     info = next((g for g in daemon.gpus if g.index == gpu.index), None)
@@ -66,8 +93,18 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "mode": gpu.mode.value,
         "mig_current": info.mig_current if info else None,
         "mig_pending": info.mig_pending if info else None,
-        "health": gpu.health,
-        "healthy": gpu.health == "ok",
+        # condor_gpu_discovery's per-GPU properties (DriverVersion, MaxSupportedVersion,
+        # Capability): `migctl gpu-inventory` advertises them so require_gpus matches.
+        "driver_version": info.driver_version if info else None,
+        "cuda_version": info.cuda_version if info else None,
+        "compute_capability": (
+            f"{info.compute_capability[0]}.{info.compute_capability[1]}"
+            if info and info.compute_capability
+            else None
+        ),
+        "health": str(gpu.health),
+        "healthy": gpu.health.available,
+        "conditions": [c.to_dict() for c in gpu.health.conditions.values()],
         "persistence_mode": info.persistence_mode if info else None,
         "compute_mode": info.compute_mode if info else None,
         "warnings": gpu_warnings(info, gpu) if info else [],
@@ -75,6 +112,7 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "memory_total_mib": gpu.memory_total_mib,
         "memory_used_mib": gpu.used_mib,
         "largest_placeable": largest_placeable(daemon, gpu),
+        "placeable_mib": placeable(daemon, gpu),
         "instances": [],
     }
     if gpu.space is not None:
@@ -184,8 +222,17 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
     counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
     for lease in sched.active_leases():
         counts[lease.state.value] = counts.get(lease.state.value, 0) + 1
+    # The head of the queue and a summary, not the whole queue: with 10k waiting requests
+    # the full list made status take seconds and ~1.6 MB (one sort of the queue stays).
+    order = sched.queue.order(mono)
+    summary = {
+        "length": len(order),
+        "shown": 0,
+        "memory_mib": sum(item.memory_mib for item in order),
+        "oldest_waiting_s": round(max((i.age_s(mono) for i in order), default=0.0), 1),
+    }
     queue = []
-    for n, item in enumerate(sched.queue.order(mono), start=1):
+    for n, item in enumerate(order[:STATUS_QUEUE_SHOWN], start=1):
         queued = sched.leases.get(item.payload)
         if queued is None:
             continue
@@ -226,7 +273,15 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
             _gpu_status(daemon, g, now) for g in sorted(sched.gpus.values(), key=lambda g: g.index)
         ],
         "queue": queue,
+        "queue_summary": {**summary, "shown": len(queue)},
         "leases": counts,
+        # A node-level condition: while the state disk refuses writes, migd refuses new
+        # leases (state_disk errors) and serves everything else.
+        "state_disk": {
+            "ok": daemon.db.failing is None,
+            "reason": daemon.db.failing or "",
+            "since_s": daemon.db.failing_since,
+        },
         "notes": list(daemon.notes[-50:]),
     }
 
@@ -239,7 +294,10 @@ def explain_job(
     for lease in daemon.sched.leases.values():
         if lease.request.job_id == job_id:
             leases[lease.lease_id] = lease
-    history = daemon.db.history(limit=200, job_id=job_id)
+    # Bounded like a history page: the reply stays small however large the rows are.
+    history = daemon.db.history(
+        limit=200, job_id=job_id, max_bytes=daemon.config.api.max_reply_bytes // 2
+    )
     return {
         "job_id": job_id,
         "leases": [

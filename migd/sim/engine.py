@@ -761,7 +761,7 @@ class Simulation:
         share = 1.0
         alloc = float(self.compute)
         unit_start, units = 0, self.geo.units
-        label = lease.mode
+        label = str(lease.mode)  # a plain str, like the profile names below
         host = -1  # the MIG instance an MPS share runs in (start), -1: the whole GPU
         if lease.mode == "mig" or (lease.mode == "mps" and lease.profile is not None):
             assert gpu.space is not None and lease.profile is not None and lease.start is not None

@@ -6,7 +6,9 @@ or by ``request_VRAM``):
 ================== ===================================================== ============
 attribute          meaning                                               default
 ================== ===================================================== ============
-RequestVRAM        GPU memory in MiB (``request_VRAM = 10240``)          required
+RequestVRAM        GPU memory in MiB (``request_VRAM = 10240``)          see below
+GPUsMinMemory      ``gpus_minimum_memory``: used when RequestVRAM is      none
+                   absent
 RequestGPUs        GPUs; 0 or absent: not a GPU job, run it as is        0
 MigdMode           ``"mig"``, ``"mps"`` or ``"auto"``                     ``"auto"``
 MigdMinCompute     minimum MIG compute slices                            0
@@ -22,16 +24,26 @@ Attributes the wrapper itself writes through chirp (and reads back on the next
 run): ``MigdOomExit`` (this exit 86 is migd's out-of-memory exit, not the job's
 own), ``MigdOomExits`` (how many there were), ``MigdLastVRAM`` (the partition the
 job last ran out of, MiB), ``MigdStartFailures`` (how often in a row migd could not
-start the job) and ``MigdStartFailureReason`` (why, the last time).
+start the job) and ``MigdStartFailureReason`` (why, the last time); for the
+user, what the job holds: ``MigdPartitionProfile``, ``MigdPartitionMB``,
+``MigdPartitionMode``, ``MigdRestarts`` and ``MigdPeakMB`` (docs/operations.md).
 ``condor_config/20-migd-access-point.config`` decides on them.
 
 The lease is named after the job's ``GlobalJobId`` (``schedd#cluster.proc#qdate``),
 unique across access points; ``ClusterId.ProcId`` alone repeats between schedds.
 
-From the machine (slot) ad: ``Name`` (the slot), ``VRAM`` (the slot's
-provisioned GPU memory, used when the job ad has no RequestVRAM) and, when the
-node sets ``MigdPinToAssignedGPU = true`` (one partitionable slot per GPU),
-``AssignedGPUs``: the lease is then restricted to that GPU.
+The access point's transform (``condor_config/20-migd-access-point.config``)
+gives every GPU job a RequestVRAM: its own, else ``gpus_minimum_memory``, else
+``MIGD_DEFAULT_VRAM``. A job that reaches the wrapper with neither RequestVRAM
+nor GPUsMinMemory (an access point without migd's config) is refused with a
+clear reason; the slot's ``VRAM`` is never used: a reused dynamic slot carries
+whatever an earlier job asked for.
+
+From the machine (slot) ad: ``Name`` (the slot) and ``AssignedGPUs``: the lease
+is restricted to the GPU behind the assigned share, because the starter hides
+every other GPU's device files from the job (``STARTER_HIDE_GPU_DEVICES``,
+docs/htcondor-notes.md (q)). A node that turns hiding off may set
+``MigdPinToAssignedGPU = false`` in its slot ads to let migd choose the GPU.
 """
 
 from __future__ import annotations
@@ -89,15 +101,21 @@ def _flag(ad: Mapping[str, Any], key: str) -> bool:
 
 
 _SHARE_SUFFIX = re.compile(r"_s\d+$")
+_SHARE_PREFIX = re.compile(r"^GPU-s\d+-")
 
 
 def physical_gpu(share_id: str) -> str:
-    """``GPU-61342749_s3`` -> ``GPU-61342749``: the GPU behind an advertised share ID.
+    """``GPU-s03-61342749`` -> ``GPU-61342749``: the GPU behind an advertised share ID.
 
     ``migctl gpu-inventory --shares K`` lists each GPU as K distinct IDs because
-    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678).
+    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678). IDs of earlier releases
+    (``GPU-61342749_s3``) are still understood: a startd keeps the IDs it read at
+    its start.
     """
-    return _SHARE_SUFFIX.sub("", share_id.strip())
+    text = share_id.strip()
+    if _SHARE_PREFIX.match(text):
+        return "GPU-" + _SHARE_PREFIX.sub("", text)
+    return _SHARE_SUFFIX.sub("", text)
 
 
 def job_id_of(job_ad: Mapping[str, Any]) -> str:
@@ -128,22 +146,28 @@ def spec_from_ads(
     if gpus_requested <= 0 and vram is None:
         return JobSpec(tuple(command), job_id, 0, under_condor=True, gpu_job=False)
     if vram is None:
-        vram = _number(machine, "VRAM", None)
+        # HTCondor's own line; never the slot's VRAM (a reused dynamic slot keeps the
+        # size an earlier job asked for).
+        vram = _number(job_ad, "GPUsMinMemory", None)
     if vram is None or vram <= 0:
         raise JobAdError(
             f"job {job_id} asks for a GPU but says nothing about GPU memory",
-            hint="add `request_VRAM = <MiB>` to the submit file (e.g. request_VRAM = 10240)",
+            hint="add `request_VRAM = <MiB>` or `gpus_minimum_memory = <MiB>` to the submit "
+            "file, or install migd's access-point config (it sets MIGD_DEFAULT_VRAM)",
         )
     mode = str(job_ad.get("MigdMode", "auto")).lower()
     if mode not in MODES:
         raise JobAdError(f"MigdMode = {mode!r} is not one of {', '.join(MODES)}")
-    # By default migd picks the GPU (its planner packs work across the node); a node
-    # with one partitionable slot per GPU sets MigdPinToAssignedGPU so the job stays on
-    # the GPU whose VRAM HTCondor accounted.
+    # The lease goes on the GPU HTCondor assigned: with STARTER_HIDE_GPU_DEVICES (the
+    # default) the starter leaves the job only that GPU's device files, so a partition
+    # on another GPU would be unusable. Only a node that turned hiding off may let migd
+    # choose (MigdPinToAssignedGPU = false).
     assigned = machine.get("AssignedGPUs")
+    pin_flag = machine.get("MigdPinToAssignedGPU", True)
+    pin = pin_flag is not False and str(pin_flag).strip().lower() not in ("false", "no", "0")
     gpus = (
         tuple(physical_gpu(g) for g in assigned.split(",") if g.strip())
-        if _flag(machine, "MigdPinToAssignedGPU") and isinstance(assigned, str) and assigned.strip()
+        if pin and isinstance(assigned, str) and assigned.strip()
         else None
     )
     horizon = _number(job_ad, "MigdHorizon", None)

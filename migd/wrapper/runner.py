@@ -73,6 +73,23 @@ EARLY_SAMPLES_S = (0.25, 0.5, 1.0)
 AttrSetter = Callable[[Mapping[str, str | int | bool]], str]
 
 
+def partition_attrs(lease: Mapping[str, Any], restarts: int) -> dict[str, str | int | bool]:
+    """Job-ad attributes for the partition a lease holds (set through chirp).
+
+    ``MigdPartitionProfile`` (``1g.10gb``, ``mps``, ``whole-gpu``),
+    ``MigdPartitionMB`` (its memory limit), ``MigdPartitionMode`` (``mig``, ``mps``,
+    ``exclusive``) and ``MigdRestarts`` (on-node restarts so far in this run).
+    """
+    mode = str(lease.get("mode") or "")
+    profile = lease.get("profile") or {"mps": "mps", "exclusive": "whole-gpu"}.get(mode, mode)
+    return {
+        "MigdPartitionProfile": str(profile),
+        "MigdPartitionMB": int(lease.get("memory_limit_mib") or 0),
+        "MigdPartitionMode": mode,
+        "MigdRestarts": restarts,
+    }
+
+
 class WrapperFailure(Exception):
     """migd could not serve the job; ``message`` is the one line HTCondor should show."""
 
@@ -218,6 +235,7 @@ class JobRunner:
         spec = self.spec
         memory = spec.memory_mib
         restarts = weak_restarts = 0
+        peak = 0
         size: RestartSize | None = None
         limit = memory
         while True:
@@ -230,6 +248,9 @@ class JobRunner:
             if self.spec.start_failures:
                 # migd served it: the access point's loop breaker counts failures in a row.
                 self._chirp({"MigdStartFailures": 0})
+            # What the job holds now, in its ad (condor_q, condor_history): the slot's VRAM
+            # keeps the size it was matched with, even after a restart on a bigger partition.
+            self._chirp(partition_attrs(lease, restarts))
             try:
                 attempt = self._supervise(lease)
             except _JobNotStarted as exc:
@@ -240,6 +261,14 @@ class JobRunner:
             daemon_peak = released.get("peak_used_mib")
             if isinstance(daemon_peak, int) and daemon_peak > (attempt.peak_used_mib or 0):
                 attempt.peak_used_mib = daemon_peak
+            if attempt.peak_used_mib is not None and attempt.peak_used_mib > peak:
+                # the most GPU memory the job used on any attempt: what to ask for next time
+                peak = attempt.peak_used_mib
+                # HTCondor's own GPUsMemoryUsage ("peak memory usage over the lifetime of
+                # the job, in megabytes", managing-a-job.rst) is filled by its GPU monitor,
+                # which migd nodes do not run (it misreports shared GPUs): feed it the
+                # job's own peak instead.
+                self._chirp({"MigdPeakMB": peak, "GPUsMemoryUsage": peak})
             limit = int(lease.get("memory_limit_mib") or memory)
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)

@@ -4,6 +4,14 @@
 restored from the cache once, mounted for the session and cleaned up (all
 processes killed, everything unmounted) at the end.
 
+``migd_debs`` (session): the directory (host path) holding this tree's migd, migd-ep and
+migd-ap ``.deb`` files, built with ``packaging/build.sh`` inside the chroot once per
+content hash (``tests/integration/migd_packages.py``).
+
+``migd_installed`` (module): the chroot with those packages installed the way the README
+tells an admin (``apt-get install ./migd_*.deb ./migd-ep_*.deb ./migd-ap_*.deb``), purged
+again after the module so that other modules see a plain HTCondor.
+
 ``personal_pool`` (function): a factory ``personal_pool(extra_config="", *,
 name=None, config_files=None, timeout=60)`` that starts a fresh pool; every
 pool it made is stopped after the test, and on failure its logs are printed.
@@ -18,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 
@@ -29,12 +38,15 @@ from condor_pool import (
     CondorChroot,
     HarnessUnavailable,
     PersonalPool,
+    _log,
     default_cache,
     default_root,
 )
+from migd_packages import build_debs
 
 SKIP_ENV = "MIGD_SKIP_HTCONDOR"
-_HARNESS_FIXTURES = {"condor_chroot", "personal_pool"}
+_HARNESS_FIXTURES = {"condor_chroot", "personal_pool", "migd_debs", "migd_installed"}
+MIGD_PACKAGES = ("migd", "migd-ep", "migd-ap")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -80,6 +92,48 @@ def condor_chroot() -> Iterator[CondorChroot]:
         yield chroot
     finally:
         chroot.cleanup()
+
+
+@pytest.fixture(scope="session")
+def migd_debs(condor_chroot: CondorChroot) -> Path:
+    return build_debs(condor_chroot)
+
+
+def purge_migd(chroot: CondorChroot) -> None:
+    """dpkg --purge the migd packages (those installed), as an admin removing migd would."""
+    chroot.run(["dpkg", "--purge", *MIGD_PACKAGES], check=False, timeout=120)
+
+
+def install_migd(
+    chroot: CondorChroot, debs: Path, packages: tuple[str, ...] = MIGD_PACKAGES
+) -> float:
+    """``apt-get install ./<package>_*.deb`` inside the chroot; returns the seconds it took."""
+    chroot.run(["rm", "-rf", "/tmp/migd-debs"])
+    names = []
+    for pkg in packages:
+        [deb] = sorted(debs.glob(f"{pkg}_*.deb"))
+        chroot.copy_in(deb, f"/tmp/migd-debs/{deb.name}")
+        names.append(f"./{deb.name}")
+    t0 = time.monotonic()
+    chroot.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *names],
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+        cwd="/tmp/migd-debs",
+        timeout=300,
+    )
+    took = time.monotonic() - t0
+    _log(f"apt-get install {' '.join(names)}: {took:.1f}s")
+    return took
+
+
+@pytest.fixture(scope="module")
+def migd_installed(condor_chroot: CondorChroot, migd_debs: Path) -> Iterator[CondorChroot]:
+    purge_migd(condor_chroot)  # an earlier session's build of the same version
+    install_migd(condor_chroot, migd_debs)
+    try:
+        yield condor_chroot
+    finally:
+        purge_migd(condor_chroot)
 
 
 def _failed(node: pytest.Item) -> bool:

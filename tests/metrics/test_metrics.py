@@ -113,7 +113,7 @@ def test_instances_memory_and_queue_read_from_the_books() -> None:
 
 def test_an_unhealthy_gpu_and_a_stuck_daemon_show() -> None:
     node = NodeScheduler([gpu(0)])
-    node.gpus[0].health = "XID 79: GPU has fallen off the bus"
+    node.gpus[0].health.raise_("xid", "XID 79: GPU has fallen off the bus", 0.0)
     registry = build_registry(
         Source(node), MetricsRecorder(), daemon_problem=lambda: "an NVML call hung"
     )
@@ -121,7 +121,7 @@ def test_an_unhealthy_gpu_and_a_stuck_daemon_show() -> None:
     assert value(samples, "migd_gpu_healthy", gpu="0") == 0
     assert value(samples, "migd_gpu_available", gpu="0") == 0
     assert value(samples, "migd_daemon_healthy") == 0
-    assert [ls["source"] for ls, _ in samples["migd_gpu_health_condition"]] == ["daemon"]
+    assert [ls["source"] for ls, _ in samples["migd_gpu_health_condition"]] == ["xid"]
 
 
 def test_mps_devices_count_shares_pinned_memory_and_listed_processes() -> None:

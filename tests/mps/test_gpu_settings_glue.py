@@ -11,7 +11,7 @@ from migd.core.scheduler import GpuMode, ManagedGpu
 from migd.daemon.config import MigdConfig
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.status import gpu_warnings
-from migd.ports import GpuInfo
+from migd.ports import GpuInfo, ManualClock
 
 INFO = GpuInfo(
     index=0,
@@ -37,7 +37,7 @@ def mps_gpu() -> ManagedGpu:
 def configure(info: GpuInfo, *, require: bool) -> ManagedGpu:
     config = MigdConfig.model_validate({"mps": {"require_exclusive_process": require}})
     backend = SimpleNamespace(geometry=lambda index: SimpleNamespace(compute_slices=7))
-    ctx: Any = SimpleNamespace(config=config, backend=backend, mps=None)
+    ctx: Any = SimpleNamespace(config=config, backend=backend, mps=None, clock=ManualClock())
     gpu = mps_gpu()
     MpsSupervisor(ctx, executor=None, leases=None).configure(gpu, info, False, None)  # type: ignore[arg-type]
     return gpu
@@ -61,7 +61,7 @@ def test_the_compute_mode_matters_only_where_mps_is_offered() -> None:
 
 def test_require_exclusive_process_keeps_mps_off_other_gpus() -> None:
     weak = replace(INFO, compute_mode="DEFAULT")
-    assert configure(weak, require=False).health == "ok"
+    assert configure(weak, require=False).health.available
     refused = configure(weak, require=True)
-    assert "mps.require_exclusive_process" in refused.health
-    assert configure(INFO, require=True).health == "ok"
+    assert "mps.require_exclusive_process" in str(refused.health)
+    assert configure(INFO, require=True).health.available

@@ -91,6 +91,10 @@ class DaemonProcess:
             "json",
             "--set",
             "reaper.interval_s=0.2",
+            # NVML creates and destroys are instant unless a test asks for real latencies
+            # (--set backend.sim_time_scale=1 in its extra_args, which come after).
+            "--set",
+            "backend.sim_time_scale=0",
             *self.extra_args,
         ]
         with self.log_path.open("ab") as log:

@@ -179,34 +179,6 @@ def test_queued_request_is_granted_when_capacity_frees(daemon: DaemonProcess) ->
     assert third["decision"]["action"] == "repartition"
 
 
-def test_a_request_blocked_by_an_expired_one_is_granted_at_once(daemon: DaemonProcess) -> None:
-    """FIFO: a big request at the head blocks a small one behind it; when the big one's
-    deadline passes, the small one is granted then, not at some later unrelated event."""
-    daemon.simulate = "1xA100-40GB"
-    daemon.extra_args = ["--set", "reaper.interval_s=60"]  # no periodic pass helps it along
-    daemon.start()
-    client = daemon.client()
-    client.lease(job_id="busy.0", gpu_memory_mib=19000, wait_s=5)  # half the GPU
-    got: dict[str, Any] = {}
-
-    def ask(name: str, mib: int, wait_s: float) -> None:
-        with contextlib.suppress(MigdError):
-            got[name] = daemon.client(timeout_s=60).lease(
-                job_id=name, gpu_memory_mib=mib, wait_s=wait_s
-            )
-
-    big = threading.Thread(target=ask, args=("big.0", 39000, 2.0))
-    big.start()
-    wait_for(lambda: client.status()["queue"], what="the big request to queue")
-    small = threading.Thread(target=ask, args=("small.0", 1500, 60.0))
-    small.start()
-    wait_for(lambda: len(client.status()["queue"]) == 2, what="the small one behind it")
-    big.join(30)
-    assert "big.0" not in got  # expired
-    small.join(5)  # granted when the head expired, well before its own 60 s
-    assert not small.is_alive() and got["small.0"]["state"] == "active"
-
-
 def test_waiting_client_that_hangs_up_is_cancelled(daemon: DaemonProcess) -> None:
     daemon.start()
     client = daemon.client()

@@ -85,6 +85,8 @@ model = "A100-40GB"
     assert (inst["profile"], inst["origin"], inst["busy"]) == ("2g.10gb", "unexplained", True)
     assert "not in policy.profiles" in inst["note"]
     assert "outside policy.profiles" in gpu["health"] and not gpu["healthy"]
+    [condition] = gpu["conditions"]
+    assert condition["source"] == "resync" and condition["reason"] == gpu["health"]
     # Its units (0 and 1) are not offered as free.
     assert not {0, 1} & set(gpu["creatable"].get("1g.5gb", []))
     assert "2g.10gb" not in status["gpus"][1]["creatable"]  # the policy still rules GPU 1

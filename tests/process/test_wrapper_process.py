@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -316,7 +315,7 @@ def test_job_ad_fields_and_gpu_shares() -> None:
             "MigdHorizon": 300,
             "WantIOProxy": True,
         },
-        {"Name": "slot1_3@node", "AssignedGPUs": "GPU-61342749_s3", "MigdPinToAssignedGPU": True},
+        {"Name": "slot1_3@node", "AssignedGPUs": "GPU-s03-61342749"},
     )
     assert (spec.job_id, spec.memory_mib, spec.mode, spec.slot) == (
         "5.2",
@@ -329,10 +328,11 @@ def test_job_ad_fields_and_gpu_shares() -> None:
     unpinned = spec_from_ads(
         ["/bin/true"],
         {"ClusterId": 5, "ProcId": 2, "RequestVRAM": 9000},
-        {"AssignedGPUs": "GPU-61342749_s3", "VRAM": 9000},
+        {"AssignedGPUs": "GPU-61342749_s3", "MigdPinToAssignedGPU": False},
     )
-    assert unpinned.gpus is None  # migd chooses the GPU unless the node pins it
-    assert physical_gpu("GPU-61342749_s12") == "GPU-61342749"
+    assert unpinned.gpus is None  # a node without device hiding may let migd choose
+    assert physical_gpu("GPU-61342749_s12") == "GPU-61342749"  # IDs before 0.2
+    assert physical_gpu("GPU-s12-61342749") == "GPU-61342749"
 
 
 def test_release_hook_reads_the_job_id() -> None:
@@ -616,7 +616,17 @@ def test_usage_and_release_report_the_lease_peak(daemon: DaemonProcess) -> None:
     client.call("sim_attach", pid=pid, device_uuid=lease["mig_uuid"])
     try:
         client.call("sim_alloc", pid=pid, mib=3000)
-        time.sleep(1.6)  # the daemon's own sampling is once a second
+
+        def sampled() -> bool:  # the daemon's own sampling (once a second) saw it
+            inst = [
+                i
+                for g in client.status()["gpus"]
+                for i in g["instances"]
+                if i["uuid"] == lease["mig_uuid"]
+            ]
+            return bool(inst) and (inst[0]["memory_used_mib"] or 0) >= 3000
+
+        wait_for(sampled, what="the daemon to sample the allocation")
         client.call("sim_free", pid=pid, mib=3000)
         usage = client.call("usage", lease_id=lease["lease_id"])
         assert usage["device_used_mib"] < 3000 <= usage["peak_used_mib"]
@@ -709,6 +719,13 @@ def test_release_hook_releases_only_its_own_jobs_lease(daemon: DaemonProcess) ->
     assert left == {other_schedd["lease_id"], plain_a["lease_id"]}
 
 
+def policy_chirps(lines: list[str]) -> list[str]:
+    """The chirped attributes the access-point policy acts on (without the accounting
+    ones: MigdPartition*, MigdRestarts, MigdPeakMB)."""
+    accounting = ("MigdPartition", "MigdRestarts ", "MigdPeakMB ", "GPUsMemoryUsage ")
+    return [x for x in lines if not x.removeprefix("set_job_attr ").startswith(accounting)]
+
+
 BIG_OOM = [*SIMJOB, "--start", "30G", "--grow", "15G", "--steps", "2", "--step-s", "0.01"]
 AD = "ClusterId = 12\nProcId = 0\nRequestGPUs = 1\nRequestVRAM = {vram}\nWantIOProxy = true\n"
 
@@ -723,7 +740,19 @@ def test_oom_exit_marks_the_job_through_chirp(daemon: DaemonProcess, tmp_path: P
     result, error_file = wrapper(daemon, tmp_path, AD.format(vram=30000), *held, env=env)
     assert result.returncode == 86, result.stderr
     assert not error_file.exists()
-    chirped = calls.read_text().splitlines()
+    lines = calls.read_text().splitlines()
+    # what it held (condor_q / condor_history show it), and the most it used
+    assert lines[:4] == [
+        'set_job_attr MigdPartitionProfile "7g.40gb"',
+        "set_job_attr MigdPartitionMB 40448",
+        'set_job_attr MigdPartitionMode "mig"',
+        "set_job_attr MigdRestarts 0",
+    ]
+    [peak] = [x for x in lines if x.startswith("set_job_attr MigdPeakMB ")]
+    assert int(peak.split()[-1]) >= 30 * 1024
+    # HTCondor's own attribute gets the same peak
+    assert f"set_job_attr GPUsMemoryUsage {peak.split()[-1]}" in lines
+    chirped = policy_chirps(lines)
     assert chirped == [
         f"set_job_attr RequestVRAM {45 * 1024 + MIG_IDLE_USED_MIB}",
         "set_job_attr MigdLastVRAM 40448",  # what it ran out of, for the hold reason
@@ -740,7 +769,7 @@ def test_oom_exit_marks_the_job_through_chirp(daemon: DaemonProcess, tmp_path: P
         env=env,
     )
     assert again.returncode == 0, again.stderr
-    assert calls.read_text().splitlines()[4:] == [
+    assert policy_chirps(calls.read_text().splitlines())[4:] == [
         "set_job_attr MigdOomExit false",
         "set_job_attr MigdStartFailures 0",
     ]
@@ -776,7 +805,7 @@ def test_mps_unavailable_is_reported_and_the_job_requeued(
     assert "wrapper.mps_client_error" in [h["event"] for h in history(daemon, "12.0")]
     # counted as a start migd failed, for the access point's loop breaker (the grant had
     # reset the count of failures in a row)
-    chirped = calls.read_text().splitlines()
+    chirped = policy_chirps(calls.read_text().splitlines())
     assert chirped[:2] == ["set_job_attr MigdStartFailures 0", "set_job_attr MigdStartFailures 3"]
     assert chirped[2].startswith('set_job_attr MigdStartFailureReason "migd: the job could not')
     assert len(chirped) == 3

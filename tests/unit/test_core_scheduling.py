@@ -178,10 +178,10 @@ def test_a_refusal_hands_over_the_work_its_pass_started_for_others() -> None:
     committed for requests queued before it (their instance is already in the books)."""
     node = NodeScheduler([gpu(0, "A100-40GB")])  # FIFO, no backfill
     busy(node.gpus[0], "4g.20gb", 0)
-    node.gpus[0].health = "judged later"  # a change outside the books: no pass follows it
+    node.gpus[0].health.raise_("test", "judged later", 0.0)  # outside the books: no pass
     behind = node.submit(lease(1500, wait_s=None), 1.0, 1.0).lease
     assert behind.state is LeaseState.QUEUED
-    node.gpus[0].health = "ok"
+    node.gpus[0].health.clear("test")
     refused = node.submit(big := lease(39000, wait_s=0.0), 201.0, 201.0)
     assert isinstance(refused.refusal, NoCapacity)
     assert behind.state is LeaseState.PREPARING
@@ -211,7 +211,7 @@ def test_a_refusal_explains_itself_on_a_layout_the_state_machine_cannot_describe
     node = NodeScheduler([gpu(0, "A100-40GB")])
     busy(node.gpus[0], "4g.20gb", 0)
     busy(node.gpus[0], "3g.20gb", 0)  # overlaps: no state of the model has both
-    node.gpus[0].health = "layout not understood"
+    node.gpus[0].health.raise_("resync", "layout not understood", 0.0)
     refused = node.submit(lease(30000, wait_s=0.0), 1.0, 1.0).refusal
     assert refused is not None
     [why] = refused.details["considered"]

@@ -18,8 +18,9 @@ def test_a_gpu_with_an_unreadable_mig_mode_gets_no_work() -> None:
     assert [g.mode for g in managed] == [GpuMode.MIG, GpuMode.OFF, GpuMode.MPS]
     unknown = managed[1]
     assert not unknown.available and unknown.space is None
-    assert "MIG mode of GPU 1 cannot be read" in unknown.health
-    assert "restart migd" in unknown.health
+    assert list(unknown.health.conditions) == ["startup"]
+    assert "MIG mode of GPU 1 cannot be read" in str(unknown.health)
+    assert "restart migd" in str(unknown.health)
     # Before the fix an unreadable mode read as "no MIG" and the GPU was shared whole (MPS).
     assert unknown.mode is not GpuMode.MPS
     assert [g.available for g in (managed[0], managed[2])] == [True, True]

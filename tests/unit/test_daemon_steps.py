@@ -1,0 +1,272 @@
+"""The daemon's periodic steps, driven by a manual clock (no loops, no sockets, no sleeps).
+
+Each test builds the daemon's parts on simulated GPUs (``Daemon.open()``) and calls the
+synchronous step the asyncio loop would call, at the times it chooses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from migd.backends.mps import HealthEvent, HealthReport
+from migd.backends.simulated import simulated_backend
+from migd.core.health import Condition, GpuHealth
+from migd.core.leases import LeaseState
+from migd.core.scheduler import Lease, LeaseRequest
+from migd.daemon import auth
+from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
+from migd.daemon.mps_supervisor import MPS_UNHEALTHY
+from migd.daemon.periodic import Timers, Watchdog
+from migd.daemon.service import Daemon, keep_restart_keys
+from migd.daemon.systemd import Notifier
+from migd.ports import ManualClock
+
+
+class FakeProcs:
+    """Every process lives, and belongs to uid 1000, until the test says it died."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()
+
+    def alive(self, pid: int, start_time: float | None = None) -> bool:
+        return pid not in self.dead
+
+    def start_time(self, pid: int) -> float | None:
+        return 1.0
+
+    def uid(self, pid: int) -> int | None:
+        return 1000
+
+    def parent(self, pid: int) -> int | None:
+        return None
+
+
+class Pings(Notifier):
+    def __init__(self) -> None:
+        super().__init__(environ={})
+        self.watchdog_s = 2.0
+        self.sent: list[str] = []
+
+    def notify(self, *fields: str) -> bool:
+        self.sent.extend(fields)
+        return True
+
+
+@dataclass
+class Parts:
+    daemon: Daemon
+    clock: ManualClock
+    procs: FakeProcs
+    notifier: Pings
+
+    def lease(self, memory_mib: int, pid: int = 500, wait_s: float | None = 60.0) -> Lease:
+        """Submit a lease as the API's lease op does, acting on the outcome."""
+        d, clock = self.daemon, self.clock
+        n = len(d.ctx.sched.leases) + len(d.ctx.db.recent_leases(500))
+        request = LeaseRequest(f"{n}.0", memory_mib, wait_s=wait_s)
+        lease = Lease(f"L{n}", request, 1000, pid, clock.now(), owner_start_s=1.0)
+        outcome = d.ctx.sched.submit(lease, clock.now(), clock.monotonic())
+        assert outcome.refusal is None
+        d.leases.apply(outcome)
+        return lease
+
+    def history(self) -> list[tuple[str, str | None]]:
+        return [(r.event, r.lease_id) for r in reversed(self.daemon.ctx.db.history(limit=100))]
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> Iterator[Parts]:
+    """One V100 (MPS: grants need no NVML work), FIFO without backfill."""
+    config = validate_config(
+        {
+            "daemon": {"state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path)},
+            "backend": {"kind": "simulated"},
+            "api": {"socket": str(tmp_path / "migd.sock")},
+            "policy": {"queue": "fifo", "backfill": False},
+            "reaper": {"heartbeat_timeout_s": 60},
+        }
+    )
+    backend, _ = simulated_backend("1xV100-32GB")
+    clock, procs, notifier = ManualClock(), FakeProcs(), Pings()
+    daemon = Daemon(config, backend, procs, clock=clock, notifier=notifier)
+    daemon.open()
+    try:
+        yield Parts(daemon, clock, procs, notifier)
+    finally:
+        daemon.executor.close()
+        assert daemon.ctx.store is not None
+        daemon.ctx.store.close()
+
+
+def test_a_timer_step_expires_a_request_at_its_deadline_and_places_what_it_blocked(
+    parts: Parts,
+) -> None:
+    big = parts.lease(28000)
+    blocker = parts.lease(20000, wait_s=5.0)  # does not fit next to it, waits 5 s
+    behind = parts.lease(1000, wait_s=None)  # would fit, but FIFO: behind the blocker
+    assert big.state is LeaseState.ACTIVE
+    assert blocker.state is behind.state is LeaseState.QUEUED
+    timers = Timers(parts.daemon.ctx, parts.daemon.leases)
+    parts.clock.advance(4.9)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert blocker.state is behind.state is LeaseState.QUEUED
+    parts.clock.advance(0.2)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert blocker.state is LeaseState.EXPIRED
+    assert behind.state is LeaseState.ACTIVE  # in the same step, not on a later pass
+    assert ("expired", blocker.lease_id) in parts.history()
+    assert ("granted", behind.lease_id) in parts.history()
+    stored = parts.daemon.ctx.db.get_lease(blocker.lease_id)
+    assert stored is not None and stored.state is LeaseState.EXPIRED
+
+
+def test_timer_housekeeping_runs_every_ten_seconds(parts: Parts) -> None:
+    db, timers = parts.daemon.ctx.db, Timers(parts.daemon.ctx, parts.daemon.leases)
+    parts.lease(1000)  # one request for the demand model
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # starts the schedule
+    parts.clock.advance(9.9)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert db.get_meta("demand") is None
+    parts.clock.advance(0.1)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    saved = db.get_meta("demand")
+    assert saved is not None and saved["last_s"] == parts.clock.now()
+
+
+def test_the_reaper_picks_dead_holders_and_silent_ones(parts: Parts) -> None:
+    reaper = parts.daemon.reaper
+    alive, dead = parts.lease(1000, pid=501), parts.lease(1000, pid=502)
+    assert reaper.holders_gone(parts.clock.now()) == []
+    parts.procs.dead.add(502)
+    assert reaper.holders_gone(parts.clock.now()) == [(dead, "holder process exited")]
+    parts.clock.advance(61.0)  # reaper.heartbeat_timeout_s = 60, and nobody beat
+    gone = {lease.lease_id: why for lease, why in reaper.holders_gone(parts.clock.now())}
+    assert gone == {alive.lease_id: "no heartbeat", dead.lease_id: "holder process exited"}
+    parts.daemon.ctx.sched.heartbeat(alive.lease_id, parts.clock.now())
+    assert [lease for lease, _ in reaper.holders_gone(parts.clock.now())] == [dead]
+
+
+def test_the_watchdog_step_pings_only_while_every_gpu_thread_answers(parts: Parts) -> None:
+    executor, clock = parts.daemon.executor, parts.clock
+    watchdog = Watchdog(parts.daemon.ctx, executor)  # WatchdogSec 2 s: stale after 1 s
+    worker = executor.workers[0]
+    worker.last_ok_mono = clock.monotonic()
+    assert watchdog.step(clock.monotonic()) and parts.notifier.sent == ["WATCHDOG=1"]
+    clock.advance(1.5)  # the thread did not answer its heartbeat
+    assert not watchdog.step(clock.monotonic())
+    worker.busy_since_mono = clock.monotonic()  # ... because a create runs: that is fine
+    assert watchdog.step(clock.monotonic())
+    clock.advance(parts.daemon.config.daemon.work_timeout_s)  # until the create overruns
+    assert not watchdog.step(clock.monotonic())
+    worker.busy_since_mono, worker.last_ok_mono = None, clock.monotonic()
+    assert watchdog.step(clock.monotonic())
+    executor.tripped = "an NVML call hung"  # a timed-out call: never fed again
+    assert not watchdog.step(clock.monotonic())
+    assert parts.notifier.sent.count("WATCHDOG=1") == 3
+
+
+def test_an_mps_health_report_flags_leases_and_marks_the_gpu_until_it_serves(
+    parts: Parts,
+) -> None:
+    lease = parts.lease(1000)
+    gpu = parts.daemon.ctx.sched.gpus[0]
+    assert lease.mps_device_uuid == gpu.uuid
+    lost = HealthEvent(gpu.uuid, "daemon_gone", "pid 77 gone", "restart_failed", ok=False)
+    parts.daemon.mps.apply_health(HealthReport((lost,)))
+    [condition] = gpu.health.conditions.values()
+    assert (condition.source, condition.since) == ("mps", parts.clock.now())
+    assert condition.reason == f"{MPS_UNHEALTHY}: {gpu.uuid}" and not gpu.available
+    assert "MPS clients lost" in lease.warning and "pid 77 gone" in lease.warning
+    assert ("mps.clients_lost", lease.lease_id) in parts.history()
+    parts.daemon.mps.apply_health(HealthReport())  # the next check finds it serving
+    assert str(gpu.health) == "ok" and gpu.available and not gpu.health.conditions
+
+
+def test_each_health_source_clears_only_its_own_condition() -> None:
+    health = GpuHealth()
+    assert health.available and str(health) == "ok"
+    assert health.raise_("mps", "MPS daemon cannot be restarted", 10.0)
+    assert health.raise_("watchdog", "an NVML call hung", 11.0)
+    assert not health.raise_("mps", "MPS daemon cannot be restarted", 12.0)  # same: kept
+    assert health.conditions["mps"] == Condition("mps", "MPS daemon cannot be restarted", 10.0)
+    assert str(health) == "MPS daemon cannot be restarted; an NVML call hung"
+    assert health.clear("mps") and not health.clear("mps")
+    assert not health.available and list(health.conditions) == ["watchdog"]
+    assert health.clear("watchdog") and health.available
+
+
+def test_a_reload_keeps_every_restart_key_and_takes_every_other(tmp_path: Path) -> None:
+    old = validate_config({"daemon": {"state_dir": str(tmp_path / "a")}})
+    new = validate_config(
+        {
+            "daemon": {"state_dir": str(tmp_path / "b"), "runtime_dir": str(tmp_path / "r")},
+            "backend": {"kind": "simulated"},
+            "api": {"socket": str(tmp_path / "b.sock"), "request_timeout_s": 3.0},
+            "gpu": [{"match": "0", "mode": "off"}],
+            "policy": {"profiles": "classic", "queue": "size"},
+            "metrics": {"listen": "127.0.0.1:0"},
+            "health": {"xid_events": False},
+            "mps": {"require_exclusive_process": True},
+        }
+    )
+    assert changed_restart_keys(old, new) == list(RESTART_KEYS)  # each one differs
+    merged = keep_restart_keys(old, new)
+    assert changed_restart_keys(old, merged) == []
+    for dotted in RESTART_KEYS:
+        kept, was = merged, old
+        for part in dotted.split("."):
+            kept, was = getattr(kept, part), getattr(was, part)
+        assert kept == was, dotted
+    assert merged.api.request_timeout_s == 3.0 and merged.policy.queue == "size"
+
+
+def test_sighup_forgets_cached_group_memberships() -> None:
+    auth._group_ids(0, 0)
+    auth._user_name(0)
+    assert auth._group_ids.cache_info().currsize and auth._user_name.cache_info().currsize
+    auth.forget_accounts()
+    assert auth._group_ids.cache_info().currsize == 0 == auth._user_name.cache_info().currsize
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, LeaseState | None, LeaseState, float]] = []
+
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
+        self.seen.append((lease.lease_id, old, new, now))
+
+
+class Broken:
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
+        raise RuntimeError("a bug in a metrics exporter")
+
+
+def test_lease_observers_see_each_net_transition_and_a_broken_one_stops_nothing(
+    parts: Parts,
+) -> None:
+    recorder = Recorder()
+    parts.daemon.leases.add_observer(Broken())
+    parts.daemon.leases.add_observer(recorder)
+    first = parts.lease(28000)  # granted at once (MPS): new -> active, one transition
+    waiting = parts.lease(20000, wait_s=None)
+    t = parts.clock.now()
+    assert recorder.seen == [
+        (first.lease_id, None, LeaseState.ACTIVE, t),
+        (waiting.lease_id, None, LeaseState.QUEUED, t),
+    ]
+    parts.clock.advance(5.0)
+    parts.daemon.leases.release(first, "done")  # frees room: the waiting one is granted
+    assert recorder.seen[2:] == [
+        (first.lease_id, LeaseState.ACTIVE, LeaseState.RELEASED, t + 5.0),
+        (waiting.lease_id, LeaseState.QUEUED, LeaseState.ACTIVE, t + 5.0),
+    ]
+    stored = parts.daemon.ctx.db.get_lease(waiting.lease_id)
+    assert stored is not None and stored.state is LeaseState.ACTIVE  # the store still saw it
