@@ -32,6 +32,7 @@ from typing import Any, Literal
 from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
 from migd.core.health import GpuHealth
+from migd.core.hybrid import HybridPolicy, Route
 from migd.core.leases import LeaseEvent, LeaseState, next_state
 from migd.core.mps import (
     DeviceKind,
@@ -353,6 +354,9 @@ class SchedulerPolicy:
     mps_reserve_mib: int = 1024
     mps_max_clients: int = 48
     mps_multi_user: bool = False
+    # GPUs with mps_in_mig: the hybrid policy decides per request whether it shares and
+    # sizes new MPS hosts (migd.core.hybrid); None: the fixed mps_profile rule.
+    hybrid: HybridPolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -633,6 +637,10 @@ class NodeScheduler:
         # not fit will not fit either: a long size-ordered queue costs one plan per
         # distinct partition size, not one per queued job or per distinct MiB figure.
         failed: set[Hashable] = set()
+        # Hybrid: MPS admission depends on the user and on MiB, monotonically: a user's
+        # request of this shape that needs at least as much as one refused in this pass
+        # is refused too (least refused MiB per (uid, shape)).
+        refused_mib: dict[Hashable, int] = {}
 
         def try_place(item: QueuedRequest[str]) -> bool:
             lease = self.leases.get(item.payload)
@@ -641,10 +649,18 @@ class NodeScheduler:
             shape = None if self._mps_capable(lease) else self._placement_shape(lease.request)
             if shape is not None and shape in failed:
                 return False
+            share_key: Hashable = None
+            need = lease.request.memory_mib * lease.request.mps_clients
+            if shape is None and self.policy.hybrid is not None:
+                share_key = (lease.owner_uid, self._placement_shape(lease.request))
+                if need >= refused_mib.get(share_key, math.inf):
+                    return False
             placed = self._place(lease, now_s)
             if placed is None:
                 if shape is not None:
                     failed.add(shape)
+                if share_key is not None:
+                    refused_mib[share_key] = min(need, refused_mib.get(share_key, need))
                 return False
             if placed.ops:
                 # kept until its work is done or fails (a failure puts it back in place)
@@ -702,6 +718,7 @@ class NodeScheduler:
         if hosts:
             placed = self._place_mps_in_mig(lease, hosts, now_s)
             if placed is not None:
+                self._explain_hybrid(lease, hosts[0])
                 return placed
         if request.mode == "mps":
             mig = []  # an MPS request never takes a MIG instance of its own
@@ -718,7 +735,9 @@ class NodeScheduler:
             except (NoCapacity, RequestTooLarge, UnknownProfile):
                 decision = None  # the MIG GPUs cannot take it: MPS or a whole GPU may
             if decision is not None:
-                return self._commit_mig(lease, decision, now_s)
+                work = self._commit_mig(lease, decision, now_s)
+                self._explain_hybrid(lease, self.gpus[decision.gpu])
+                return work
         for g in gpus:
             if g.mode is GpuMode.MPS and g.available and self._mps_admits(g, lease):
                 return self._commit_mps(lease, g, now_s)
@@ -867,10 +886,63 @@ class NodeScheduler:
         the smallest instance (and names no profile)."""
         if not gpu.mps_in_mig or gpu.space is None or request.mode == "mig" or request.profile:
             return False
+        if self.policy.hybrid is not None:
+            return self._hybrid_route(gpu, request).share
         if request.mode == "mps":
             return True
         smallest = min(p.memory_mib for p in gpu.space.profiles)
         return request.memory_mib < smallest
+
+    # -- the hybrid policy's hook (migd.core.hybrid decides; this only asks and records) --
+
+    def _hybrid_route(self, gpu: ManagedGpu, request: LeaseRequest) -> Route:
+        assert self.policy.hybrid is not None and gpu.space is not None
+        return self.policy.hybrid.route(
+            gpu.space.profiles,
+            request.memory_mib * request.mps_clients,
+            request.min_compute,
+            request.mode,
+            bool(request.profile),
+        )
+
+    def _host_profiles(self, gpu: ManagedGpu, lease: Lease) -> tuple[tuple[Profile, ...], str]:
+        """Profiles for a new MPS host on ``gpu``, best first, and why."""
+        if self.policy.hybrid is None or gpu.space is None:
+            return (self._mps_host_profile(gpu),), ""
+        need = lease.request.memory_mib * lease.request.mps_clients
+        demand = need
+        for other_gpu in self.gpus.values():  # observed demand: what this user pins in hosts
+            for inst in other_gpu.instances:
+                if inst.mps_pool is not None:
+                    demand += sum(
+                        s.memory_mib * s.clients
+                        for s in inst.mps_pool.shares
+                        if s.uid == lease.owner_uid
+                    )
+        for item in self.queue:  # and this user's share-bound backlog
+            other = self.leases.get(item.payload)
+            if (
+                other is not None
+                and other is not lease
+                and other.owner_uid == lease.owner_uid
+                and other.state is LeaseState.QUEUED
+                and self._hybrid_route(gpu, other.request).share
+            ):
+                demand += other.request.memory_mib * other.request.mps_clients
+        return self.policy.hybrid.host_profiles(
+            gpu.space.profiles, need, demand, lease.request.min_compute
+        )
+
+    def _explain_hybrid(self, lease: Lease, gpu: ManagedGpu) -> None:
+        """Put the hybrid's reason first in the lease's decision (migctl explain)."""
+        if self.policy.hybrid is None or not gpu.mps_in_mig or lease.decision is None:
+            return
+        why = self._hybrid_route(gpu, lease.request).reason
+        host = lease.decision.pop("host_reason", "")
+        lease.decision["hybrid"] = why + (f"; {host}" if host else "")
+        lease.decision["reason"] = f"hybrid: {lease.decision['hybrid']}. " + str(
+            lease.decision.get("reason", "")
+        )
 
     def _new_host_pool(
         self, gpu: ManagedGpu, profile: Profile, uuid: str | None, memory_mib: int | None = None
@@ -934,10 +1006,15 @@ class NodeScheduler:
 
     def _new_mps_host(self, lease: Lease, gpus: Sequence[ManagedGpu], now_s: float) -> Work | None:
         by_profile: dict[str, list[ManagedGpu]] = {}
+        why: dict[str, str] = {}
         for gpu in gpus:
-            by_profile.setdefault(self._mps_host_profile(gpu).name, []).append(gpu)
+            order, reason = self._host_profiles(gpu, lease)
+            for prof in order:
+                by_profile.setdefault(prof.name, []).append(gpu)
+                why.setdefault(prof.name, reason)
         for name, group in by_profile.items():
-            profile = self._mps_host_profile(group[0])
+            assert group[0].space is not None
+            profile = group[0].space.member(name)
             probe = ManagedInstance(profile=profile, start=-1, memory_mib=profile.memory_mib)
             share = self._host_request(lease, probe)
             if share is None:
@@ -955,7 +1032,10 @@ class NodeScheduler:
             except (NoCapacity, RequestTooLarge):
                 continue
             gpu = self.gpus[decision.gpu]
-            return self._commit_mps_in_mig(lease, gpu, None, share, decision, now_s)
+            work = self._commit_mps_in_mig(lease, gpu, None, share, decision, now_s)
+            if why[name] and lease.decision is not None:
+                lease.decision["host_reason"] = why[name]
+            return work
         return None
 
     def _commit_mps_in_mig(
@@ -1040,7 +1120,13 @@ class NodeScheduler:
         if inst.mps_pool.shares or inst.status is not InstanceStatus.READY:
             return []
         inst.idle_since_s = now_s
-        if self.policy.idle_policy == "destroy" and inst.origin is not Origin.UNEXPLAINED:
+        hybrid = self.policy.hybrid is not None
+        if (
+            hybrid or self.policy.idle_policy == "destroy"
+        ) and inst.origin is not Origin.UNEXPLAINED:
+            # The hybrid shrinks hosts when idle: an empty host is destroyed at once (the
+            # daemon stops its MPS server first), so its slices are free for any size. It
+            # is never handed to a MIG lease as it is: its server may still hold the device.
             return self._teardown(gpu, [inst])
         return []
 

@@ -210,8 +210,17 @@ class HealthSection(_Section):
 
 
 class GpuOverride(_Section):
-    match: str = Field(description="GPU index, UUID or UUID prefix")
-    mode: Literal["auto", "mig", "mps", "exclusive", "off"] = "auto"
+    match: str = Field(description="GPU index, UUID or UUID prefix; * for every GPU")
+    mode: Literal["auto", "mig", "mps", "exclusive", "off", "hybrid"] = Field(
+        "auto",
+        description="hybrid: a MIG GPU where migd decides per job between a MIG instance "
+        "and an MPS share inside one (docs/configuration.md)",
+    )
+    share: Literal["either", "size", "opt-in"] = Field(
+        "either",
+        description='mode=hybrid: which jobs share (opt-in: MigdMode = "mps"; size: '
+        "jobs that pack denser shared than in their own instance; either: both)",
+    )
     profiles: str | None = None
     mps_in_mig: bool = Field(
         False,
@@ -238,7 +247,9 @@ class MigdConfig(_Section):
 
     def override_for(self, index: int, uuid: str) -> GpuOverride | None:
         for o in self.gpu:
-            if o.match == str(index) or (o.match.startswith("GPU-") and uuid.startswith(o.match)):
+            if o.match in ("*", str(index)) or (
+                o.match.startswith("GPU-") and uuid.startswith(o.match)
+            ):
                 return o
         return None
 
@@ -440,7 +451,7 @@ def example_toml() -> str:
         "\n# Per-GPU overrides (repeat the table for each GPU):",
         "# [[gpu]]",
         '# match = "0"            # index, UUID or UUID prefix',
-        '# mode = "mps"           # auto | mig | mps | exclusive | off',
+        '# mode = "mps"           # auto | mig | mps | exclusive | off | hybrid',
         "# mps_in_mig = false     # MIG GPUs: small and mode=mps jobs share MPS instances",
         '# mps_profile = "1g.10gb"  # profile of those instances (default: the smallest)',
     ]

@@ -77,7 +77,8 @@ class Reconciler:
             )
         override = config.override_for(info.index, info.uuid)
         wanted = override.mode if override else "auto"
-        mps_in_mig = bool(override and override.mps_in_mig)
+        # hybrid: a MIG GPU whose MPS hosts the hybrid policy decides (migd.core.hybrid)
+        mps_in_mig = bool(override and (override.mps_in_mig or override.mode == "hybrid"))
         health = ""
         space = None
         mode: GpuMode
@@ -96,7 +97,7 @@ class Reconciler:
             mode = GpuMode.EXCLUSIVE
         elif info.mig_current:
             mode = GpuMode.MIG
-        elif wanted == "mig":
+        elif wanted in ("mig", "hybrid"):
             mode = GpuMode.MIG
             health = (
                 "MIG mode is pending a GPU reset or reboot"

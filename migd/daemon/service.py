@@ -27,6 +27,7 @@ import structlog
 from pydantic import BaseModel
 
 from migd import __version__
+from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
@@ -74,7 +75,16 @@ def scheduler_policy(config: MigdConfig) -> SchedulerPolicy:
         mps_reserve_mib=config.mps.reserve_mib,
         mps_max_clients=config.mps.max_clients,
         mps_multi_user=config.mps.multi_user,
+        hybrid=_hybrid_policy(config),
     )
+
+
+def _hybrid_policy(config: MigdConfig) -> HybridPolicy | None:
+    """The hybrid policy when a GPU asks for it (its ``share`` rule; the first one wins)."""
+    for override in config.gpu:
+        if override.mode == "hybrid":
+            return HybridPolicy(rule=ShareRule(override.share), reserve_mib=config.mps.reserve_mib)
+    return None
 
 
 def keep_restart_keys(old: MigdConfig, new: MigdConfig) -> MigdConfig:

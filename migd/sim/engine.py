@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -49,6 +49,7 @@ from migd.core.planner import (
     DestroyOp,
     Op,
     PartitionRequest,
+    PlannerPolicy,
     plan_on_node,
 )
 from migd.core.queueing import QueuedRequest, RequestQueue
@@ -68,10 +69,14 @@ from migd.core.scheduler import (
 )
 from migd.core.states import StateSpace, state_space
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+from migd.sim.interference import CALIBRATED, MpsInterference
 from migd.sim.jobs import PowerModel, SimJob, busy_fraction, demand_of, runtime_at
 from migd.sim.policies import PolicySpec
 
 Outcome = Literal["completed", "rejected", "failed", "unfinished"]
+
+#: Nodes a simulated pool may have (the pool-scale benchmark runs 1,000).
+MAX_NODES = 4096
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,10 @@ class SimConfig:
             matcher does, with the policy's queue scheme).
         profiles: profile set of the MIG state machine (``classic`` as in the papers).
         power: power model; ``None`` picks :meth:`PowerModel.for_model`.
-        mps_interference: extra slowdown of every MPS client while two or more share
-            a GPU (0: pure processor sharing; seed 004 saw per-job times "nearly
-            equal" with and without MPS).
+        mps_interference: extra flat slowdown of every MPS client while two or more
+            share a device, on top of ``interference`` (0: the calibrated model alone).
+        interference: how MPS clients share a device (a whole GPU or a MIG instance
+            hosting MPS); :mod:`migd.sim.interference`, calibrated to [Voigtlaender].
         max_time_s: stop the simulation at this simulated time.
         check_invariants: assert capacity and layout invariants after every event
             (tests; slows the run down).
@@ -100,14 +106,15 @@ class SimConfig:
     profiles: str = "classic"
     power: PowerModel | None = None
     mps_interference: float = 0.0
+    interference: MpsInterference = CALIBRATED
     max_time_s: float = 365 * 86400.0
     check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.gpus <= 8:
             raise InvalidRequest(f"gpus per node must be 1-8, got {self.gpus}")
-        if not 1 <= self.nodes <= 64:
-            raise InvalidRequest(f"nodes must be 1-64, got {self.nodes}")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise InvalidRequest(f"nodes must be 1-{MAX_NODES}, got {self.nodes}")
         if self.mps_interference < 0:
             raise InvalidRequest("mps_interference must not be negative")
 
@@ -143,6 +150,7 @@ class JobRecord:
     lost_gpu_s: float = 0.0  # GPU-seconds (share x time) of runs killed by OOM or forecast
     lost_wall_s: float = 0.0
     profiles: list[str] = field(default_factory=list)  # what each attempt ran on
+    hybrid: list[str] = field(default_factory=list)  # the hybrid's reason per attempt
 
     @property
     def turnaround_s(self) -> float | None:
@@ -172,6 +180,9 @@ class _Run:
     profile: str | None = None
     unit_start: int = 0
     units: int = 0
+    host: int = -1  # MPS: start of the MIG instance hosting the server, -1 whole GPU
+    host_slices: int = 0  # and its compute slices
+    uid: int = 0
 
     def span(self, lease_id: str, end_s: float, how: str) -> Span:
         """This run on the slice map, from its start to ``end_s``, ended ``how``."""
@@ -238,6 +249,7 @@ class SimResult:
     events: int
     max_queue: int
     notes: list[str] = field(default_factory=list)
+    isolation_breaches: int = 0  # runs that shared an MPS server with another user's job
 
 
 def index_order(geo: Geometry) -> Geometry:
@@ -257,7 +269,8 @@ class _Node:
         self.scheduler = scheduler
         self.driver_free: dict[int, float] = dict.fromkeys(scheduler.gpus, 0.0)
         self.pending: dict[str, Attempt] = {}
-        self.capacity: int | None = None  # advertised MiB, cached per negotiation
+        self.capacity: int | None = None  # advertised MiB, cached until the node changes
+        self.rooms: dict[int | None, int] = {}  # its MPS hosts' unpinned MiB by user
 
 
 class Simulation:
@@ -300,6 +313,12 @@ class Simulation:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self.runs: dict[str, _Run] = {}
+        # the same runs by (node, GPU): sampling and MPS sharing look at one GPU only
+        self._gpu_runs: dict[tuple[int, int], dict[str, _Run]] = {}
+        self._advert_cache: dict[Hashable, int] = {}
+        self._by_capacity: dict[int, set[int]] = {}  # advertised MiB -> node indices
+        self._stale: set[int] = set()  # nodes whose advertised MiB must be computed again
+        self._rooms: dict[int | None, dict[int, int]] = {}  # uid -> node -> MPS host MiB
         self._gi = itertools.count(1)
         self.timelines: dict[tuple[int, int], list[tuple[float, float, float, float, float]]] = {}
         self.spans: list[Span] = []
@@ -309,10 +328,12 @@ class Simulation:
         self._events = 0
         self._ended = 0
         self._max_queue = 0
+        self.isolation_breaches = 0
         self.notes: list[str] = []
         self._dirty: set[int] = set()
         self._negotiate = False
         self.nodes = [self._build_node(i) for i in range(self.config.nodes)]
+        self._stale.update(range(len(self.nodes)))
         self.matcher: RequestQueue[Attempt] | None = None
         if self.config.nodes > 1 or policy.static_layout is not None:
             sched = policy.scheduler
@@ -343,6 +364,7 @@ class Simulation:
                 memory_total_mib=self.geo.memory_mib,
                 mode=mode,
                 space=self.space if mode is GpuMode.MIG else None,
+                mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
             )
             if self.policy.static_layout is not None:
                 if mode is not GpuMode.MIG:
@@ -407,8 +429,6 @@ class Simulation:
                 self._negotiate = False
                 return
             self._negotiate = False
-            for node in self.nodes:
-                node.capacity = None
             self.matcher.schedule(self.now, self._try_place_item)
             self._max_queue = max(self._max_queue, len(self.matcher))
         raise AssertionError("matcher did not settle")  # pragma: no cover
@@ -425,8 +445,6 @@ class Simulation:
             self._refuse(attempt, "no partition on any node can ever hold it")
             return
         if attempt.wait_s is not None and attempt.wait_s <= 0:
-            for node in self.nodes:
-                node.capacity = None
             if not self._try_place(attempt):
                 self._refuse(attempt, "no room at submission (wait_s=0)")
             return
@@ -491,29 +509,72 @@ class Simulation:
             and profile.compute_slices >= attempt.min_compute
         )
 
+    def _invalidate(self, node: _Node) -> None:
+        """The node changed: its advertised capacity is computed again when asked."""
+        if node.capacity is not None:
+            self._by_capacity[node.capacity].discard(node.index)
+            node.capacity = None
+        for uid in node.rooms:
+            self._rooms[uid].pop(node.index, None)
+        node.rooms = {}
+        self._stale.add(node.index)
+
+    def _fitting_nodes(self, memory_mib: int, uid: int) -> list[_Node]:
+        """Nodes that advertise at least ``memory_mib`` to user ``uid``, in the policy's
+        node order.
+
+        Nodes are kept in buckets by advertised MiB (a few distinct values), so a pool
+        of a thousand nodes costs one look per bucket, not one per node and job. MPS
+        servers inside MIG instances serve one user each (unless multi-user): their
+        unpinned MiB is advertised to that user only (``_rooms``).
+        """
+        for index in self._stale:
+            node = self.nodes[index]
+            self._by_capacity.setdefault(self._advertised_mib(node), set()).add(index)
+            node.rooms = self._host_rooms(node)
+            for who, room in node.rooms.items():
+                self._rooms.setdefault(who, {})[index] = room
+        self._stale.clear()
+        cap: dict[int, int] = {
+            i: c for c, ids in self._by_capacity.items() if c >= memory_mib for i in ids
+        }
+        for who in (uid, None):
+            for i, room in self._rooms.get(who, {}).items():
+                if room >= memory_mib and room > cap.get(i, -1):
+                    cap[i] = room
+        if self.policy.node_order == "best-fit":
+            return [self.nodes[i] for i in sorted(cap, key=lambda i: (cap[i], i))]
+        return [self.nodes[i] for i in sorted(cap)]
+
+    @staticmethod
+    def _host_rooms(node: _Node) -> dict[int | None, int]:
+        """Unpinned MiB of the node's MPS hosts by the user they serve (None: anyone)."""
+        rooms: dict[int | None, int] = {}
+        for gpu in node.scheduler.gpus.values():
+            for inst in gpu.instances:
+                pool = inst.mps_pool
+                if pool is None or inst.status is not InstanceStatus.READY:
+                    continue
+                if pool.clients >= pool.max_clients:
+                    continue
+                users = {share.uid for share in pool.shares}
+                who = (
+                    users.pop()
+                    if len(users) == 1 and not node.scheduler.policy.mps_multi_user
+                    else None
+                )
+                rooms[who] = max(rooms.get(who, 0), pool.free_mib)
+        return rooms
+
     def _advertised_mib(self, node: _Node) -> int:
         """The most memory one new job could get on the node now (its machine ad)."""
         if node.capacity is not None:
             return node.capacity
         sched = node.scheduler
         best = 0
-        mig_views = [
-            g.view() for g in sched.gpus.values() if g.mode is GpuMode.MIG and g.space is not None
-        ]
-        if mig_views:
-            for prof in sorted(self.space.profiles, key=lambda p: -p.memory_mib):
-                if prof.memory_mib <= best:
-                    break
-                try:
-                    plan_on_node(
-                        mig_views,
-                        PartitionRequest(prof.memory_mib, prof.compute_slices),
-                        sched.policy.planner,
-                    )
-                except (NoCapacity, RequestTooLarge):
-                    continue
-                best = prof.memory_mib
         for gpu in sched.gpus.values():
+            if gpu.mode is GpuMode.MIG and gpu.space is not None:
+                best = max(best, self._mig_advert(gpu, sched.policy.planner))
             if gpu.mode is GpuMode.MPS and gpu.available:
                 pool = sched.mps_pool(gpu)
                 if pool.clients < pool.max_clients:
@@ -523,15 +584,39 @@ class Simulation:
         node.capacity = best
         return best
 
+    def _mig_advert(self, gpu: ManagedGpu, planner: PlannerPolicy) -> int:
+        """The largest profile the planner could place on ``gpu`` now (MiB).
+
+        Placeable on a node means placeable on one of its GPUs, and the answer depends
+        only on the GPU's layout and which instances are busy: memoised by that, so a
+        pool of thousands of GPUs with a few hundred distinct layouts plans each once.
+        """
+        view = gpu.view()
+        key = (view.available, tuple((i.profile.name, i.start, i.busy) for i in view.instances))
+        hit = self._advert_cache.get(key)
+        if hit is not None:
+            return hit
+        best = 0
+        for prof in sorted(self.space.profiles, key=lambda p: -p.memory_mib):
+            if prof.memory_mib <= best:
+                break
+            try:
+                plan_on_node(
+                    [view], PartitionRequest(prof.memory_mib, prof.compute_slices), planner
+                )
+            except (NoCapacity, RequestTooLarge):
+                continue
+            best = prof.memory_mib
+        self._advert_cache[key] = best
+        return best
+
     def _try_place_item(self, item: QueuedRequest[Attempt]) -> bool:
         return self._try_place(item.payload)
 
     def _try_place(self, attempt: Attempt) -> bool:
         if self.policy.static_layout is not None:
             return self._try_place_static(attempt)
-        fits = [n for n in self.nodes if self._advertised_mib(n) >= attempt.memory_mib]
-        if self.policy.node_order == "best-fit":
-            fits.sort(key=lambda n: (self._advertised_mib(n), n.index))
+        fits = self._fitting_nodes(attempt.memory_mib, attempt.job.uid)
         return any(self._submit_now(node, attempt, None) for node in fits)
 
     def _try_place_static(self, attempt: Attempt) -> bool:
@@ -557,7 +642,6 @@ class Simulation:
         if outcome.refusal is not None:
             return False
         node.pending[attempt.lease_id] = attempt
-        node.capacity = None
         return True
 
     def _refuse(self, attempt: Attempt, why: str) -> None:
@@ -590,7 +674,10 @@ class Simulation:
 
     def _apply(self, node: _Node, outcome: SchedOutcome) -> None:
         """Act on a scheduler outcome as the daemon does: run its work (in simulated
-        time), and look at the node's leases again (grants start jobs)."""
+        time), and look at the node's leases again (grants start jobs). A node whose
+        books changed advertises anew to the matcher."""
+        if outcome.work or outcome.transitions:
+            self._invalidate(node)
         self._execute(node, outcome.work)
         self._dirty.add(node.index)
 
@@ -675,14 +762,19 @@ class Simulation:
         alloc = float(self.compute)
         unit_start, units = 0, self.geo.units
         label = str(lease.mode)  # a plain str, like the profile names below
-        if lease.mode == "mig":
+        host = -1  # the MIG instance an MPS share runs in (start), -1: the whole GPU
+        if lease.mode == "mig" or (lease.mode == "mps" and lease.profile is not None):
             assert gpu.space is not None and lease.profile is not None and lease.start is not None
             prof = gpu.space.member(lease.profile)
             share = prof.compute_slices / self.compute
             alloc = float(prof.compute_slices)
             unit_start, units, label = lease.start, prof.memory_slices, prof.name
+            if lease.mode == "mps":
+                host, label = lease.start, f"mps@{prof.name}"
         limit = lease.memory_limit_mib or attempt.memory_mib
         record.profiles.append(label)
+        if lease.decision is not None and "hybrid" in lease.decision:
+            record.hybrid.append(str(lease.decision["hybrid"]))
         stop_iter, stop, needed = self._stop_point(job, limit)
         stop_progress = 1.0
         if stop_iter is not None and job.growth is not None:
@@ -707,10 +799,15 @@ class Simulation:
             unit_start=unit_start,
             units=units,
             profile=lease.profile if lease.mode == "mig" else None,
+            host=host,
+            host_slices=int(alloc) if host >= 0 else 0,
+            uid=job.uid,
         )
         self.runs[lease.lease_id] = run
+        self._gpu_runs.setdefault((run.node, run.gpu), {})[lease.lease_id] = run
         if lease.mode == "mps":
-            self._rebalance_mps(node.index, gpu.index)
+            self._count_breaches(lease.lease_id, run)
+            self._rebalance_mps(node.index, gpu.index, host)
         else:
             self._schedule_end(lease.lease_id, run)
         self._sample(node.index, gpu.index)
@@ -758,25 +855,48 @@ class Simulation:
         remaining = max(0.0, run.stop_progress - run.progress)
         self._push(self.now + remaining / run.rate, "end", (lease_id, run.version))
 
-    def _rebalance_mps(self, node_index: int, gpu_index: int) -> None:
-        """Processor sharing among the MPS clients of one GPU (see :mod:`migd.sim.jobs`)."""
+    def _rebalance_mps(self, node_index: int, gpu_index: int, host: int) -> None:
+        """Share one MPS device among its clients (:mod:`migd.sim.interference`).
+
+        The device is the whole GPU (``host == -1``) or the MIG instance at ``host``;
+        an instance offers its compute slices' share of the GPU.
+        """
         members = [
             (lid, r)
-            for lid, r in self.runs.items()
-            if r.node == node_index and r.gpu == gpu_index and r.mode == "mps"
+            for lid, r in self._gpu_runs.get((node_index, gpu_index), {}).items()
+            if r.mode == "mps" and r.host == host
         ]
         if not members:
             return
+        capacity = 1.0
+        if host >= 0:
+            capacity = members[0][1].host_slices / self.compute
         demands = [demand_of(r.attempt.job, self.compute) for _, r in members]
-        total = sum(demands)
-        slowdown = 1.0 + (self.config.mps_interference if len(members) > 1 else 0.0)
-        for (lid, run), d in zip(members, demands, strict=True):
+        model = self.config.interference
+        if self.config.mps_interference:
+            model = replace(model, flat=model.flat + self.config.mps_interference)
+        shares = model.shares(demands, capacity)
+        for (lid, run), share in zip(members, shares, strict=True):
+            if share == run.share and run.version > 0:
+                continue  # its speed did not change: its end event stands
             self._advance(run)
-            run.share = d / max(1.0, total) / slowdown
+            run.share = share
             run.rate = 1.0 / runtime_at(run.attempt.job, run.share, self.compute)
             run.busy = run.share
             run.alloc_slices = run.share * self.compute
             self._schedule_end(lid, run)
+
+    def _count_breaches(self, lease_id: str, run: _Run) -> None:
+        """Memory isolation: a job that shares an MPS server with another user's job."""
+        for lid, other in self._gpu_runs.get((run.node, run.gpu), {}).items():
+            if (
+                lid != lease_id
+                and other.mode == "mps"
+                and other.host == run.host
+                and other.uid != run.uid
+            ):
+                self.isolation_breaches += 1
+                return
 
     def _on_end(self, payload: tuple[str, int]) -> None:
         lease_id, version = payload
@@ -785,6 +905,7 @@ class Simulation:
             return  # superseded by an MPS rebalance
         self._advance(run)
         del self.runs[lease_id]
+        del self._gpu_runs[(run.node, run.gpu)][lease_id]
         attempt = run.attempt
         job = attempt.job
         record = self.records[job.job_id]
@@ -793,9 +914,9 @@ class Simulation:
         self._apply(node, node.scheduler.release(lease_id, self.now, self.now, reason=run.stop))
         self._negotiate = True
         if run.mode == "mps":
-            self._rebalance_mps(run.node, run.gpu)
+            self._rebalance_mps(run.node, run.gpu, run.host)
         sched_policy = node.scheduler.policy
-        if run.mode == "mig" and sched_policy.idle_policy == "timeout":
+        if (run.mode == "mig" or run.host >= 0) and sched_policy.idle_policy == "timeout":
             self._push(self.now + sched_policy.idle_timeout_s, "idle", node.index)
         self._sample(run.node, run.gpu)
         if run.stop == "done":
@@ -853,7 +974,7 @@ class Simulation:
 
     def _sample(self, node_index: int, gpu_index: int) -> None:
         """Record the GPU's busy, allocated, held and wasted slices from now on."""
-        runs = [r for r in self.runs.values() if r.node == node_index and r.gpu == gpu_index]
+        runs = self._gpu_runs.get((node_index, gpu_index), {}).values()
         busy = sum(r.busy for r in runs) * self.compute
         alloc = min(float(self.compute), sum(r.alloc_slices for r in runs))
         gpu = self.nodes[node_index].scheduler.gpus[gpu_index]
@@ -898,14 +1019,33 @@ class Simulation:
                     )
                     used = 0
                     taken = 0
+                    hosts: dict[int, list[_Run]] = {}
                     for lid, r in runs:
                         inst = gpu.instance_at(r.unit_start)
+                        if r.mode == "mps":  # a share of the MPS server inside an instance
+                            assert inst is not None and inst.mps_pool is not None, f"{lid}: host"
+                            assert inst.mps_pool.share(lid) is not None, f"{lid}: no share"
+                            assert inst.status is InstanceStatus.READY, f"{lid}: host not ready"
+                            hosts.setdefault(r.host, []).append(r)
+                            continue
                         assert inst is not None and inst.lease_id == lid, f"{lid}: no instance"
                         assert inst.status is InstanceStatus.READY, f"{lid}: instance not ready"
                         used += inst.profile.compute_slices
                         mask = inst.profile.units_mask(inst.start)
                         assert not taken & mask, f"{lid}: overlapping units"
                         taken |= mask
+                    for start, members in hosts.items():
+                        inst = gpu.instance_at(start)
+                        assert inst is not None and inst.mps_pool is not None
+                        pinned = sum(r.attempt.memory_mib for r in members)
+                        assert pinned <= inst.mps_pool.capacity_mib, f"host {inst}: {pinned} MiB"
+                        assert len({r.uid for r in members}) == 1 or (
+                            node.scheduler.policy.mps_multi_user
+                        ), f"host {inst}: clients of several users"
+                        mask = inst.profile.units_mask(inst.start)
+                        assert not taken & mask, f"host {inst}: overlapping units"
+                        taken |= mask
+                        used += inst.profile.compute_slices
                     assert used <= self.compute, f"GPU {gpu.index}: {used} compute slices busy"
                 elif gpu.mode is GpuMode.EXCLUSIVE:
                     assert len(runs) <= 1, f"GPU {gpu.index}: {len(runs)} jobs on an exclusive GPU"
@@ -936,6 +1076,7 @@ class Simulation:
             events=self._events,
             max_queue=self._max_queue,
             notes=self.notes,
+            isolation_breaches=self.isolation_breaches,
         )
 
 

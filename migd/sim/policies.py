@@ -12,6 +12,7 @@ from typing import Literal
 
 from migd.core.forecast import ForecastPolicy
 from migd.core.geometry import Geometry
+from migd.core.hybrid import HybridPolicy
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import GpuMode, SchedulerPolicy
@@ -56,6 +57,7 @@ class PolicySpec:
     start_order: Literal["driver", "index"] = "driver"
     node_order: Literal["best-fit", "first-fit"] = "best-fit"
     description: str = ""
+    mps_in_mig: bool = False  # GPUs host MPS servers inside MIG instances (hybrid)
 
     def with_queue(self, queue: QueuePolicy) -> PolicySpec:
         """The same policy under another queue scheme (seed 002 A = size, B = fifo)."""
@@ -83,6 +85,7 @@ POLICY_NAMES = (
     "migd+demand",
     "migd-noff",
     "migd+forecast",
+    "hybrid",
 )
 
 
@@ -137,6 +140,13 @@ def named_policy(name: str, queue: QueuePolicy = QueuePolicy.SIZE) -> PolicySpec
             "migd-noff",
             scheduler=_sched(queue, fission_fusion=False),
             description="migd without fission/fusion (idle instances wait for the idle timeout)",
+        ),
+        "hybrid": PolicySpec(
+            "hybrid",
+            scheduler=replace(_sched(queue), hybrid=HybridPolicy()),
+            mps_in_mig=True,
+            description="migd + per-request MPS shares inside MIG instances sized to "
+            "demand (migd.core.hybrid)",
         ),
         "migd+forecast": PolicySpec(
             "migd+forecast",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,9 @@ def comparison_table(comparison: Comparison) -> str:
         f"| Policy | Done | Throughput (jobs/h) | vs {comparison.baseline} | Makespan "
         "| Turnaround p50 / p95 "
         "| Accepted | First placement mean / p95 | Compute util | Allocated | Wasted slices "
-        "| Creates / destroys (s) | OOM kills + early restarts (GPU-s lost) | Energy/job (kJ) |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| Creates / destroys (s) | OOM kills + early restarts (GPU-s lost) | Energy/job (kJ) "
+        "| Steady (jobs/h) | Slice-weighted acceptance | Isolation breaches |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
     for row in comparison.rows:
@@ -73,7 +75,8 @@ def comparison_table(comparison: Comparison) -> str:
             f"| {_pct(m.compute_util)} | {_pct(m.allocated_util)} | {_num(m.wasted_slices, 2)} "
             f"| {m.creates} / {m.destroys} ({m.reconfig_s:.1f}) "
             f"| {m.oom_kills} + {m.forecast_kills} ({m.oom_lost_gpu_s:.0f}) "
-            f"| {_num(m.energy_per_job_kj, 1)} |"
+            f"| {_num(m.energy_per_job_kj, 1)} | {_num(m.steady_throughput_per_h, 1)} "
+            f"| {_pct(m.slice_acceptance)} | {m.isolation_breaches} |"
         )
     text = head + "\n".join(lines) + "\n"
     if any(not r.metrics.complete for r in comparison.rows):
@@ -99,8 +102,35 @@ MIG layout that no completion can ever use (seed 000), per GPU, time-weighted.
 *OOM kills + early restarts*: runs killed by running out of memory or restarted early by
 the forecast, with the GPU-seconds (GPU share x time) they lost. *Energy/job*: idle
 watts per GPU plus watts per busy compute slice, integrated over the makespan, per
-completed job.
+completed job. *Steady*: completed jobs per hour from the first completion to the
+last start (the fully used part, as [Voigtlaender] Table 2 cuts). *Slice-weighted
+acceptance*: slice-hours (compute slices x runtime alone) of jobs that ran / of all
+jobs. *Isolation breaches*: runs that shared an MPS server with another user's job.
 """
+
+
+def partitions_section(rows: Sequence[Row]) -> str:
+    """Where each policy ran its jobs (``mps@<profile>``: a share of an MPS server
+    inside a MIG instance of that profile, the hybrid's decision), per run."""
+    lines = []
+    for row in rows:
+        if row.result is None:
+            continue
+        counts: dict[str, int] = {}
+        for record in row.result.records:
+            for where in record.profiles:
+                counts[where] = counts.get(where, 0) + 1
+        parts = ", ".join(f"{n} x {k}" for k, n in sorted(counts.items(), key=lambda x: -x[1]))
+        lines.append(f"* **{row.label}**: {parts or 'nothing ran'}")
+        reasons: dict[str, int] = {}
+        for record in row.result.records:
+            for why in record.hybrid:
+                # the same decision for jobs of different MiB reads the same
+                key = re.sub(r"\d+ MiB", "N MiB", why)
+                reasons[key] = reasons.get(key, 0) + 1
+        for why, n in sorted(reasons.items(), key=lambda x: -x[1])[:6]:
+            lines.append(f"  * {n} x hybrid: {why}")
+    return "\n".join(lines) + "\n"
 
 
 def policy_descriptions(rows: Sequence[Row]) -> str:
@@ -310,6 +340,7 @@ def write_report(
         lines += ["", f"Reproduce: `{command}`"]
     lines += ["", "## Policy comparison", "", comparison_table(comparison), DEFINITIONS]
     lines += ["## Policies", "", policy_descriptions(comparison.rows)]
+    lines += ["## Where jobs ran", "", partitions_section(comparison.rows)]
     if comparison.static_all:
         lines += [
             "## Static layouts",
