@@ -19,26 +19,55 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[test,sim]'
 
-# The integration tests build a chroot with debootstrap (Debian's package, root only).
-if ! command -v debootstrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
-fi
-# tests/packaging builds the .rpm with rpmbuild (Debian's rpm package).
-if ! command -v rpmbuild >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm >/dev/null
-fi
-
-# tests/metrics/test_scrape.py scrapes a simulated node with a real Prometheus (Debian's
-# package); it is skipped, saying why, where the package cannot be installed.
-if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+# Debian's packages the tests use, installed where missing (root only):
+# debootstrap builds the HTCondor chroot (tests/integration), rpm's rpmbuild the .rpm
+# (tests/packaging), shellcheck checks scripts/mps_gpu_check.sh, and a real Prometheus
+# scrapes a simulated node (tests/metrics/test_scrape.py; skipped, saying why, without it).
+missing=()
+for pair in debootstrap:debootstrap rpmbuild:rpm shellcheck:shellcheck prometheus:prometheus; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+done
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     { apt-get update -qq >/dev/null &&
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
-        || echo "prometheus could not be installed: tests/metrics/test_scrape.py's Prometheus test is skipped"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >/dev/null; } || echo "could not install ${missing[*]}: their tests say why they skip"
 fi
 
 echo "== ruff"; .venv/bin/ruff check .
 echo "== ruff format"; .venv/bin/ruff format --check .
 echo "== mypy (strict)"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/python -m pytest "$@"
+echo "== pytest"
+if [ $# -gt 0 ]; then
+    exec .venv/bin/python -m pytest "$@"
+fi
+# The whole suite waits on processes, sockets and HTCondor far more than it computes, so
+# it runs as two overlapping pytest runs: the chroot tiers (the HTCondor pools and the
+# packages share one Debian chroot, its mounts and its pool lock) in one process, in
+# order, and everything else on pytest-xdist workers beside it.
+chroot_log=$(mktemp) rest_log=$(mktemp)
+trap 'rm -f "$chroot_log" "$rest_log"' EXIT
+.venv/bin/python -m pytest -p no:cacheprovider tests/integration tests/packaging \
+    >"$chroot_log" 2>&1 &
+chroot_pid=$!
+rest=0
+.venv/bin/python -m pytest -p no:cacheprovider -n 3 \
+    --ignore=tests/integration --ignore=tests/packaging 2>&1 | tee "$rest_log" || rest=$?
+chroot=0
+wait "$chroot_pid" || chroot=$?
+echo "== pytest: the chroot tiers (tests/integration, tests/packaging)"
+cat "$chroot_log"
+# One closing line for both runs, in pytest's words ("N passed, N failed, N skipped").
+.venv/bin/python - "$rest_log" "$chroot_log" <<'PY'
+import re
+import sys
+
+totals = dict.fromkeys(("passed", "failed", "skipped", "errors"), 0)
+for path in sys.argv[1:]:
+    lines = open(path, encoding="utf-8", errors="replace").read().splitlines()
+    summary = next((x for x in reversed(lines) if re.search(r"\d+ (passed|failed|error)", x)), "")
+    for count, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary):
+        totals["errors" if word.startswith("error") else word] += int(count)
+failed = totals["failed"] + totals["errors"]
+print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
+PY
+[ "$rest" = 0 ] && [ "$chroot" = 0 ]

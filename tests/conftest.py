@@ -23,22 +23,15 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 SLOW_DIRECTORIES = ("process",)
 GPU_OPT_IN = "MIGD_GPU_TESTS"
-#: Tiers that share one Debian chroot (its mounts, its HTCondor pools, its package cache):
-#: with pytest-xdist (scripts/test.sh) they all run on one worker, one after another.
-CHROOT_DIRECTORIES = ("integration", "packaging")
 
 
 def apply_markers(
     items: Sequence[pytest.Item], root: Path = TESTS, environ: Mapping[str, str] = os.environ
 ) -> None:
     slow = {root / name for name in SLOW_DIRECTORIES}
-    chroot = {root / name for name in CHROOT_DIRECTORIES}
     for item in items:
-        parents = set(item.path.parents)
-        if slow & parents:
+        if slow & set(item.path.parents):
             item.add_marker(pytest.mark.slow)
-        if chroot & parents:
-            item.add_marker(pytest.mark.xdist_group("chroot"))
         if item.get_closest_marker("gpu") is not None and environ.get(GPU_OPT_IN) != "1":
             item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: set {GPU_OPT_IN}=1"))
 
