@@ -1,6 +1,6 @@
-"""Evaluate migd's memory forecast on synthetic traces shaped like seed 002's four cases.
+"""Evaluate migd's memory forecast on synthetic traces shaped like [MIG-HT]'s four cases.
 
-Seed 002 (§5.2.2) reports, for four dynamic-memory workloads on an A100-40GB:
+[MIG-HT] (§5.2.2) reports, for four dynamic-memory workloads on an A100-40GB:
 
 =====================  ===========  ==========  ==============================
 workload               OOM at iter  fired at    estimate at 10% vs actual peak
@@ -25,7 +25,7 @@ Per-iteration noise is Gaussian, ``σ = noise_abs + noise_rel · growth``; NVML'
 up over allocated (fragmentation 5-15%, 20 MiB segments) and drops back every 20
 iterations (an ``empty_cache()``-style sawtooth).
 
-For seed 002's own method (the memory *requested* from the caching allocator per
+For [MIG-HT]'s own method (the memory *requested* from the caching allocator per
 iteration and the inverse reuse ratio ``q = requested / physical``, each fitted
 linearly, combined as ``requested / q``) the traces also carry allocator request
 statistics: ``q`` grows linearly from ``Q_START`` to ``Q_END`` over the run (the
@@ -186,7 +186,7 @@ class Trace:
     used: list[float]  # NVML: reserved + context, on an unconstrained GPU
     n_iters: int
     requested: list[float]  # memory requested from the caching allocator per iteration
-    reuse_ratio: list[float]  # physical / requested (seed 002's reuse ratio)
+    reuse_ratio: list[float]  # physical / requested ([MIG-HT]'s reuse ratio)
 
 
 def make_trace(
@@ -229,7 +229,7 @@ def _feed(fc: Forecaster, trace: Trace, i: int, series: str) -> None:
     used = trace.used[i - 1]
     if series == "used":
         fc.add(i, used_mib=used)
-    elif series == "reuse":  # what a job reports for seed 002's method: no allocated figure
+    elif series == "reuse":  # what a job reports for [MIG-HT]'s method: no allocated figure
         fc.add(
             i,
             used_mib=used,
@@ -542,7 +542,7 @@ PAPER_BAND = replace(DEFAULT, z=2.576, leverage=False)  # ŷ + z·σ as the pape
 
 
 def paper_method_table(runs: list[CaseRuns], reps: int, out: Out) -> None:
-    out(f"\n## Seed 002's own method: requested memory and inverse reuse ratio ({reps} seeds)\n")
+    out(f"\n## [MIG-HT]'s own method: requested memory and inverse reuse ratio ({reps} seeds)\n")
     out(
         "The same traces, but the forecaster sees only what the paper's method uses: the "
         "memory requested from the caching allocator per iteration and the reuse ratio "

@@ -1,6 +1,6 @@
 """Reconfiguration cost model: seconds to create or destroy a GPU instance.
 
-Defaults are seed 003 (FAR), Table 1: average NVML create/destroy times per
+Defaults are [Villarrubia] (FAR), Table 1: average NVML create/destroy times per
 instance size (compute slices), measured on A30, A100 and H100. The driver
 serialises creations and destructions, so a plan's cost is the sum of its
 operations. Models newer than H100 use the H100 column until measured.
@@ -39,7 +39,7 @@ class CostModel:
     @staticmethod
     @cache
     def for_model(model: str) -> CostModel:
-        """Seed 003's column for ``model`` (one shared instance per model: do not mutate)."""
+        """[Villarrubia]'s column for ``model`` (one shared instance per model: do not mutate)."""
         return CostModel(dict(SEED003_TABLE1[_family(model)]))
 
     def _nearest(self, compute_slices: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """Profile demand mix for demand-weighted reachability (pure).
 
-Seed 001 (GRMU, Algorithm 7) weights each profile by how likely it is to be
+[Siavashi] (GRMU, Algorithm 7) weights each profile by how likely it is to be
 requested, estimated over a look-back window (24 h worked best there). migd
 keeps an exponentially decaying count per profile (half-life instead of a hard
 window, so one request never falls off a cliff) on top of a configured prior
@@ -31,7 +31,7 @@ class DemandModel:
         prior: ``(model, profile ID)`` -> weight before anything is observed (any scale;
             normalised per model).
         prior_strength: how many observed requests (per model) the prior is worth.
-        half_life_s: observed counts halve over this time (default 24 h, seed 001).
+        half_life_s: observed counts halve over this time (default 24 h, [Siavashi]).
     """
 
     prior: Mapping[DemandKey, float] = field(default_factory=dict)

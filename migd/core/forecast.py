@@ -1,13 +1,13 @@
 """Memory-growth forecast: will a running job outgrow its partition before it ends?
 
-Seed 002 (§3.2.3) restarts a job on a bigger partition *before* it runs out of GPU
+[MIG-HT] (§3.2.3) restarts a job on a bigger partition *before* it runs out of GPU
 memory: it fits a least-squares line to the memory series sampled once per
 iteration, puts a 99% band on the extrapolation from the residual spread, and
 fires when the band at the last iteration exceeds the partition. This module is
 that forecaster, pure (no I/O, no numpy: the series are short and plain ``math``
 is enough), fed by the job wrapper one :class:`MemorySample` at a time.
 
-**Which series** (seed 002 §3.2.1). What causes an out-of-memory error is the
+**Which series** ([MIG-HT] §3.2.1). What causes an out-of-memory error is the
 memory the program actually holds, *PyTorch allocated + CUDA context*; PyTorch
 *reserved* memory is a cache the allocator empties and retries with before it
 raises, so it does not by itself cause OOM. What NVML sees (``used``) is reserved
@@ -31,7 +31,7 @@ uses, in order of preference (``ForecastPolicy.series = "auto"``):
 The constant context is ``median(used - reserved)`` over the samples that carry
 both, or ``ForecastPolicy.context_mib`` when set (0 when neither is known).
 
-**The reuse ratio, as we read seed 002.** The paper defines the reuse ratio so
+**The reuse ratio, as we read [MIG-HT].** The paper defines the reuse ratio so
 that "a lower reuse ratio indicates more reuse, meaning that the actual
 physical memory needed is smaller relative to the total requested memory", and
 observes that it falls over time. That makes it ``physical / requested``; the
@@ -281,7 +281,7 @@ class ForecastPolicy:
     """Thresholds of the forecast; the defaults are argued in the module docstring.
 
     Attributes:
-        confidence: coverage of the band (0.99: seed 002's 99%).
+        confidence: coverage of the band (0.99: [MIG-HT]'s 99%).
         one_sided: ``True``: the upper ``confidence`` quantile (z = 2.326 for 99%);
             ``False``: the upper end of a two-sided interval (z = 2.576 for 99%).
         z: a fixed multiplier instead of the quantile (e.g. 2.576 to copy the paper).
@@ -396,7 +396,7 @@ class MemorySample:
             context estimate.
         requested_mib: memory requested from the caching allocator during the step
             (the growth of ``torch.cuda.memory_stats()["requested_bytes.all.allocated"]``).
-        reuse_ratio: ``physical / requested`` for the step (seed 002's reuse ratio).
+        reuse_ratio: ``physical / requested`` for the step ([MIG-HT]'s reuse ratio).
 
     Missing, NaN, infinite or negative values count as "not reported".
     """
@@ -570,7 +570,7 @@ class _Curve:
 
 
 class Forecaster:
-    """Collects one job's memory samples and forecasts its peak (seed 002 §3.2.3).
+    """Collects one job's memory samples and forecasts its peak ([MIG-HT] §3.2.3).
 
     One instance per job run; the wrapper calls :meth:`observe` once per iteration
     (or sampling interval) and :meth:`verdict` whenever it wants a decision. Nothing
@@ -788,7 +788,7 @@ class Forecaster:
             upper, at_step = observed, observed_step
         point = max(point, observed)
 
-        # Convergence (seed 002 Algorithm 1 reports only once the prediction settles):
+        # Convergence ([MIG-HT] Algorithm 1 reports only once the prediction settles):
         # the point forecasts made after each of the last few samples must agree.
         usable = [c for c in curves if c.fit.n >= 3]
         converged = False

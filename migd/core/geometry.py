@@ -226,7 +226,8 @@ class Geometry:
         * ``standard`` (default): every base profile, including the 1g profile with
           two memory slices: what jobs are given.
         * ``classic``: ``standard`` without the double-memory 1g profile, i.e. the
-          A100 set of the papers (1g, 2g, 3g, 4g, 7g); seeds 001-003 use it.
+          A100 set of the papers (1g, 2g, 3g, 4g, 7g); [Siavashi], [MIG-HT] and
+          [Villarrubia] use it.
         * ``media``: ``standard`` plus the ``+me`` profiles (one OFA per GPU).
         * ``all``: every profile the model has (``+me.all``, ``-me``, ``+gfx`` too).
         * a comma-separated string or list of profile names/IDs.

@@ -5,7 +5,7 @@ Pure: the input is a snapshot of each GPU (:class:`GpuView`), the output a
 NVML operations (destroy idle instances, then create) that produce it, with an
 explanation for logs and ``migctl explain``.
 
-On one GPU the planner prefers, in order (seed 002, scheme B):
+On one GPU the planner prefers, in order ([MIG-HT], scheme B):
 
 1. **reuse** an idle instance that satisfies the request (no NVML work): the right
    profile, or one with as much memory and compute on no more memory slices (an idle
@@ -13,7 +13,7 @@ On one GPU the planner prefers, in order (seed 002, scheme B):
 2. **create** the profile in free slices, at the start whose successor state keeps
    the most futures open (highest reachability, or demand-weighted reachability);
 3. **repartition** (fission/fusion): destroy the cheapest set of *idle* instances
-   that frees a legal start (seed 003 Table 1 costs), then create; ties go to the
+   that frees a legal start ([Villarrubia] Table 1 costs), then create; ties go to the
    result with the highest reachability. Busy instances are never touched.
 
 *Compute upsizing* (``PlannerPolicy.upsize_compute``): a profile with the same
@@ -24,7 +24,7 @@ never makes the planner destroy and recreate the same instance.
 
 Across the GPUs of a node (mixed models allowed) the ``rules`` choice first
 prefers reusing an idle instance anywhere over NVML work (``reuse_first``), then
-follows seed 000's rule-based placement: the GPU with the highest joint slice
+follows [Turkkan]'s rule-based placement: the GPU with the highest joint slice
 utilisation of *busy* instances after placement (so empty GPUs stay empty for
 full-GPU jobs), then the least NVML work (create, repartition; cost), then the
 fewest wasted slices, then the most futures kept open. ``first-fit`` (lowest
@@ -59,14 +59,14 @@ from migd.errors import (
 class PlacementRule(StrEnum):
     """How a start is chosen among the legal ones on one GPU."""
 
-    REACHABILITY = "reachability"  # seed 002: most full layouts still reachable
+    REACHABILITY = "reachability"  # [MIG-HT]: most full layouts still reachable
     WEIGHTED = "weighted"  # reachability weighted by observed profile demand
     DRIVER = "driver"  # first legal start in the driver's default order (first-fit)
-    MAX_CC = "max-cc"  # seed 001 MCC: most placements possible right after
+    MAX_CC = "max-cc"  # [Siavashi] MCC: most placements possible right after
 
 
 class GpuChoice(StrEnum):
-    RULES = "rules"  # seed 000 rule-based
+    RULES = "rules"  # [Turkkan] rule-based
     FIRST_FIT = "first-fit"
 
 
@@ -83,7 +83,7 @@ class PlannerPolicy:
     # model -> profile ID -> weight, for WEIGHTED (profile IDs mean different profiles on
     # different models, so the mix is per model); a model without a mix uses reachability
     demand: Mapping[str, Mapping[int, float]] | None = None
-    costs: Mapping[str, CostModel] | None = None  # model -> costs; default seed 003 Table 1
+    costs: Mapping[str, CostModel] | None = None  # model -> costs; default [Villarrubia] Table 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +307,7 @@ def _order_index(profile: Profile, start: int) -> int:
 
 
 def utilisation(space: StateSpace, key: StateKey) -> float:
-    """Seed 000's joint slice utilisation (used memory + compute) / (total memory + compute)."""
+    """[Turkkan]'s joint slice utilisation (used memory + compute) / (total memory + compute)."""
     geo = space.geometry
     return space.info(key).used_slices / (geo.units + geo.compute_slices)
 
@@ -427,7 +427,7 @@ def _plan_on_gpu(
 def _upsized(space: StateSpace, key: StateKey, prof: Profile, start: int, score: Scorer) -> Profile:
     """A profile with the same memory and more compute at the same start, if it is free.
 
-    3g.20gb at start 0 strands the fourth compute slice of units 0-3 (seed 000's compute
+    3g.20gb at start 0 strands the fourth compute slice of units 0-3 ([Turkkan]'s compute
     wastage); 4g.20gb there uses it and keeps every future open. Taken only when the
     bigger profile is legal there, loses no reachability (or weighted score) and wastes
     fewer compute slices. Reuse accepts the bigger instance for the smaller profile
@@ -630,14 +630,14 @@ _ACTION_RANK = {"reuse": 0, "create": 1, "repartition": 2}
 
 
 def _rules_rank(decision: Decision, empty_score: float, reuse_first: bool) -> tuple[Any, ...]:
-    """Seed 000's order, lower is better.
+    """[Turkkan]'s order, lower is better.
 
     Reuse first (issue: prefer an idle instance of the right profile over creating
     one): it changes no layout, so it costs no free slices anywhere and no NVML time.
     Then busy utilisation: packing running work keeps whole GPUs free for full-GPU
     jobs. Counting idle instances here would steer jobs toward GPUs full of idle
     fragments and spread the busy ones (measured: more refusals). NVML work comes
-    next: a repartition costs well under a second (seed 003 Table 1), a refused job
+    next: a repartition costs well under a second ([Villarrubia] Table 1), a refused job
     waits for a whole job's runtime.
     """
     return (

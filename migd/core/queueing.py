@@ -1,6 +1,6 @@
 """Queue policies for requests that cannot be placed at once (pure).
 
-Two orders, from seed 002 (MIGM §4.3):
+Two orders, from [MIG-HT] (MIGM §4.3):
 
 * ``fifo`` (scheme B): arrival order, head-of-line blocking. A request that
   cannot be placed stops the pass, so every later request waits behind it:

@@ -8,7 +8,7 @@ what the job had, what the evidence asks for and what the node can hold.
 The rule (:func:`restart_size`):
 
 1. **Strictly bigger.** At least ``limit + 1`` MiB: migd right-sizes that to the
-   next MIG profile up (seed 002: "the slice that meets the memory requirement").
+   next MIG profile up ([MIG-HT]: "the slice that meets the memory requirement").
 2. **Growth.** Where there is no profile ladder (an MPS share or a whole GPU), the
    next size is ``growth × limit`` (2 by default); a job may ask for a growth
    factor on MIG too (``+MigdGrowthFactor``).

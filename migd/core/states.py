@@ -2,7 +2,7 @@
 
 A *state* is the set of placed GPU instances ``(profile, start)`` on one GPU.
 Transitions are *allocate* (add an instance at a legal start) and *release*
-(remove one). Seed 002 (MIGM, §4.2) defines the **future configuration
+(remove one). [MIG-HT] (MIGM, §4.2) defines the **future configuration
 reachability** of a state as the number of full ("fully configured") states
 reachable from it by legal allocations; a full state is one to which no
 profile of the set can be added. Because every constraint (overlap, per-profile
@@ -24,7 +24,7 @@ access. :func:`state_space` memoizes one :class:`StateSpace` per model and
 profile set; building the largest built-in table takes milliseconds
 (``bench/bench_core.py``), so nothing is cached on disk.
 
-The demand-weighted reachability (seed 001's expected configuration capability,
+The demand-weighted reachability ([Siavashi]'s expected configuration capability,
 generalised from "placements now" to "reachable full layouts") of state ``s``
 under a profile-demand mix ``d`` is::
 
@@ -86,7 +86,7 @@ class StateInfo:
     hostable: tuple[int, ...]  # per profile (space.profiles order): instances still hostable
     best_compute: int  # most compute slices any reachable full state uses
     best_units: int  # most placement units any reachable full state covers
-    used_slices: int  # memory slices + compute slices of its instances (seed 000)
+    used_slices: int  # memory slices + compute slices of its instances ([Turkkan])
 
 
 class StateSpace:
@@ -243,7 +243,7 @@ class StateSpace:
         return self._info[key]
 
     def reachability(self, key: StateKey) -> int:
-        """Seed 002's future configuration reachability of ``key`` (O(1))."""
+        """[MIG-HT]'s future configuration reachability of ``key`` (O(1))."""
         return self._info[key].reachability
 
     def weighted_reachability(self, key: StateKey, demand: Mapping[int, float]) -> float:
@@ -378,11 +378,11 @@ class StateSpace:
         return out
 
     def configuration_capability(self, key: StateKey) -> int:
-        """Seed 001's CC: the number of (profile, start) placements possible right now."""
+        """[Siavashi]'s CC: the number of (profile, start) placements possible right now."""
         return sum(1 for a in self.atoms if self.can_allocate(key, a))
 
     def wasted_slices(self, key: StateKey) -> tuple[int, int]:
-        """(compute, memory) slices no completion of this state can ever use (seed 000)."""
+        """(compute, memory) slices no completion of this state can ever use ([Turkkan])."""
         info = self._info[key]
         return (
             self.geometry.compute_slices - info.best_compute,

@@ -6,7 +6,7 @@
 * :mod:`migd.sim.policies`: the compared policies (configurations of the scheduler);
 * :mod:`migd.sim.metrics`, :mod:`migd.sim.compare`, :mod:`migd.sim.report`: numbers,
   side-by-side runs, Markdown and PNG output;
-* :mod:`migd.sim.far`: seed 003's FAR batch planner (pure);
+* :mod:`migd.sim.far`: [Villarrubia]'s FAR batch planner (pure);
 * :mod:`migd.sim.cli`: ``python -m migd.sim``.
 
 See ``docs/simulator.md``.

@@ -142,7 +142,7 @@ def compare(
         jobs: the workload.
         workload, description, assumptions: carried into the report.
         policies: names from :data:`migd.sim.policies.POLICY_NAMES`.
-        queue: ``size`` (seed 002 scheme A), ``fifo`` (scheme B) or ``both``.
+        queue: ``size`` ([MIG-HT] scheme A), ``fifo`` (scheme B) or ``both``.
         config: hardware and simulation knobs.
         keep_results: which runs keep their raw result (timelines for plots); default
             the non-static ones.

@@ -9,7 +9,7 @@ simulated time instead of NVML:
   room for it, and the node is asked with ``wait_s=0``;
 * every :class:`Work` the scheduler returns is executed on its GPU's simulated
   driver: operations run one after another per GPU (the driver serialises them,
-  seed 003 §2.1), each taking seed 003 Table 1 time (:class:`CostModel`), and
+  [Villarrubia] §2.1), each taking [Villarrubia] Table 1 time (:class:`CostModel`), and
   ``work_done`` is called when the last one finishes, which is when the lease
   becomes ACTIVE and the job starts;
 * a job that ends is ``release``\\ d; idle instances are torn down by
@@ -255,7 +255,7 @@ class SimResult:
 def index_order(geo: Geometry) -> Geometry:
     """``geo`` with every profile's default placement order sorted by start.
 
-    Seed 001's first-fit baseline assigns instances "sequentially" (the lowest free
+    [Siavashi]'s first-fit baseline assigns instances "sequentially" (the lowest free
     start first) instead of the driver's observed order (A100 1g: 6, 4, 5, 0, ...).
     """
     profiles = tuple(replace(p, default_order=tuple(sorted(p.default_order))) for p in geo.profiles)

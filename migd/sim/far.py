@@ -1,4 +1,4 @@
-"""FAR: batch scheduling of moldable jobs by repartitioning (seed 003), pure.
+"""FAR: batch scheduling of moldable jobs by repartitioning ([Villarrubia]), pure.
 
 Given a batch of tasks with a runtime for each instance size, FAR plans which
 instance every task runs on and when, including the MIG reconfigurations, to
@@ -20,8 +20,8 @@ minimise the makespan. Three phases, as in the paper:
    (:func:`_refine_paper`). migd's variant (:func:`_refine`) instead times every
    candidate exactly and also moves tasks across sizes.
 
-Reconfigurations are serialised per GPU (the driver does it, seed 003 §2.1) and
-take seed 003 Table 1 times (:class:`CostModel`); they are included in every
+Reconfigurations are serialised per GPU (the driver does it, [Villarrubia] §2.1) and
+take [Villarrubia] Table 1 times (:class:`CostModel`); they are included in every
 makespan. Timing is computed by one exact event simulation of the tree
 (:func:`timeline`), so phase 3's moves are judged on real times.
 
@@ -73,7 +73,7 @@ class TreeNode:
 
 @dataclass(frozen=True)
 class RepartitionTree:
-    """Seed 003 Figure 4's tree for a model, one copy per GPU.
+    """[Villarrubia] Figure 4's tree for a model, one copy per GPU.
 
     Nodes are the atoms of the ``classic`` profile set; a node's parent is the
     containing atom with the fewest compute slices more than its own. On A100/H100
@@ -243,7 +243,7 @@ class FarSchedule:
 
 
 def lower_bound(times: Sequence[Mapping[int, float]], slices: int) -> float:
-    """Seed 003 §6.4's bound: least total area spread evenly over the GPU's slices."""
+    """[Villarrubia] §6.4's bound: least total area spread evenly over the GPU's slices."""
     return sum(min(s * t for s, t in tt.items()) for tt in times) / slices
 
 
@@ -448,7 +448,7 @@ def _refine_paper(
     costs: CostModel,
     max_iterations: int,
 ) -> tuple[float, list[NodeTimes], int, int]:
-    """Algorithm 2 of seed 003 as published.
+    """Algorithm 2 of [Villarrubia] as published.
 
     Per iteration: the tree's leaves whose slices reach the makespan ``w`` go into a
     FIFO queue. For each instance ``I`` popped, the other instance ``I^a`` of the same
@@ -659,8 +659,8 @@ def plan_batch(
         tasks: ``(name, {size: seconds})`` for every task; every size of the model's
             classic profile set (A100: 1, 2, 3, 4, 7 compute slices) must be given.
         geo: the GPU model.
-        gpus: GPUs of that model (one tree each, seed 003 §3.2).
-        costs: reconfiguration times; default seed 003 Table 1 for the model.
+        gpus: GPUs of that model (one tree each, [Villarrubia] §3.2).
+        costs: reconfiguration times; default [Villarrubia] Table 1 for the model.
         refine: run phase 3.
         refine_candidates: how many of the best phase-2 allocations phase 3 refines
             (default: 1 for the paper variant, as FAR does; 8 for migd's, 1 above 40 tasks).

@@ -9,17 +9,17 @@ GPU's compute the job can keep busy. Given a share ``f`` of the GPU (a MIG
 instance with ``c`` of ``C`` compute slices has ``f = c / C``; an exclusive GPU
 ``f = 1``; an MPS client ``f = d / max(1, sum of the clients' d)``), the job runs
 ``runtime_s * max(1, d / f)``: no slower while its share covers its demand,
-proportionally slower below it (processor sharing). Seed 002 Table 3 measured a
+proportionally slower below it (processor sharing). [MIG-HT] Table 3 measured a
 Rodinia job at 1.17 s on ``1g.5gb`` versus 0.52 s on the whole A100, i.e.
 ``d * 7 = 2.24`` and ``d = 0.32``; the workload generators cite where each ``d``
 comes from.
 
-**Moldable jobs** (seed 003) instead carry ``slice_times``: measured or generated
+**Moldable jobs** ([Villarrubia]) instead carry ``slice_times``: measured or generated
 seconds on an instance of each size. Between sizes the time is interpolated
 linearly in the slice count, below the smallest size it grows as ``1 / s``.
 
 **Memory growth.** A job with :class:`Growth` allocates more memory every
-iteration (LLM context growth, seed 002 §2.3): iteration ``i`` of ``n`` holds
+iteration (LLM context growth, [MIG-HT] §2.3): iteration ``i`` of ``n`` holds
 ``start + (peak - start) * i / (n - 1)`` MiB plus seeded Gaussian noise. It
 runs out of memory in the first iteration whose memory exceeds its limit
 (partition size, MPS pinned limit, or the whole GPU).
@@ -42,7 +42,7 @@ from migd.errors import InvalidRequest
 
 @dataclass(frozen=True)
 class Growth:
-    """Per-iteration memory growth of a job (seed 002's dynamic LLM workloads).
+    """Per-iteration memory growth of a job ([MIG-HT]'s dynamic LLM workloads).
 
     Attributes:
         start_mib: memory held in the first iteration.
@@ -106,7 +106,7 @@ class SimJob:
         growth: per-iteration memory growth (may run out of memory).
         uid: owner (one MPS server serves one UID unless multi-user).
         wait_s: how long it may wait for a partition; ``None`` forever, 0 not at all
-            (refused at once when nothing fits: seed 001's acceptance semantics).
+            (refused at once when nothing fits: [Siavashi]'s acceptance semantics).
         kind: a label for reports (``small``, ``qwen2``, ...).
         horizon: the horizon the job declares for the memory forecast (HTCondor
             ``MigdHorizon``: its total iterations), as the wrapper passes it; ``None``
@@ -202,7 +202,7 @@ class PowerModel:
     PCIe in persistence mode), the remaining 210 W spread linearly over 7 slices.
     Power that does not scale with busy slices (a lone small kernel keeping clocks
     and HBM up) is not modelled: that makes packing look *less* energy-efficient
-    than seed 002 measured, never more.
+    than [MIG-HT] measured, never more.
     """
 
     idle_w: float = 40.0

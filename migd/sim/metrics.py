@@ -14,8 +14,8 @@ Definitions (the report repeats them):
 * **allocated slices**: compute slices of the partitions jobs hold (a whole GPU
   for exclusive, the demand-weighted share for MPS) / all slices.
 * **wasted slices**: time-weighted compute + memory slices of the committed MIG
-  layout that no completion of it can ever use (seed 000), per GPU.
-* **reconfiguration**: create/destroy operations and their seed 003 Table 1 seconds.
+  layout that no completion of it can ever use ([Turkkan]), per GPU.
+* **reconfiguration**: create/destroy operations and their [Villarrubia] Table 1 seconds.
 * **OOM loss**: GPU-seconds (GPU share x wall time) of runs killed by an OOM or
   restarted early by the forecast.
 * **steady throughput**: completed jobs per hour between the first completion (before

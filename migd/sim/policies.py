@@ -32,10 +32,10 @@ class PolicySpec:
             HTCondor-like matcher then offers jobs the smallest idle instance that
             holds them.
         forecast: restart growing jobs early when :mod:`migd.core.forecast` says they
-            will not fit (seed 002 §3.2.3).
+            will not fit ([MIG-HT] §3.2.3).
         forecast_policy: thresholds of that forecast.
         forecast_sizing: what the restart asks for: ``point`` the partition that holds
-            the point forecast of the peak (seed 002: "the slice that meets the memory
+            the point forecast of the peak ([MIG-HT]: "the slice that meets the memory
             requirement"), ``upper`` the one that holds its upper band
             (``Verdict.needed_mib``, which early in a run is far larger).
         start_order: ``driver``: placement rules that fall back on the driver's order
@@ -43,7 +43,7 @@ class PolicySpec:
             001's "sequential" first-fit).
         node_order: how the pool's matcher offers a job to nodes: ``best-fit`` (the
             node advertising the least room that suffices) or ``first-fit`` (node index
-            order, as seed 001's first-fit scans hosts).
+            order, as [Siavashi]'s first-fit scans hosts).
         description: one line for the report.
     """
 
@@ -60,7 +60,7 @@ class PolicySpec:
     mps_in_mig: bool = False  # GPUs host MPS servers inside MIG instances (hybrid)
 
     def with_queue(self, queue: QueuePolicy) -> PolicySpec:
-        """The same policy under another queue scheme (seed 002 A = size, B = fifo)."""
+        """The same policy under another queue scheme ([MIG-HT] A = size, B = fifo)."""
         scheme = "A" if queue is QueuePolicy.SIZE else "B"
         base = self.name.split(" (")[0]
         return replace(
@@ -119,12 +119,12 @@ def named_policy(name: str, queue: QueuePolicy = QueuePolicy.SIZE) -> PolicySpec
             scheduler=_sched(queue, placement=PlacementRule.DRIVER, gpu_choice=GpuChoice.FIRST_FIT),
             start_order="index",
             node_order="first-fit",
-            description="seed 001's FF: hosts, GPUs and starts in index order (dynamic MIG)",
+            description="[Siavashi]'s FF: hosts, GPUs and starts in index order (dynamic MIG)",
         ),
         "mcc": PolicySpec(
             "mcc",
             scheduler=_sched(queue, placement=PlacementRule.MAX_CC),
-            description="dynamic MIG, seed 001 MCC: most placements possible afterwards",
+            description="dynamic MIG, [Siavashi] MCC: most placements possible afterwards",
         ),
         "migd": PolicySpec(
             "migd",

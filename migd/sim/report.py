@@ -97,8 +97,8 @@ placement*: first start - submission (includes MIG instance creation).
 *Compute util*: time-weighted busy compute slices / all slices, where a job keeps
 `C x min(share, demand)` slices busy. *Allocated*: slices of the partitions jobs hold
 (a whole GPU for exclusive). *Wasted slices*: compute + memory slices of the committed
-MIG layout that no completion can ever use (seed 000), per GPU, time-weighted.
-*Creates / destroys*: NVML operations and their seed 003 Table 1 seconds.
+MIG layout that no completion can ever use ([Turkkan]), per GPU, time-weighted.
+*Creates / destroys*: NVML operations and their [Villarrubia] Table 1 seconds.
 *OOM kills + early restarts*: runs killed by running out of memory or restarted early by
 the forecast, with the GPU-seconds (GPU share x time) they lost. *Energy/job*: idle
 watts per GPU plus watts per busy compute slice, integrated over the makespan, per
@@ -333,7 +333,7 @@ def write_report(
         f"*Assumptions*: {comparison.assumptions}" if comparison.assumptions else "",
         "",
         f"Hardware: {cfg.nodes} node(s) x {cfg.gpus} {cfg.model}, profile set `{cfg.profiles}`; "
-        "reconfiguration times: seed 003 Table 1; "
+        "reconfiguration times: [Villarrubia] Table 1; "
         f"{comparison.jobs} jobs.",
     ]
     if command:

@@ -4,19 +4,19 @@ Every generator is deterministic for a given ``seed``. What the papers do not
 say (job runtimes, compute demand) is an explicit, documented assumption here,
 and ``WORKLOADS[name].assumptions`` carries it into the report.
 
-* **Seed 002 (MIGM) mixes** ``hm1``-``hm4``, ``ht1``-``ht3``: Rodinia batches on
+* **[MIG-HT] (MIGM) mixes** ``hm1``-``hm4``, ``ht1``-``ht3``: Rodinia batches on
   one A100-40GB, all submitted at t=0 in a shuffled order, in the buckets
   small/medium/large/full = 5/10/20/40 GB (``small:medium:large:full`` ratios of
   the paper's appendix Table 1).
-* **Seed 001-shaped** ``alibaba``: VMs asking for one A100 MIG profile each,
+* **[Siavashi]-shaped** ``alibaba``: VMs asking for one A100 MIG profile each,
   Poisson arrivals, exponential lifetimes, refused when they cannot be placed at
-  once (seed 001 measures acceptance).
-* **Seed 003 synthetic** ``far-<scaling>-<times>``: moldable tasks from the §6.3
+  once ([Siavashi] measures acceptance).
+* **[Villarrubia] synthetic** ``far-<scaling>-<times>``: moldable tasks from the §6.3
   generator (PoorScaling/MixedScaling/GoodScaling x WideTimes/NarrowTimes); in the
   online simulator each task asks for its fastest-area size.
-* **LLM** ``llm``: seed 002's dynamic-memory jobs (Qwen2-7B, Llama-3, FLAN-T5) whose
+* **LLM** ``llm``: [MIG-HT]'s dynamic-memory jobs (Qwen2-7B, Llama-3, FLAN-T5) whose
   memory grows per iteration until the partition is too small.
-* **Seed 004** ``kit``: the KIT HTCondor benchmark (414 small TensorFlow trainings on
+* **[Voigtlaender]** ``kit``: the KIT HTCondor benchmark (414 small TensorFlow trainings on
   eight A100s) for the MPS-versus-exclusive comparison.
 * **Traces**: :func:`load_trace` reads CSV or JSON (columns in its docstring).
 """
@@ -39,14 +39,14 @@ from migd.errors import ConfigError, InvalidRequest, MigdError
 from migd.sim.interference import fit_kit
 from migd.sim.jobs import Growth, SimJob
 
-# -- seed 002 -------------------------------------------------------------------------------
+# -- [MIG-HT] -------------------------------------------------------------------------------
 
 BUCKETS = ("small", "medium", "large", "full")  # 5 / 10 / 20 / 40 GB on A100-40GB
 
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Assumed job parameters per seed 002 bucket."""
+    """Assumed job parameters per [MIG-HT] bucket."""
 
     runtime_s: tuple[float, float]  # uniform range, alone on a whole GPU
     demand: tuple[float, float]  # uniform range of compute demand
@@ -54,7 +54,7 @@ class BucketSpec:
 
 # Runtimes are not in the paper (it reports normalised throughput); these are
 # assumptions chosen so that one job lasts minutes, i.e. far longer than a MIG
-# reconfiguration (seed 003 Table 1: 0.1-0.4 s), as for the paper's batches.
+# reconfiguration ([Villarrubia] Table 1: 0.1-0.4 s), as for the paper's batches.
 DEFAULT_BUCKETS: dict[str, BucketSpec] = {
     "small": BucketSpec((60.0, 180.0), (0.14, 0.32)),
     "medium": BucketSpec((120.0, 300.0), (0.20, 0.40)),
@@ -105,9 +105,9 @@ def _bucket_job(
 
 
 def seed002_mix(name: str, seed: int = 1, model: str = "A100-40GB") -> list[SimJob]:
-    """One of seed 002's Rodinia mixes (appendix Table 1), submitted at t=0.
+    """One of [MIG-HT]'s Rodinia mixes (appendix Table 1), submitted at t=0.
 
-    * ``hm1`` particle filter x50 (small). Demand 0.32: seed 002 Table 3, 1.17 s on
+    * ``hm1`` particle filter x50 (small). Demand 0.32: [MIG-HT] Table 3, 1.17 s on
       ``1g.5gb`` vs 0.52 s on the whole GPU.
     * ``hm2`` gaussian x50, ``hm3`` myocyte x100 (small). Demand 0.16: *calibrated* so
       that 7 concurrent jobs give the paper's best 6.2x (7 / 1.12); an input, not a
@@ -169,15 +169,15 @@ def seed002_mix(name: str, seed: int = 1, model: str = "A100-40GB") -> list[SimJ
                 jobs.append(_bucket_job(rng, geo, f"{name}-{bucket}-{i:02d}", bucket))
     else:
         raise InvalidRequest(
-            f"unknown seed 002 mix {name!r}", hint="hm1, hm2, hm3, hm4, ht1, ht2 or ht3"
+            f"unknown [MIG-HT] mix {name!r}", hint="hm1, hm2, hm3, hm4, ht1, ht2 or ht3"
         )
     rng.shuffle(jobs)  # "randomizing the order of the mix"
     return jobs
 
 
-# -- seed 001-shaped online mix ---------------------------------------------------------------
+# -- [Siavashi]-shaped online mix ---------------------------------------------------------------
 
-# Seed 001 Fig. 5 (profile distribution of the Alibaba-derived workload) is a figure
+# [Siavashi] Fig. 5 (profile distribution of the Alibaba-derived workload) is a figure
 # whose numbers are not in our copy of the paper; the text says 7g.40gb is the most
 # abundant profile. This distribution is an assumption shaped accordingly.
 ALIBABA_PROFILE_MIX: dict[str, float] = {
@@ -204,7 +204,7 @@ def alibaba_mix(
     mix: Mapping[str, float] = ALIBABA_PROFILE_MIX,
     wait_s: float | None = 0.0,
 ) -> list[SimJob]:
-    """Seed 001-shaped online workload: one MIG profile per request, Poisson arrivals.
+    """[Siavashi]-shaped online workload: one MIG profile per request, Poisson arrivals.
 
     The arrival rate makes the offered load (compute slices asked for x mean lifetime)
     equal ``load`` times the slices of ``gpus`` GPUs. Lifetimes are exponential. Each
@@ -246,7 +246,7 @@ def alibaba_mix(
     return jobs
 
 
-# -- seed 003 synthetic moldable tasks --------------------------------------------------------
+# -- [Villarrubia] synthetic moldable tasks --------------------------------------------------------
 
 SCALING: dict[str, dict[int, float]] = {
     "poor": {1: 0.5, 2: 0.5, 3: 0.0, 4: 0.0, 7: 0.0},
@@ -282,7 +282,7 @@ def _clipped_normal(rng: random.Random, mu: float, sigma: float, lo: float, hi: 
 
 
 def _counts(n: int, shares: Mapping[int, float]) -> dict[int, int]:
-    """Seed 003 footnote 8: floor, then add one where ``n * p - count`` is largest."""
+    """[Villarrubia] footnote 8: floor, then add one where ``n * p - count`` is largest."""
     counts = {s: math.floor(n * p) for s, p in shares.items()}
     while sum(counts.values()) < n:
         j = max(shares, key=lambda s: (n * shares[s] - counts[s], -s))
@@ -305,7 +305,7 @@ def far_tasks(
     sizes: Sequence[int] = (1, 2, 3, 4, 7),
     rng: random.Random | None = None,
 ) -> list[MoldableTask]:
-    """Seed 003 §6.3's synthetic moldable tasks.
+    """[Villarrubia] §6.3's synthetic moldable tasks.
 
     ``n_s`` tasks scale well up to size ``s`` (shares from ``scaling``). Of those,
     ``ceil(p_sup * n_s)`` are memory-bound: super-linear from 1 to 2 slices, staying
@@ -389,7 +389,7 @@ def far_jobs(tasks: Iterable[MoldableTask], model: str = "A100-40GB") -> list[Si
 
 @dataclass(frozen=True)
 class LlmSpec:
-    """A growing-memory job type, calibrated to seed 002 §5.2.2 where it says so."""
+    """A growing-memory job type, calibrated to [MIG-HT] §5.2.2 where it says so."""
 
     start_mib: int
     peak_mib: int
@@ -398,7 +398,7 @@ class LlmSpec:
     demand: float
 
 
-# Peaks and OOM iterations from seed 002 §5.2.2: Qwen2-7B peaks at 12.23 GB and dies on a
+# Peaks and OOM iterations from [MIG-HT] §5.2.2: Qwen2-7B peaks at 12.23 GB and dies on a
 # 10 GB partition at iteration 94; Llama-3 peaks at 16.63 GB and dies at 72; FLAN-T5
 # training dies at 41, inference at 27. Start memory, iteration counts, runtimes and
 # compute demand are assumptions chosen to reproduce those OOM iterations on A100-40GB
@@ -409,7 +409,7 @@ LLM_SPECS: dict[str, LlmSpec] = {
     "flan-t5-train": LlmSpec(3072, 5651, 60, 300.0, 0.25),
     "flan-t5": LlmSpec(3072, 5661, 40, 200.0, 0.25),
 }
-# seed 002 appendix Table 2: batch sizes of the LLM mixes
+# [MIG-HT] appendix Table 2: batch sizes of the LLM mixes
 LLM_COUNTS: dict[str, int] = {"qwen2": 1, "llama3": 1, "flan-t5-train": 4, "flan-t5": 6}
 
 
@@ -421,7 +421,7 @@ def llm_mix(
     repeat: int = 1,
     horizon_share: float = 0.0,
 ) -> list[SimJob]:
-    """Seed 002's dynamic-memory LLM jobs, all at t=0, each asking for its start memory.
+    """[MIG-HT]'s dynamic-memory LLM jobs, all at t=0, each asking for its start memory.
 
     ``repeat`` multiplies the batch (the paper ran each mix separately; one batch of
     12 jobs on one A100 is the default). Noise is Gaussian with ``noise_frac`` of
@@ -471,7 +471,7 @@ def llm_mix(
     return jobs
 
 
-# -- seed 004 ---------------------------------------------------------------------------------
+# -- [Voigtlaender] --------------------------------------------------------------------------------
 
 
 #: The KIT job's compute demand, fitted by :func:`migd.sim.interference.fit_kit`.
@@ -479,7 +479,7 @@ KIT_DEMAND = fit_kit().demand
 
 
 def kit_mix(n_jobs: int = 414, seed: int = 1) -> list[SimJob]:
-    """Seed 004's HTCondor benchmark: 414 small TensorFlow trainings, at t=0.
+    """[Voigtlaender]'s HTCondor benchmark: 414 small TensorFlow trainings, at t=0.
 
     10.56 min alone on an A100 ([Voigtlaender] Table 1, "Default"). The compute demand
     ``d`` is fitted with the MPS model to Table 1 and Table 2 together
@@ -516,7 +516,7 @@ def pool_stream(
     seed: int = 1,
     model: str = "A100-40GB",
 ) -> list[SimJob]:
-    """A day of a seed 002/004-shaped stream for a pool of ``nodes`` x ``gpus``.
+    """A day of a [MIG-HT]/004-shaped stream for a pool of ``nodes`` x ``gpus``.
 
     Half the jobs are [Voigtlaender]'s small trainings (:func:`kit_mix`'s memory and
     demand), half [MIG-HT]'s buckets small:medium:large:full = 4:1:1:1 (memory and
@@ -699,8 +699,8 @@ class WorkloadSpec:
     """A named workload: how to build it and on what it is meant to run.
 
     ``builder(seed, model)`` makes the jobs for a GPU model: memory requests follow
-    that model's profiles where the workload is defined by profiles (seed 002 buckets,
-    the seed 001-shaped mix, seed 003 tasks); jobs defined in absolute MiB (the LLM and
+    that model's profiles where the workload is defined by profiles ([MIG-HT] buckets,
+    the [Siavashi]-shaped mix, [Villarrubia] tasks); jobs defined in absolute MiB (the LLM and
     KIT jobs) are the same on every model.
     """
 
@@ -733,7 +733,7 @@ def _far_spec(scaling: str, times: str) -> WorkloadSpec:
     return WorkloadSpec(
         f"far-{scaling}-{times}",
         functools.partial(_far_build, scaling, times),
-        f"seed 003 §6.3 synthetic moldable tasks ({scaling.capitalize()}Scaling, "
+        f"[Villarrubia] §6.3 synthetic moldable tasks ({scaling.capitalize()}Scaling, "
         f"{times.capitalize()}Times), 20 tasks at t=0, each on its fastest-area size",
         "p_sup = 0.5 (Figure 11); times are the generator's",
     )
@@ -750,37 +750,37 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         for name, desc, assume in [
             (
                 "hm1",
-                "seed 002 Hm1: 50 particle-filter jobs (5 GB)",
-                "runtime 60-180 s each; demand 0.32 from seed 002 Table 3",
+                "[MIG-HT] Hm1: 50 particle-filter jobs (5 GB)",
+                "runtime 60-180 s each; demand 0.32 from [MIG-HT] Table 3",
             ),
             (
                 "hm2",
-                "seed 002 Hm2: 50 gaussian jobs (5 GB)",
+                "[MIG-HT] Hm2: 50 gaussian jobs (5 GB)",
                 "runtime 60-180 s; demand 0.16 calibrated to the paper's 6.2x",
             ),
             (
                 "hm3",
-                "seed 002 Hm3: 100 myocyte jobs (5 GB)",
+                "[MIG-HT] Hm3: 100 myocyte jobs (5 GB)",
                 "runtime 60-180 s; demand 0.16 calibrated to the paper's 6.2x",
             ),
             (
                 "hm4",
-                "seed 002 Hm4: 50 euler3D jobs (20 GB)",
+                "[MIG-HT] Hm4: 50 euler3D jobs (20 GB)",
                 "runtime 60-180 s; demand 0.59 calibrated to the paper's 1.7x",
             ),
             (
                 "ht1",
-                "seed 002 Ht1: 11 small, 2 medium, 2 large, equal group runtimes",
+                "[MIG-HT] Ht1: 11 small, 2 medium, 2 large, equal group runtimes",
                 "each group 1200 s in total; demands from the bucket table",
             ),
             (
                 "ht2",
-                "seed 002 Ht2: 18 jobs, small:medium:large:full = 1:0:1:1",
+                "[MIG-HT] Ht2: 18 jobs, small:medium:large:full = 1:0:1:1",
                 "runtimes/demands from the bucket table",
             ),
             (
                 "ht3",
-                "seed 002 Ht3: 36 jobs, small:medium:large:full = 4:0:1:1",
+                "[MIG-HT] Ht3: 36 jobs, small:medium:large:full = 4:0:1:1",
                 "runtimes/demands from the bucket table",
             ),
         ]
@@ -788,9 +788,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "alibaba": WorkloadSpec(
         "alibaba",
         lambda seed, model: alibaba_mix(600, seed=seed, model=model, gpus=8),
-        "seed 001-shaped online mix: 600 single-profile requests, Poisson arrivals, "
+        "[Siavashi]-shaped online mix: 600 single-profile requests, Poisson arrivals, "
         "exponential lifetimes (mean 1 h), offered load 1.0 on 2 nodes x 4 A100",
-        "profile shares 1g/2g/3g/4g/7g = 30/15/10/5/40 % (seed 001 Fig. 5 is not in "
+        "profile shares 1g/2g/3g/4g/7g = 30/15/10/5/40 % ([Siavashi] Fig. 5 is not in "
         "our copy; 7g is the most abundant there); refused when not placeable at once",
         gpus=4,
         nodes=2,
@@ -799,9 +799,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "llm": WorkloadSpec(
         "llm",
         lambda seed, model: llm_mix(seed),
-        "seed 002 LLM jobs: 1 Qwen2-7B, 1 Llama-3, 4 FLAN-T5 train, 6 FLAN-T5 inference; "
+        "[MIG-HT] LLM jobs: 1 Qwen2-7B, 1 Llama-3, 4 FLAN-T5 train, 6 FLAN-T5 inference; "
         "memory grows per iteration; each starts on the partition of its start memory",
-        "peaks and OOM iterations from seed 002 §5.2.2; start memory, iteration counts, "
+        "peaks and OOM iterations from [MIG-HT] §5.2.2; start memory, iteration counts, "
         "runtimes (200-600 s) and demands (0.25-0.45) assumed; no job declares "
         "MigdHorizon, so the forecast looks only as far ahead as it has observed",
     ),
@@ -810,13 +810,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         lambda seed, model: llm_mix(seed, horizon_share=1.0),
         "the llm jobs, each declaring its total iterations as MigdHorizon",
         "as llm; every job sets MigdHorizon to its iteration count (the forecast then "
-        "looks ahead to the job's end, as seed 002 does)",
+        "looks ahead to the job's end, as [MIG-HT] does)",
     ),
     "kit": WorkloadSpec(
         "kit",
         lambda seed, model: kit_mix(414, seed),
-        "seed 004 KIT benchmark: 414 small TensorFlow trainings on one node of 8 A100",
-        "10.56 min alone (seed 004 Table 1); demand 0.117 fitted by the MPS model to "
+        "[Voigtlaender] KIT benchmark: 414 small TensorFlow trainings on one node of 8 A100",
+        "10.56 min alone ([Voigtlaender] Table 1); demand 0.117 fitted by the MPS model to "
         "Table 1 (16.23 min at 12 MPS clients) and Table 2 (MPS 9.36x of default)",
         gpus=8,
     ),

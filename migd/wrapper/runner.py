@@ -295,7 +295,7 @@ class JobRunner:
                     f"(up to {int(fc.upper_mib)}) by step {fc.at_step:.0f} but the partition "
                     f"has {limit} MiB"
                 )
-                # Size on the point forecast (seed 002: "the slice that meets the memory
+                # Size on the point forecast ([MIG-HT]: "the slice that meets the memory
                 # requirement"): early in a run the upper band is several times the real
                 # peak. If that was too little, the OOM path takes over.
                 needed: float | None = self.settings.forecast.needed_mib(fc.predicted_peak_mib)

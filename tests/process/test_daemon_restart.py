@@ -383,7 +383,7 @@ def test_sigkill_while_an_instance_is_being_created(
     client.release(spare["lease_id"])  # an idle 1g.5gb next to the leased one
     daemon.signal(signal.SIGTERM)
     assert daemon.wait() == 0
-    # seed 003 Table 1 x 20: creating a 3g instance takes 4 s (a 1g 3.2 s)
+    # [Villarrubia] Table 1 x 20: creating a 3g instance takes 4 s (a 1g 3.2 s)
     restart(daemon, "backend.sim_time_scale=20")
     outcome: dict[str, Any] = {}
 
@@ -443,7 +443,7 @@ def test_sigkill_while_a_repartition_destroys_the_old_instance(
     client.release(whole["lease_id"])  # leaves an idle 7g.40gb
     daemon.signal(signal.SIGTERM)
     assert daemon.wait() == 0
-    # seed 003 Table 1 x 20: destroying the 7g takes 4.4 s, creating the 3g 4.0 s
+    # [Villarrubia] Table 1 x 20: destroying the 7g takes 4.4 s, creating the 3g 4.0 s
     restart(daemon, "backend.sim_time_scale=20")
     outcome: dict[str, Any] = {}
 

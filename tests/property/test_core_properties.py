@@ -358,7 +358,7 @@ def test_node_plan_refuses_only_what_never_fits(
 
 
 def test_rules_keep_a_whole_gpu_free_where_first_fit_does_not() -> None:
-    """Seed 000: pack small jobs onto the busy GPU so a full-GPU job still fits."""
+    """[Turkkan]: pack small jobs onto the busy GPU so a full-GPU job still fits."""
     space = state_space(catalog.geometry("A100-40GB"))
     one = space.member("1g.5gb")
     first_fit = PlannerPolicy(placement=PlacementRule.DRIVER, gpu_choice=GpuChoice.FIRST_FIT)
@@ -430,7 +430,7 @@ def test_streams_never_destroy_and_recreate_the_same_instance() -> None:
     """Compute upsizing (3g.20gb at start 0 created as 4g.20gb) once made every later
     3g.20gb request there destroy the idle 4g.20gb and create it again (12.6 % of
     grants). Reuse now accepts the bigger instance; idle reuse ranks first, which
-    also halves the destroys against seed 000's busy-utilisation-first order."""
+    also halves the destroys against [Turkkan]'s busy-utilisation-first order."""
     runs = {
         "upsize": [_stream(PlannerPolicy(), seed) for seed in range(10)],
         "plain": [_stream(PlannerPolicy(upsize_compute=False), seed) for seed in range(10)],

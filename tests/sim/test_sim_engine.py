@@ -34,7 +34,7 @@ def job_spans(result: SimResult) -> list:  # type: ignore[type-arg]
 
 
 def test_seven_small_jobs_finish_in_one_wave() -> None:
-    # 7 x 1g.5gb fill an A100; creations are serialised (0.16 s each, seed 003 Table 1),
+    # 7 x 1g.5gb fill an A100; creations are serialised (0.16 s each, [Villarrubia] Table 1),
     # then every job runs 100 s (its demand 0.1 fits in 1/7 of the GPU).
     result = simulate([small(i) for i in range(7)], named_policy("migd"), SimConfig())
     m = compute_metrics(result)
@@ -197,7 +197,7 @@ def test_ended_leases_leave_the_scheduler() -> None:
 
 
 def test_seed001_first_fit_takes_the_lowest_start_and_the_first_node() -> None:
-    # the driver's own order puts a lone 1g.5gb at start 6; seed 001's sequential FF at 0
+    # the driver's own order puts a lone 1g.5gb at start 6; [Siavashi]'s sequential FF at 0
     driver = simulate([small(0)], named_policy("first-fit"), SimConfig())
     seq = simulate([small(0)], named_policy("first-fit-seq"), SimConfig())
     assert [s.unit_start for s in job_spans(driver)] == [6]

@@ -1,4 +1,4 @@
-"""FAR (seed 003): the tree, executable schedules, the lower bound, planning time."""
+"""FAR ([Villarrubia]): the tree, executable schedules, the lower bound, planning time."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_a100_tree_is_figure_4() -> None:
 
 @pytest.mark.parametrize("model", ["A100-40GB", "A30-24GB", "H100-80GB", "H200-141GB"])
 def test_every_set_of_unrelated_tree_nodes_is_a_valid_state(model: str) -> None:
-    # what makes any FAR schedule feasible (seed 003 §3.2): instances from different
+    # what makes any FAR schedule feasible ([Villarrubia] §3.2): instances from different
     # branches can always coexist
     tree = RepartitionTree.build(geometry(model))
     chains = antichains(tree, list(range(len(tree.nodes))))
@@ -191,7 +191,7 @@ def test_table4_setting_has_no_memory_bound_tasks_by_default() -> None:
 
 
 def test_rho_close_to_the_paper_on_a_few_batches() -> None:
-    # seed 003 Table 4 reports 1.02-1.03 at n=30 (1000 batches); bench/far_eval.py has
+    # [Villarrubia] Table 4 reports 1.02-1.03 at n=30 (1000 batches); bench/far_eval.py has
     # the full table. A handful of batches must stay well inside the factor-2 guarantee.
     rhos = []
     for seed in range(5):

@@ -139,7 +139,7 @@ def test_workloads_are_rebuilt_for_the_model(model: str) -> None:
     biggest = max(p.memory_mib for p in classic)
     assert max(j.memory_mib for j in full) > biggest // 2
     assert max(j.memory_mib for j in full) <= biggest - 2048
-    # the seed 001-shaped mix asks for the model's own profiles
+    # the [Siavashi]-shaped mix asks for the model's own profiles
     kinds = {j.kind for j in WORKLOADS["alibaba"].build(1, model)}
     assert kinds == {p.name for p in classic if p.name.split(".")[0] in ALIBABA_PROFILE_MIX}
     # jobs defined in absolute memory are the same on every model

@@ -232,7 +232,7 @@ def test_idle_reuse_on_another_gpu_beats_creating_on_the_busy_one() -> None:
     ]
     decision = plan_on_node(views, PartitionRequest(4000))
     assert (decision.gpu, decision.action, decision.start) == (0, "reuse", 6)
-    # seed 000's order alone (busy utilisation first) packs onto the busy GPU instead
+    # [Turkkan]'s order alone (busy utilisation first) packs onto the busy GPU instead
     packed = plan_on_node(views, PartitionRequest(4000), PlannerPolicy(reuse_first=False))
     assert (packed.gpu, packed.action) == (1, "create")
 

@@ -218,7 +218,7 @@ class SimNode:
         gpus: the GPUs, in NVML index order.
         seed: seeds GPU UUIDs (stable per index) and MIG UUIDs (new per creation).
         time_scale: multiplies the create/destroy latencies (each GPU's ``latency``,
-            default seed 003 Table 1, :mod:`migd.core.costs`); 0 (the default, for tests)
+            default [Villarrubia] Table 1, :mod:`migd.core.costs`); 0 (the default, for tests)
             makes every operation instant; 1.0 is real time. The wait happens outside the
             node lock: other NVML calls go on, MIG changes of the same GPU wait their turn.
         root: whether NVML callers are privileged (``set_root`` changes it later).

@@ -11,7 +11,7 @@ Three sources, one result (a list of :class:`SimGpuSpec` plus node options):
       time_scale = 0.0              # driver_version, cuda_version
       latency = {1 = [0.16, 0.20], 7 = [0.24, 0.22]}   # optional, every GPU: seconds
                                     # to [create, destroy] by compute slices (a size not
-                                    # listed takes the next larger); default seed 003
+                                    # listed takes the next larger); default [Villarrubia]
                                     # Table 1; a [[gpu]] table may give its own
       [[gpu]]
       model = "A100-40GB"
@@ -99,7 +99,7 @@ class SimGpuSpec:
     uuid: str | None = None  # generated from the node seed when None
     pci_bus_id: str | None = None
     # Seconds to create / destroy a GPU instance by compute slices, before ``time_scale``;
-    # None: seed 003 Table 1 for the model (:mod:`migd.core.costs`).
+    # None: [Villarrubia] Table 1 for the model (:mod:`migd.core.costs`).
     latency: Mapping[int, tuple[float, float]] | None = field(default=None, hash=False)
     idle_used_mib: int = 0  # memory NVML reports used on the idle whole GPU (MIG off)
     mig_idle_used_mib: int = 0  # and on each idle GPU instance (driver reservations)
