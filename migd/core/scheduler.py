@@ -1249,6 +1249,11 @@ class NodeScheduler:
                     ):
                         del self._pending_work[pending.work_id]
                         self._stale_work.add(pending.work_id)
+                        ended = self.leases.get(pending.lease_id or "")
+                        if ended is None or ended.state.terminal:
+                            # Stale work's completion is ignored, and no retry runs for
+                            # a lease that ended: its queue entry goes now.
+                            self._placed_items.pop(pending.lease_id or "", None)
                         for op in pending.ops:  # its own destroys did not happen either
                             victim = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
                             if isinstance(op, DestroyOp) and victim is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from migd.core import catalog
@@ -81,6 +81,22 @@ def check_invariants(node: NodeScheduler, destroyed_busy: list[str]) -> None:
         min_size=1,
         max_size=60,
     ),
+)
+# Found by Hypothesis: a cancelled lease's create work made stale by a failed destroy
+# left its queue entry behind for good.
+@example(
+    models=["A30-24GB"],
+    queue=QueuePolicy.FIFO,
+    idle="destroy",
+    steps=[
+        ("submit", 11972, 0),
+        ("submit", 1, 1),
+        ("complete", 1, 0),
+        ("release", 1, 0),
+        ("release", 1, 0),
+        ("fail", 1, 0),
+        ("complete", 1, 0),
+    ],
 )
 def test_scheduler_invariants(
     models: list[str], queue: QueuePolicy, idle: str, steps: list[tuple[str, int, int]]
