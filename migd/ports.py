@@ -329,6 +329,30 @@ class MpsControl(Protocol):
         ...
 
 
+class Accounts(Protocol):
+    """The host's users and groups, as the API's access rules need them (names in the
+    configuration, memberships of a peer). The real one reads the passwd and group
+    databases (:class:`migd.backends.accounts.SystemAccounts`); tests pass a fake, so no
+    test depends on which accounts the host has."""
+
+    def user_name(self, uid: int) -> str | None:
+        """The login name of ``uid``, or None when the host has no such user."""
+        ...
+
+    def group_ids(self, uid: int, gid: int) -> frozenset[int]:
+        """Every group ``uid`` (primary group ``gid``) is in; at least ``gid``."""
+        ...
+
+    def group_id(self, name: str) -> int | None:
+        """The gid of the group called ``name``, or None when there is none."""
+        ...
+
+    def forget(self) -> None:
+        """Drop cached answers (on SIGHUP: an admin who added a user to a group, then
+        reloaded, expects it to count)."""
+        ...
+
+
 class Clock(Protocol):
     def now(self) -> float:
         """Wall-clock seconds since the epoch (for records)."""

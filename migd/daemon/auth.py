@@ -19,16 +19,13 @@ from the socket. Users and groups in the config may be names or numeric IDs;
 
 from __future__ import annotations
 
-import grp
-import os
-import pwd
 import socket
 import struct
 from dataclasses import dataclass
-from functools import lru_cache
 
 from migd.daemon.config import ApiSection
 from migd.errors import NotAuthorized
+from migd.ports import Accounts
 
 
 @dataclass(frozen=True)
@@ -43,71 +40,46 @@ class Peer:
         pid, uid, gid = struct.unpack("3i", raw)
         return cls(pid, uid, gid)
 
-    @property
-    def user(self) -> str:
-        return _user_name(self.uid)
-
-
-def forget_accounts() -> None:
-    """Drop the cached user names and group memberships (on SIGHUP: an admin who added
-    a user to a group, then reloaded, expects it to count)."""
-    _user_name.cache_clear()
-    _group_ids.cache_clear()
-
-
-@lru_cache(maxsize=1024)
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-@lru_cache(maxsize=1024)
-def _group_ids(uid: int, gid: int) -> frozenset[int]:
-    try:
-        name = pwd.getpwuid(uid).pw_name
-        return frozenset(os.getgrouplist(name, gid))
-    except (KeyError, OSError):
-        return frozenset({gid})
-
-
-def _gid(name: str) -> int | None:
-    if name.isdigit():
-        return int(name)
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        return None
-
-
-def _matches(peer: Peer, users: list[str], groups: list[str]) -> bool:
-    if "*" in users or "*" in groups:
-        return True
-    if str(peer.uid) in users or peer.user in users:
-        return True
-    peer_groups = _group_ids(peer.uid, peer.gid)
-    return any((g := _gid(name)) is not None and g in peer_groups for name in groups)
-
 
 class Authorizer:
-    def __init__(self, api: ApiSection) -> None:
+    """The access rules of an ``[api]`` section over the host's users and groups (the
+    :class:`~migd.ports.Accounts` port, passed in at start-up)."""
+
+    def __init__(self, api: ApiSection, accounts: Accounts) -> None:
         self.api = api
+        self.accounts = accounts
+
+    def user_name(self, peer: Peer) -> str:
+        """The peer's login name, or its uid as text when the host has no such user."""
+        return self.accounts.user_name(peer.uid) or str(peer.uid)
+
+    def _gid(self, name: str) -> int | None:
+        return int(name) if name.isdigit() else self.accounts.group_id(name)
+
+    def _matches(self, peer: Peer, users: list[str], groups: list[str]) -> bool:
+        if "*" in users or "*" in groups:
+            return True
+        if str(peer.uid) in users or self.user_name(peer) in users:
+            return True
+        peer_groups = self.accounts.group_ids(peer.uid, peer.gid)
+        return any((g := self._gid(name)) is not None and g in peer_groups for name in groups)
 
     def is_admin(self, peer: Peer) -> bool:
-        return peer.uid == 0 or _matches(peer, self.api.admin_users, self.api.admin_groups)
+        return peer.uid == 0 or self._matches(peer, self.api.admin_users, self.api.admin_groups)
 
     def may_lease(self, peer: Peer) -> bool:
-        return self.is_admin(peer) or _matches(peer, self.api.lease_users, self.api.lease_groups)
+        return self.is_admin(peer) or self._matches(
+            peer, self.api.lease_users, self.api.lease_groups
+        )
 
     def may_release_any(self, peer: Peer) -> bool:
         """May release any job's leases by job id (``release_job``)."""
-        return self.is_admin(peer) or _matches(peer, self.api.hook_users, [])
+        return self.is_admin(peer) or self._matches(peer, self.api.hook_users, [])
 
     def require_lease(self, peer: Peer) -> None:
         if not self.may_lease(peer):
             raise NotAuthorized(
-                f"user {peer.user} (uid {peer.uid}) may not request GPU leases",
+                f"user {self.user_name(peer)} (uid {peer.uid}) may not request GPU leases",
                 hint="add the user or its group to api.lease_users/lease_groups in migd.toml",
                 uid=peer.uid,
             )
@@ -115,7 +87,8 @@ class Authorizer:
     def require_owner(self, peer: Peer, owner_uid: int, what: str) -> None:
         if peer.uid != owner_uid and not self.is_admin(peer):
             raise NotAuthorized(
-                f"user {peer.user} (uid {peer.uid}) may not {what} a lease of uid {owner_uid}",
+                f"user {self.user_name(peer)} (uid {peer.uid}) may not {what} a lease of "
+                f"uid {owner_uid}",
                 hint="only the lease's owner or an admin may do that",
                 uid=peer.uid,
             )
@@ -123,14 +96,14 @@ class Authorizer:
     def require_read(self, peer: Peer) -> None:
         if not (self.api.status_public or self.may_lease(peer)):
             raise NotAuthorized(
-                f"user {peer.user} may not read migd's status",
+                f"user {self.user_name(peer)} may not read migd's status",
                 hint="set api.status_public = true, or ask an admin",
             )
 
     def require_admin(self, peer: Peer, what: str) -> None:
         if not self.is_admin(peer):
             raise NotAuthorized(
-                f"user {peer.user} (uid {peer.uid}) may not {what}",
+                f"user {self.user_name(peer)} (uid {peer.uid}) may not {what}",
                 hint="admin operations need root or a user in api.admin_users/admin_groups",
                 uid=peer.uid,
             )

@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
         return 1
+    from migd.backends.accounts import SystemAccounts
     from migd.daemon.service import Daemon
 
     if node is not None:
@@ -186,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         mps.watch_servers(node.track_mps_servers)
 
     async def run() -> int:
-        daemon = Daemon(config, backend, procs, reload_config=load, sim_node=node, mps=mps)
+        daemon = Daemon(
+            config,
+            backend,
+            procs,
+            reload_config=load,
+            sim_node=node,
+            mps=mps,
+            accounts=SystemAccounts(),
+        )
         return await daemon.run()
 
     try:

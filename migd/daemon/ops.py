@@ -292,8 +292,8 @@ class Ops:
             mine = [lease for lease in leases if lease.owner_uid == peer.uid]
             if leases and not mine:
                 raise NotAuthorized(
-                    f"user {peer.user} (uid {peer.uid}) may not release job {req.job_id}'s "
-                    f"leases: they belong to uid {leases[0].owner_uid}",
+                    f"user {self.ctx.auth.user_name(peer)} (uid {peer.uid}) may not release job "
+                    f"{req.job_id}'s leases: they belong to uid {leases[0].owner_uid}",
                     hint="the lease's owner, an admin or a user in api.hook_users may",
                     uid=peer.uid,
                 )

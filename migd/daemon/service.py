@@ -27,12 +27,13 @@ import structlog
 from pydantic import BaseModel
 
 from migd import __version__
+from migd.backends.accounts import SystemAccounts
 from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
 from migd.daemon.api_server import ApiServer, not_simulated, socket_access
-from migd.daemon.auth import Authorizer, forget_accounts
+from migd.daemon.auth import Authorizer
 from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
@@ -47,7 +48,7 @@ from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
-from migd.ports import Clock, GpuBackend, MpsControl, ProcessTable, SystemClock
+from migd.ports import Accounts, Clock, GpuBackend, MpsControl, ProcessTable, SystemClock
 
 if TYPE_CHECKING:
     from migd.backends.simulated.node import SimNode
@@ -119,8 +120,10 @@ class Daemon:
         reload_config: Callable[[], MigdConfig] | None = None,
         sim_node: SimNode | None = None,
         mps: MpsControl | None = None,
+        accounts: Accounts | None = None,
     ) -> None:
         clock = clock or SystemClock()
+        self.accounts = accounts or SystemAccounts()
         self.metrics = MetricsService(config)  # docs/operations.md, Monitoring
         self.ctx = ctx = DaemonContext(
             config=config,
@@ -128,7 +131,7 @@ class Daemon:
             procs=procs,
             clock=clock,
             notifier=notifier or Notifier(),
-            auth=Authorizer(config.api),
+            auth=Authorizer(config.api, self.accounts),
             mps=mps,
             started_s=clock.now(),
         )
@@ -259,8 +262,8 @@ class Daemon:
             return {"reloaded": False, "error": exc.to_dict()}
         needs_restart = changed_restart_keys(ctx.config, new)
         ctx.config = keep_restart_keys(ctx.config, new)
-        forget_accounts()  # users and groups may have changed with the configuration
-        ctx.auth = Authorizer(ctx.config.api)
+        self.accounts.forget()  # users and groups may have changed with the configuration
+        ctx.auth = Authorizer(ctx.config.api, self.accounts)
         if self.api.bound:
             try:
                 self.api.apply_socket_access(access)

@@ -50,8 +50,8 @@ class SimOps:
                 )
         elif owner != peer.uid:
             raise NotAuthorized(
-                f"user {peer.user} (uid {peer.uid}) may not {req.op} for process {req.pid} "
-                f"of uid {owner}",
+                f"user {self.ctx.auth.user_name(peer)} (uid {peer.uid}) may not {req.op} for "
+                f"process {req.pid} of uid {owner}",
                 hint="a fake CUDA job acts only for its own processes",
                 uid=peer.uid,
             )

@@ -207,33 +207,17 @@ class FarSchedule:
         """Timed create/destroy/run steps, ordered by time (destroys before creates on ties)."""
         out: list[Step] = []
         for node, nt in zip(self.tree.nodes, self.node_times, strict=True):
-            name = node.profile.name
+            # (kind, begin, end, task) of each timed action on this node's instance.
+            spans: list[tuple[Literal["create", "destroy", "run"], float, float, str]] = []
             if nt.create is not None:
-                out.append(
-                    Step(
-                        nt.create[0],
-                        nt.create[1] - nt.create[0],
-                        "create",
-                        node.gpu,
-                        name,
-                        node.start,
-                    )
-                )
-            for task, begin, end in nt.runs:
-                out.append(
-                    Step(begin, end - begin, "run", node.gpu, name, node.start, self.tasks[task])
-                )
+                spans.append(("create", *nt.create, ""))
+            spans += [("run", begin, end, self.tasks[task]) for task, begin, end in nt.runs]
             if nt.destroy is not None:
-                out.append(
-                    Step(
-                        nt.destroy[0],
-                        nt.destroy[1] - nt.destroy[0],
-                        "destroy",
-                        node.gpu,
-                        name,
-                        node.start,
-                    )
-                )
+                spans.append(("destroy", *nt.destroy, ""))
+            out += [
+                Step(begin, end - begin, kind, node.gpu, node.profile.name, node.start, task)
+                for kind, begin, end, task in spans
+            ]
         order = {"destroy": 0, "create": 1, "run": 2}
         return sorted(out, key=lambda s: (s.time_s, order[s.kind], s.gpu, s.start))
 

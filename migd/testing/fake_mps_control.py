@@ -358,6 +358,14 @@ class _Daemon:
         return value
 
     @staticmethod
+    def _check_percentage(text: str) -> float:
+        # Both thread-percentage commands take a percentage in (0, 100].
+        pct = float(text)
+        if not 0 < pct <= 100:
+            raise ValueError(text)
+        return pct
+
+    @staticmethod
     def _show_limit(value: str | None) -> str:
         # Newer drivers print limits of 1 GiB and more as whole, rounded-down "G"
         # (seen in a third-party fixture, see htcondor-mps-nvml.md §4.1); mimic that so
@@ -419,9 +427,7 @@ class _Daemon:
         return self._show_limit(server.pinned_limits.get(self._check_device(args[1])))
 
     def cmd_set_default_active_thread_percentage(self, args: list[str]) -> str:
-        pct = float(args[0])
-        if not 0 < pct <= 100:
-            raise ValueError(args[0])
+        pct = self._check_percentage(args[0])
         self.default_thread_percentage = pct
         return f"{pct:.1f}"
 
@@ -430,9 +436,7 @@ class _Daemon:
 
     def cmd_set_active_thread_percentage(self, args: list[str]) -> str:
         server = self._server(args[0])
-        pct = float(args[1])
-        if not 0 < pct <= 100:
-            raise ValueError(args[1])
+        pct = self._check_percentage(args[1])
         server.thread_percentage = pct
         return f"{pct:.1f}"
 

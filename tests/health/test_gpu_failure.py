@@ -5,7 +5,6 @@ slot ads and history."""
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import shutil
@@ -32,8 +31,9 @@ def node(tmp_path: Path) -> Iterator[DaemonProcess]:
         root,
         config_text=(
             "version = 1\n[metrics]\nlisten = '127.0.0.1:0'\n"
-            # The test drives the admin-only sim_xid op and `migctl resume` as itself.
-            f"[api]\nadmin_users = ['{getpass.getuser()}']\n"
+            # The test drives the admin-only sim_xid op and `migctl resume` as itself: by
+            # uid, which needs no passwd entry (a container's uid may have none).
+            f"[api]\nadmin_users = ['{os.getuid()}']\n"
         ),
         extra_args=["--set", "backend.sim_time_scale=0"],
     )

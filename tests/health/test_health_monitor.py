@@ -12,7 +12,8 @@ from migd.core.leases import LeaseState
 from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.gpu_health import GPU_LOST, GpuHealthMonitor, clear_condition, raise_condition
-from migd.daemon.metrics import MetricsService, render
+from migd.daemon.metrics import MetricsService
+from migd.daemon.metrics_http import render
 from migd.ports import ManualClock
 from tests.metrics.conftest import finish, gpu, lease
 

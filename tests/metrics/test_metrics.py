@@ -13,14 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, ManagedGpu, NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.metrics import (
-    MIB,
-    InstrumentedBackend,
-    MetricsRecorder,
-    MetricsServer,
-    build_registry,
-    render,
-)
+from migd.daemon.metrics import build_registry
+from migd.daemon.metrics_collector import MIB
+from migd.daemon.metrics_http import MetricsServer, render
+from migd.daemon.metrics_recorder import InstrumentedBackend, MetricsRecorder
 from migd.errors import GpuError, NoCapacity
 from migd.ports import GpuInfo, MigInstance
 from tests.metrics.conftest import finish, gpu, lease

@@ -19,7 +19,10 @@ import pytest
 from migd.errors import LeaseTimeout, MigdError, NotAuthorized, ProtocolError
 from tests.process.conftest import DaemonProcess, wait_for
 
-NOBODY = 65534
+# A second, unprivileged uid for the tests that need real peer credentials. The kernel
+# takes any uid (setpriv needs no account), so nothing here depends on which users the host
+# has: configurations name it by number, never by a name such as "nobody".
+OTHER_UID = 65534
 
 
 def instance_of(status: dict[str, Any], lease_id: str) -> dict[str, Any] | None:
@@ -321,7 +324,7 @@ for name, call in [
         out[name] = [e.code, e.message]
 print(json.dumps(out))
 """
-    result = as_user(NOBODY, code)
+    result = as_user(OTHER_UID, code)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     for op in ("lease", "release", "get_lease", "drain"):
@@ -339,11 +342,11 @@ def test_private_status_when_configured(daemon: DaemonProcess) -> None:
     code = f"from migd.client import MigdClient\nMigdClient({str(daemon.socket_path)!r}).status()"
     # first line of defence: the socket file is not world-accessible
     assert daemon.socket_path.stat().st_mode & 0o777 == 0o660
-    blocked = as_user(NOBODY, code)
+    blocked = as_user(OTHER_UID, code)
     assert blocked.returncode != 0 and "no permission to connect" in blocked.stderr
     # second line: even with the file opened up, the peer's uid decides
     daemon.socket_path.chmod(0o666)
-    refused = as_user(NOBODY, code)
+    refused = as_user(OTHER_UID, code)
     assert refused.returncode != 0 and "may not read" in refused.stderr
 
 
@@ -447,7 +450,7 @@ out["mine"] = mine["lease_id"]
 print(json.dumps(out))
 """
     )
-    returncode, stdout, stderr = run_as(NOBODY, code, str(daemon.socket_path))
+    returncode, stdout, stderr = run_as(OTHER_UID, code, str(daemon.socket_path))
     assert returncode == 0, stderr
     out = json.loads(stdout)
     assert out["release_other"][0] == NotAuthorized.code, out["release_other"]
@@ -462,9 +465,9 @@ print(json.dumps(out))
     assert out["release_own"] == ["ok", {"released": [out["mine"]]}]
     # root (an admin) sees every environment
     assert client.call("explain", job_id="11.0")["leases"][0]["env"]
-    # a hook user (here: nobody, via a reload) may release any job's leases
+    # a hook user (here: OTHER_UID, via a reload) may release any job's leases
     daemon.config_path.write_text(
-        'version = 1\n[api]\nlease_users = ["*"]\nhook_users = ["nobody"]\n'
+        f'version = 1\n[api]\nlease_users = ["*"]\nhook_users = ["{OTHER_UID}"]\n'
     )
     daemon.signal(signal.SIGHUP)
     wait_for(
@@ -472,7 +475,7 @@ print(json.dumps(out))
         what="the reload",
     )
     hook = as_user(
-        NOBODY,
+        OTHER_UID,
         f"from migd.client import MigdClient\n"
         f"print(MigdClient({str(daemon.socket_path)!r}).call('release_job', job_id='11.0'))",
     )
@@ -484,14 +487,14 @@ print(json.dumps(out))
 def test_private_socket_group_lets_lease_users_in_and_reload_reapplies(
     daemon: DaemonProcess,
 ) -> None:
-    private = 'version = 1\n[api]\nstatus_public = false\nlease_users = ["root", "nobody"]\n'
+    private = f'version = 1\n[api]\nstatus_public = false\nlease_users = ["root", "{OTHER_UID}"]\n'
     daemon.config_text = private
     daemon.start()
     status = f"from migd.client import MigdClient\nMigdClient({str(daemon.socket_path)!r}).status()"
     st = daemon.socket_path.stat()
     assert st.st_mode & 0o777 == 0o660 and st.st_gid == os.getegid()
-    # without socket_group, the lease user nobody cannot connect, and migd says so at start
-    assert "no permission to connect" in as_user(NOBODY, status).stderr
+    # without socket_group, the lease user OTHER_UID cannot connect, and migd says so at start
+    assert "no permission to connect" in as_user(OTHER_UID, status).stderr
     warning = next(e for e in daemon.log_events() if e.get("event") == "api.socket_private")
     assert warning["level"] == "warning" and "socket_group" in warning["hint"]
 
@@ -504,10 +507,10 @@ def test_private_socket_group_lets_lease_users_in_and_reload_reapplies(
             what="the reload",
         )
 
-    reload(private + 'socket_group = "nogroup"\n')
+    reload(private + f'socket_group = "{OTHER_UID}"\n')  # a gid: as_user's gid is its uid
     st = daemon.socket_path.stat()
-    assert st.st_mode & 0o777 == 0o660 and st.st_gid == 65534
-    assert as_user(NOBODY, status).returncode == 0  # nobody's group is nogroup (65534)
+    assert st.st_mode & 0o777 == 0o660 and st.st_gid == OTHER_UID
+    assert as_user(OTHER_UID, status).returncode == 0  # its group is the socket's
     assert "no permission to connect" in run_as(65533, status)[2]
     # an unknown group fails the reload and keeps the socket as it was
     daemon.config_path.write_text(private + 'socket_group = "no-such-group-x"\n')
@@ -519,8 +522,8 @@ def test_private_socket_group_lets_lease_users_in_and_reload_reapplies(
         ),
         what="the failed reload",
     )
-    assert daemon.socket_path.stat().st_gid == 65534
-    reload('version = 1\n[api]\nstatus_public = true\nlease_users = ["root", "nobody"]\n')
+    assert daemon.socket_path.stat().st_gid == OTHER_UID
+    reload(f'version = 1\n[api]\nstatus_public = true\nlease_users = ["root", "{OTHER_UID}"]\n')
     assert daemon.socket_path.stat().st_mode & 0o777 == 0o666
 
 
@@ -595,13 +598,13 @@ def test_idle_connections_time_out_and_are_capped_per_uid(daemon: DaemonProcess)
     path = daemon.socket_path
     holders = []
     try:
-        for uid in (NOBODY, 65533):  # two users who may not lease hold 3 idle connections each
+        for uid in (OTHER_UID, 65533):  # two users who may not lease hold 3 idle connections each
             holder = _as(uid, HOLDER_SCRIPT, str(path), "3")
             assert holder.stdout is not None
             assert json.loads(holder.stdout.readline()) == {"held": 3}
             holders.append(holder)
         # a fourth connection of the same uid is refused at once, with a hint that fits
-        over = _probe(NOBODY, path)
+        over = _probe(OTHER_UID, path)
         assert over[0] == "daemon_unavailable" and "max_clients_per_uid" in over[1], over
         assert "ss -xp" in over[2]
         # 6 of 8 slots are taken by readers: another reader is refused, a lease user is not
@@ -617,7 +620,7 @@ def test_idle_connections_time_out_and_are_capped_per_uid(daemon: DaemonProcess)
                 assert reply is not None and reply["error"]["code"] == ProtocolError.code
                 assert "within 8 s" in reply["error"]["message"]
                 assert 5 < waited < 20
-        assert _probe(NOBODY, path) == ["ok", 1]  # their slots were given back
+        assert _probe(OTHER_UID, path) == ["ok", 1]  # their slots were given back
     finally:
         for holder in holders:
             if holder.poll() is None:

@@ -20,7 +20,7 @@ from migd.errors import MigdError
 from migd.testing.fake_mps_control import fault_path
 from tests.mps.conftest import pid_alive
 from tests.process.conftest import DaemonProcess, wait_for
-from tests.process.test_daemon_process import NOBODY, as_user
+from tests.process.test_daemon_process import OTHER_UID, as_user
 from tests.process.test_wrapper_process import SIMJOB, run
 
 
@@ -112,10 +112,10 @@ uid = c.status()["gpus"][0]["mps"]["uid"]
 print(json.dumps(dict(lease, serving_uid=uid)))
 """
     got: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: got.update(result=as_user(NOBODY, code)))
+    waiter = threading.Thread(target=lambda: got.update(result=as_user(OTHER_UID, code)))
     waiter.start()
     wait_for(lambda: daemon.client().status()["queue"], what="the other user's request to wait")
-    assert mps_status(daemon)["draining_for_uid"] == NOBODY
+    assert mps_status(daemon)["draining_for_uid"] == OTHER_UID
     # while it drains, the serving user gets nothing new either (no starvation)
     blocked = daemon.client().call("leases")["leases"]
     assert any(x["job_id"] == "nobody.0" and x["state"] == "queued" for x in blocked)
@@ -124,8 +124,8 @@ print(json.dumps(dict(lease, serving_uid=uid)))
     result = got["result"]
     assert result.returncode == 0, result.stderr
     theirs = json.loads(result.stdout)
-    assert theirs["state"] == "active" and theirs["owner_uid"] == NOBODY
-    assert theirs["serving_uid"] == NOBODY
+    assert theirs["state"] == "active" and theirs["owner_uid"] == OTHER_UID
+    assert theirs["serving_uid"] == OTHER_UID
 
 
 def test_sigterm_keeps_a_busy_mps_daemon_and_restart_adopts_it(daemon: DaemonProcess) -> None:

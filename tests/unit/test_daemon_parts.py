@@ -548,14 +548,18 @@ def test_per_gpu_ad_has_free_memory_largest_profile_mode_and_health() -> None:
 
 def test_release_job_permission_follows_hook_users() -> None:
     from migd.daemon.auth import Authorizer, Peer
+    from migd.testing.fake_accounts import FakeAccounts
 
+    # The hook's user by name, as sites write it; the accounts are the test's, not the host's.
+    accounts = FakeAccounts(users={0: "root", 4242: "condorhook"}, groups={"hooks": 4242})
     api = MigdConfig().api
-    auth = Authorizer(api)
+    auth = Authorizer(api, accounts)
     assert auth.may_release_any(Peer(1, 0, 0))  # root
-    assert not auth.may_release_any(Peer(1, 65534, 65534))
-    nobody = Authorizer(api.model_copy(update={"hook_users": ["nobody"]}))
-    assert nobody.may_release_any(Peer(1, 65534, 65534))
-    assert not nobody.may_lease(Peer(1, 65534, 65534))  # a hook user is not a lease user
+    assert not auth.may_release_any(Peer(1, 4242, 4242))
+    hook = Authorizer(api.model_copy(update={"hook_users": ["condorhook"]}), accounts)
+    assert hook.may_release_any(Peer(1, 4242, 4242))
+    assert not hook.may_lease(Peer(1, 4242, 4242))  # a hook user is not a lease user
+    assert not hook.may_release_any(Peer(1, 4243, 4243))  # another user is not
 
 
 # -- watchdog -----------------------------------------------------------------------------------

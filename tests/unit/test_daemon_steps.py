@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from migd.backends.accounts import SystemAccounts
 from migd.backends.mps import HealthEvent, HealthReport
 from migd.backends.simulated import simulated_backend
 from migd.core.health import Condition, GpuHealth
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
-from migd.daemon import auth
 from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
 from migd.daemon.mps_supervisor import MPS_UNHEALTHY
 from migd.daemon.periodic import Timers, Watchdog
@@ -225,11 +225,12 @@ def test_a_reload_keeps_every_restart_key_and_takes_every_other(tmp_path: Path) 
 
 
 def test_sighup_forgets_cached_group_memberships() -> None:
-    auth._group_ids(0, 0)
-    auth._user_name(0)
-    assert auth._group_ids.cache_info().currsize and auth._user_name.cache_info().currsize
-    auth.forget_accounts()
-    assert auth._group_ids.cache_info().currsize == 0 == auth._user_name.cache_info().currsize
+    accounts = SystemAccounts()
+    accounts.group_ids(0, 0)  # uid 0 is root on every host, named or not
+    accounts.user_name(0)
+    assert accounts.cached() == 2
+    accounts.forget()
+    assert accounts.cached() == 0
 
 
 class Recorder:

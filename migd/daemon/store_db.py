@@ -1,0 +1,309 @@
+"""The SQLite state database file: its schema, opening it, and telling a bad file from a
+bad disk.
+
+A file that is not a database (``SQLITE_NOTADB``), that SQLite reports corrupt
+(``SQLITE_CORRUPT``) or that fails ``PRAGMA quick_check`` is moved aside
+(``migd.db.corrupt-<time>``) and a fresh one is started: nothing is lost that the
+GPUs themselves cannot tell again, because start-up reconciliation re-adopts every
+instance it finds and never destroys one with processes.
+
+Every other failure is the disk's, not the file's (full, read-only, I/O error,
+permissions): the file is left untouched and :class:`StateDiskError` is raised, at
+start-up (the daemon exits non-zero and systemd's ``Restart=on-failure`` tries again)
+and while running (the request fails with that typed error, :attr:`StateDatabase.failing`
+says why, and the first write that succeeds again clears it; :meth:`StateDatabase.probe`
+is that write for callers that want to find out without a request).
+
+What is stored and how it is queried is :mod:`migd.daemon.store`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from migd.errors import StateDiskError, StateStoreError
+
+# SQLite's primary result codes (sqlite3.h) that say the *file* is bad; only these (and a
+# failed quick_check) justify moving the database aside. SQLITE_FULL (13), SQLITE_IOERR
+# (10), SQLITE_READONLY (8), SQLITE_CANTOPEN (14) and SQLITE_PERM (3) are the disk's or the
+# mount's: moving the file aside on them loses every lease for a condition that goes away.
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26
+_CORRUPTION_CODES = frozenset({_SQLITE_CORRUPT, _SQLITE_NOTADB})
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_s REAL NOT NULL,
+    updated_s REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_state ON leases(state);
+CREATE INDEX IF NOT EXISTS leases_job ON leases(job_id);
+CREATE TABLE IF NOT EXISTS history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    t REAL NOT NULL,
+    lease_id TEXT,
+    job_id TEXT,
+    event TEXT NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS history_job ON history(job_id);
+CREATE INDEX IF NOT EXISTS history_lease ON history(lease_id);
+CREATE TABLE IF NOT EXISTS instances (
+    gpu_uuid TEXT NOT NULL,
+    start INTEGER NOT NULL,
+    profile_id INTEGER NOT NULL,
+    mig_uuid TEXT,
+    created_s REAL NOT NULL,
+    PRIMARY KEY (gpu_uuid, start)
+);
+"""
+
+
+class _Corrupt(Exception):
+    """The database file itself is bad (not the disk under it)."""
+
+
+def _primary_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else int(code) & 0xFF
+
+
+def _disk_state(directory: Path) -> str:
+    """What the file system under ``directory`` says about itself: SQLite's own message
+    for a read-only mount is only "unable to open database file"."""
+    try:
+        fs = os.statvfs(directory)
+    except OSError as exc:
+        return f"cannot stat the state directory: {exc.strerror}"
+    if fs.f_flag & os.ST_RDONLY:
+        return "the file system is mounted read-only"
+    if fs.f_bavail == 0 or fs.f_favail == 0:
+        return "the file system is full"
+    return ""
+
+
+def _disk_error(path: Path, exc: BaseException, doing: str) -> StateDiskError:
+    what = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+    state = _disk_state(path.parent)
+    return StateDiskError(
+        f"cannot {doing} the state database {path}: {exc} ({what})"
+        + (f"; {state}" if state else "")
+        + "; the file is left as it is",
+        path=str(path),
+        sqlite_error=what,
+        disk=state,
+    )
+
+
+class StateDatabase:
+    """The SQLite state database file: opening, writes, transactions and the disk's health.
+    Not thread-safe: the daemon uses it from its event loop.
+
+    Attributes:
+        failing: why the last write failed on the disk (full, read-only, I/O), or None
+            while writes succeed. A node-level condition for ``migctl status`` and the
+            machine ad; cleared by the next write that succeeds (see :meth:`probe`).
+        failing_since: wall-clock time of the first failed write of the current spell.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.recovered_from: Path | None = None
+        self.corruption: str | None = None
+        self.failing: str | None = None
+        self.failing_since: float | None = None
+        self._db = self._open()
+        self._checkpointer: threading.Thread | None = None
+        self._stop_checkpoints = threading.Event()
+        # (WAL frames, frames checkpointed) from the background thread's last round.
+        self.last_checkpoint: tuple[int, int] | None = None
+
+    def checkpoint_in_background(self, interval_s: float = 2.0) -> None:
+        """Move WAL checkpoints off the caller's thread.
+
+        SQLite checkpoints the WAL inside whichever commit crosses 1000 pages, and a
+        checkpoint syncs the database file: a ~5 ms stall on the daemon's event loop every
+        few hundred lease changes, the whole p99 of a lease. Here a thread with its own
+        connection checkpoints every ``interval_s`` instead (PASSIVE: it never blocks a
+        writer, and the sqlite3 module drops the GIL while it waits on the disk).
+        """
+        if self._checkpointer is not None:
+            return
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self._stop_checkpoints.clear()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, args=(interval_s,), name="migd-wal", daemon=True
+        )
+        self._checkpointer.start()
+
+    def _checkpoint_loop(self, interval_s: float) -> None:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA busy_timeout=5000")
+            while not self._stop_checkpoints.wait(interval_s):
+                try:
+                    _busy, frames, done = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    self.last_checkpoint = (frames, done)
+                except sqlite3.Error:
+                    continue  # busy or a transient error: the next round catches up
+        finally:
+            db.close()
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return self._connect()
+        except _Corrupt as exc:
+            self.corruption = str(exc)
+        except OSError as exc:
+            raise _disk_error(self.path, exc, "open") from exc
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                src = Path(str(self.path) + suffix)
+                if src.exists():
+                    src.rename(Path(str(aside) + suffix))
+            self.recovered_from = aside
+            return self._connect()
+        except (OSError, _Corrupt) as exc:
+            raise _disk_error(self.path, exc, "replace the corrupt") from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        """Open and check the database. Raises _Corrupt for a bad file, StateDiskError
+        for a disk that refuses (the file untouched), StateStoreError for a newer schema."""
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise _disk_error(self.path, exc, "open") from exc
+        try:
+            self._prepare(db)
+        except sqlite3.Error as exc:
+            db.close()
+            if _primary_code(exc) in _CORRUPTION_CODES:
+                raise _Corrupt(str(exc)) from exc
+            raise _disk_error(self.path, exc, "open") from exc
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA busy_timeout=5000")
+        check = db.execute("PRAGMA quick_check").fetchone()
+        if not check or check[0] != "ok":
+            raise _Corrupt(f"integrity check failed: {check}")
+        db.executescript(_SCHEMA)
+        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            db.execute(
+                "INSERT INTO meta(key, value) VALUES('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+        elif int(row[0]) > SCHEMA_VERSION:
+            raise StateStoreError(
+                f"state db schema {row[0]} is newer than this migd ({SCHEMA_VERSION})",
+                hint="run the newer migd, or move the state db aside",
+            )
+
+    # -- writes and the disk's health -------------------------------------------------------
+
+    def _write(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        """One write statement; a disk that refuses it becomes StateDiskError."""
+        try:
+            cur = self._db.execute(sql, params)
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from exc
+        if self.failing is not None and not self._db.in_transaction:
+            self._recovered()
+        return cur
+
+    def _failed(self, exc: sqlite3.Error) -> StateStoreError:
+        if _primary_code(exc) in _CORRUPTION_CODES:
+            return StateStoreError(
+                f"the state database {self.path} is corrupt: {exc}",
+                hint="restart migd: it moves the file aside and re-adopts leases from the GPUs",
+            )
+        what = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+        state = _disk_state(self.path.parent) or str(exc)
+        if self.failing is None:
+            self.failing_since = time.time()
+        self.failing = f"the state disk refuses writes: {state} ({what})"
+        return StateDiskError(
+            f"migd cannot record changes in {self.path}: {state} ({exc}); the request "
+            "changed nothing",
+            path=str(self.path),
+            sqlite_error=what,
+            disk=state,
+        )
+
+    def _recovered(self) -> None:
+        self.failing = None
+        self.failing_since = None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Writes that land together or not at all (``BEGIN IMMEDIATE`` .. ``COMMIT``).
+
+        On any error the transaction is rolled back and the error propagates (a disk
+        error as StateDiskError), so the caller can undo its in-memory change too.
+        """
+        if self._db.in_transaction:  # nested: the outer transaction decides
+            yield
+            return
+        self._write("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._write("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            raise
+        if self.failing is not None:
+            self._recovered()
+
+    def require_writable(self) -> None:
+        """Before a request changes anything: one small write, so a full or read-only
+        state disk refuses the request while the books are still as they were.
+
+        Raises:
+            StateDiskError: the write failed (:attr:`failing` says why).
+        """
+        self._write(
+            "INSERT OR REPLACE INTO meta(key, value) VALUES('disk_probe', ?)",
+            (json.dumps(time.time()),),
+        )
+
+    def probe(self) -> bool:
+        """Try one small write; True (and :attr:`failing` cleared) when the disk takes it."""
+        try:
+            self.require_writable()
+        except StateStoreError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._checkpointer is not None:
+            self._stop_checkpoints.set()
+            self._checkpointer.join(10)
+            self._checkpointer = None
+        # Fold the WAL into the database so the file is whole on its own; if that fails
+        # the WAL stays and SQLite replays it on the next open.
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
