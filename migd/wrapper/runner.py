@@ -420,6 +420,9 @@ class JobRunner:
         """
         uuid = lease.get("gpu_uuid") or ""
         what = " ".join(warning.split())
+        # The daemon's warning ends with advice for HTCondor ("; HTCondor should run it
+        # again"): the wrapper's line says what happened instead.
+        what = what.partition("; HTCondor")[0]
         self._chirp(
             {
                 "MigdGpuLosses": self.spec.gpu_losses + 1,
