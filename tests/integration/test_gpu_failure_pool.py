@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from condor_pool import CondorChroot
+from condor_pool import CondorChroot, _log
 from multinode import MultiNodePool, node_name
 
 pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
@@ -130,6 +130,9 @@ def failure(migd_installed: CondorChroot) -> Iterator[Failure]:
             result.ads[name] = ap.wait(cluster, timeout=120)
         result.seconds["total"] = time.monotonic() - t0
         result.seconds["after_xid"] = time.monotonic() - t_xid
+        _log(
+            f"GPU failure scenario: {', '.join(f'{k} {v:.1f}s' for k, v in result.seconds.items())}"
+        )
         yield result
         failed = False
     finally:
