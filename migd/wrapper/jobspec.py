@@ -79,6 +79,7 @@ class JobSpec:
     oom_exits: int = 0  # MigdOomExits: earlier out-of-memory exits (86) of this job
     oom_marker: bool = False  # MigdOomExit is still set from the last run
     start_failures: int = 0  # MigdStartFailures: runs migd could not start
+    gpu_losses: int = 0  # MigdGpuLosses: runs whose GPU failed under them
 
 
 def _number(ad: Mapping[str, Any], key: str, default: float | None) -> float | None:
@@ -190,6 +191,7 @@ def spec_from_ads(
         oom_exits=int(_number(job_ad, "MigdOomExits", 0.0) or 0),
         oom_marker=_flag(job_ad, "MigdOomExit"),
         start_failures=int(_number(job_ad, "MigdStartFailures", 0.0) or 0),
+        gpu_losses=int(_number(job_ad, "MigdGpuLosses", 0.0) or 0),
     )
 
 

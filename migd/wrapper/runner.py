@@ -15,8 +15,9 @@ Exit codes of our own (documented in docs/wrapper.md):
   (``condor_config/20-migd-access-point.config`` requeues it, and holds it at the
   largest size).
 * 1 with ``$_CONDOR_WRAPPER_ERROR_FILE`` written: migd could not serve the job
-  (daemon down, request impossible, MPS share unusable); HTCondor shows the
-  reason and runs the job again.
+  (daemon down, request impossible, MPS share unusable), or the job's GPU failed
+  under it (an NVML XID that loses the GPU's work: the wrapper stops the job);
+  HTCondor shows the reason and runs the job again.
 * 127 (126): the job's executable does not exist (cannot be executed); the job
   failed, not migd.
 """
@@ -66,6 +67,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 # Signals whose disposition cannot be changed: re-raise them without signal.signal().
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 ENV_TWINS = ("APPTAINERENV_", "SINGULARITYENV_")
+# How migd's lease warning starts when an NVML event lost the lease's GPU work
+# (migd.daemon.gpu_health.GPU_LOST; the wrapper does not import the daemon).
+GPU_LOST = "GPU lost: "
 # The first samples come sooner than sample_interval_s, so a job that fails within
 # seconds still has a measured peak.
 EARLY_SAMPLES_S = (0.25, 0.5, 1.0)
@@ -91,12 +95,17 @@ def partition_attrs(lease: Mapping[str, Any], restarts: int) -> dict[str, str | 
 
 
 class WrapperFailure(Exception):
-    """migd could not serve the job; ``message`` is the one line HTCondor should show."""
+    """migd could not serve the job; ``message`` is the one line HTCondor should show.
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    ``start_failure``: counted in ``MigdStartFailures`` (the access point holds a job
+    migd keeps failing to start); a GPU that failed under a running job is not.
+    """
+
+    def __init__(self, message: str, exit_code: int = 1, *, start_failure: bool = True) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+        self.start_failure = start_failure
 
 
 class StopRequested(Exception):
@@ -128,6 +137,7 @@ class Attempt:
     forecast: Verdict | None = None
     forecast_step: float | None = None  # the step the forecast had seen when it fired
     stopped: bool = False  # a stop signal came from outside
+    gpu_lost: str | None = None  # migd's "GPU lost: ..." warning, when it stopped the job
     tail: bytes = b""
 
 
@@ -218,7 +228,7 @@ class JobRunner:
                 self._chirp({"MigdOomExit": False})
             return self._run()
         except WrapperFailure as exc:
-            if exc.exit_code != OOM_EXIT_CODE:
+            if exc.exit_code != OOM_EXIT_CODE and exc.start_failure:
                 # Counted so the access point holds a job migd keeps failing to start,
                 # and only such a job (evictions for other reasons do not count).
                 self._chirp(
@@ -272,6 +282,12 @@ class JobRunner:
             limit = int(lease.get("memory_limit_mib") or memory)
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)
+            lost = attempt.gpu_lost or released.get("gpu_lost")
+            if isinstance(lost, str) and lost and (attempt.gpu_lost or attempt.exit_code != 0):
+                # The job failed with its GPU (or was stopped because of it): its exit
+                # status is the GPU's, not the job's. A job that finished with 0 before
+                # the wrapper heard of the loss keeps its result.
+                raise self._gpu_lost(lease, lost)
             self._classify(attempt, limit)
             oom = attempt.oom
             if oom is not None and oom.kind == "mps_unavailable":
@@ -394,6 +410,40 @@ class JobRunner:
                 f"{lease['profile']} ({lease.get('memory_limit_mib')} MiB, GPU {lease.get('gpu')})"
             )
         return f"an MPS share of {lease.get('memory_limit_mib')} MiB on GPU {lease.get('gpu')}"
+
+    def _gpu_lost(self, lease: dict[str, Any], warning: str) -> WrapperFailure:
+        """The failure that has HTCondor run the job again, with migd's reason.
+
+        Exit 1 with the wrapper error file: the starter evicts the job back to Idle (not
+        held, docs/htcondor-notes.md (c)) with the reason as ``VacateReason``; the node
+        takes no new leases on that GPU, so the job runs again on a healthy one.
+        """
+        uuid = lease.get("gpu_uuid") or ""
+        what = " ".join(warning.split())
+        # The daemon's warning ends with advice for HTCondor ("; HTCondor should run it
+        # again"): the wrapper's line says what happened instead.
+        what = what.partition("; HTCondor")[0]
+        self._chirp(
+            {
+                "MigdGpuLosses": self.spec.gpu_losses + 1,
+                "MigdGpuLostReason": what[:500],
+            }
+        )
+        return WrapperFailure(
+            f"migd: {what} (lease {lease.get('lease_id')}"
+            + (f", GPU {uuid}" if uuid else "")
+            + "); the job was stopped and goes back to the queue to run on a healthy GPU",
+            start_failure=False,
+        )
+
+    def _lost_now(self, lease: dict[str, Any]) -> str | None:
+        """migd's ``GPU lost:`` warning on the lease, or ``None`` (also when unreachable)."""
+        try:
+            view = self.client.call("get_lease", lease_id=lease["lease_id"], timeout_s=10.0)
+        except MigdError:
+            return None  # a daemon restart is not a GPU failure; the next poll asks again
+        warning = view.get("warning")
+        return warning if isinstance(warning, str) and warning.startswith(GPU_LOST) else None
 
     def _finish(self, attempt: Attempt) -> int:
         if attempt.signum is not None:
@@ -587,6 +637,15 @@ class JobRunner:
             except subprocess.TimeoutExpired:
                 pass
             samples += 1
+            lost = self._lost_now(lease)
+            if lost is not None and self.stop_signal is None:
+                # The job's CUDA work on that GPU is gone (XID 79, 48, ...): stop it now
+                # rather than let it hang or fail later with a CUDA error.
+                attempt.gpu_lost = lost
+                self.say(f"{lost}; stopping the job")
+                self._terminate(child)
+                returncode = child.wait()
+                break
             usage = self._usage(lease, child.pid)
             if usage is not None:
                 attempt.peak_used_mib = max(attempt.peak_used_mib or 0, usage)
@@ -619,6 +678,8 @@ class JobRunner:
                     f"n {verdict.n})"
                 )
         pump.join(timeout=5)
+        if not pump.is_alive():  # (a grandchild may still hold the pipe open)
+            child.stderr.close()
         self.child = None
         if memstats is not None:
             with contextlib.suppress(OSError):

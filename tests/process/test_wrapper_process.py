@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import re
 import signal
@@ -869,3 +870,63 @@ def test_oom_evidence_beyond_the_node_tries_the_largest_partition_first(
     assert "7g.40gb (40448 MiB" in result.stderr
     assert f"request_VRAM >= {wants} MiB" in result.stderr  # what it needs, for a bigger node
     assert active(daemon) == []
+
+
+def test_a_gpu_lost_under_the_job_stops_it_and_requeues_it_with_the_reason(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    # The test drives the admin-only sim_xid op as itself.
+    daemon.config_text = f"version = 1\n[api]\nadmin_users = ['{getpass.getuser()}']\n"
+    daemon.start()
+    calls = tmp_path / "chirp.log"
+    ad = tmp_path / "job.ad"
+    ad.write_text(AD.format(vram=5000) + "MigdStartFailures = 2\nMigdGpuLosses = 1\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o700)
+    error_file = scratch / ".job_wrapper_failure"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from migd.wrapper.main import wrapper_main; "
+            "sys.exit(wrapper_main(sys.argv[1:]))",
+            "sleep",
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            **fake_chirp(tmp_path, f'echo "$@" >> {calls}'),
+            "_CONDOR_JOB_AD": str(ad),
+            "_CONDOR_SCRATCH_DIR": str(scratch),
+            "_CONDOR_WRAPPER_ERROR_FILE": str(error_file),
+            "MIGD_API_SOCKET": str(daemon.socket_path),
+            "MIGD_SAMPLE_INTERVAL_S": "0.1",
+        },
+    )
+    try:
+        [lease] = wait_for(lambda: active(daemon), what="the job's lease")
+        wait_for(lambda: active(daemon)[0]["state"] == "active", what="the lease active")
+        daemon.client().call("sim_xid", gpu=lease["gpu"], xid=79)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Exit 1 with the error file: HTCondor's starter evicts the job back to Idle (not held)
+    # with this line as its VacateReason, naming the XID and the GPU.
+    assert proc.returncode == 1, stderr
+    reason = error_file.read_text()
+    assert reason.startswith("migd: GPU lost: XID 79 (GPU has fallen off the bus)"), reason
+    assert f"GPU {lease['gpu_uuid']}" in reason and "healthy GPU" in reason
+    assert "stopping the job" in stderr
+    # Counted as a GPU loss, not as a start migd failed (no loop-breaker hold for it).
+    chirped = policy_chirps(calls.read_text().splitlines())
+    assert chirped[0] == "set_job_attr MigdStartFailures 0"
+    assert chirped[1] == "set_job_attr MigdGpuLosses 2"
+    assert chirped[2].startswith('set_job_attr MigdGpuLostReason "GPU lost: XID 79')
+    assert len(chirped) == 3
+    # The job was stopped (no sleep left behind) and its lease released.
+    assert active(daemon) == []
+    assert "released" in [h["event"].split(".")[-1] for h in history(daemon, "12.0")]
