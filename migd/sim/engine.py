@@ -94,6 +94,14 @@ class SimConfig:
             share a device, on top of ``interference`` (0: the calibrated model alone).
         interference: how MPS clients share a device (a whole GPU or a MIG instance
             hosting MPS); :mod:`migd.sim.interference`, calibrated to [Voigtlaender].
+        ad_latency_s: in a pool, seconds from a node freeing GPU memory (a job's end,
+            an idle teardown) until the matcher sees it in the node's ad: the real
+            pool's ``migctl condor-ad --watch`` put a freed A100 in the collector
+            0.8-1.9 s after the release (docs/htcondor-notes.md (r)); 1.4 s is the
+            median of those runs. A node's ad that shrinks (a job placed on it) is
+            seen at once, as the startd updates the collector when a slot is
+            claimed. 0: every change is seen at once (the model before it was
+            compared with the pool). Static layouts and single nodes ignore it.
         max_time_s: stop the simulation at this simulated time.
         check_invariants: assert capacity and layout invariants after every event
             (tests; slows the run down).
@@ -107,6 +115,7 @@ class SimConfig:
     power: PowerModel | None = None
     mps_interference: float = 0.0
     interference: MpsInterference = CALIBRATED
+    ad_latency_s: float = 1.4
     max_time_s: float = 365 * 86400.0
     check_invariants: bool = False
 
@@ -117,6 +126,8 @@ class SimConfig:
             raise InvalidRequest(f"nodes must be 1-{MAX_NODES}, got {self.nodes}")
         if self.mps_interference < 0:
             raise InvalidRequest("mps_interference must not be negative")
+        if self.ad_latency_s < 0:
+            raise InvalidRequest("ad_latency_s must not be negative")
 
 
 @dataclass
@@ -270,6 +281,7 @@ class _Node:
         self.driver_free: dict[int, float] = dict.fromkeys(scheduler.gpus, 0.0)
         self.pending: dict[str, Attempt] = {}
         self.capacity: int | None = None  # advertised MiB, cached until the node changes
+        self.ad_due: float | None = None  # when its pending, freed-memory ad is seen
         self.rooms: dict[int | None, int] = {}  # its MPS hosts' unpinned MiB by user
 
 
@@ -509,8 +521,16 @@ class Simulation:
             and profile.compute_slices >= attempt.min_compute
         )
 
+    def _on_advertise(self, node_index: int) -> None:
+        """A node's freed memory reaches the matcher (``ad_latency_s`` after it freed it)."""
+        node = self.nodes[node_index]
+        if node.ad_due is not None and node.ad_due <= self.now:
+            self._invalidate(node)
+            self._negotiate = True
+
     def _invalidate(self, node: _Node) -> None:
         """The node changed: its advertised capacity is computed again when asked."""
+        node.ad_due = None  # a fresh ad carries every change so far
         if node.capacity is not None:
             self._by_capacity[node.capacity].discard(node.index)
             node.capacity = None
@@ -638,7 +658,7 @@ class Simulation:
             outcome = node.scheduler.submit(lease, self.now, self.now)
         except (RequestTooLarge, InvalidRequest):
             return False
-        self._apply(node, outcome)
+        self._apply(node, outcome, placed=True)
         if outcome.refusal is not None:
             return False
         node.pending[attempt.lease_id] = attempt
@@ -672,12 +692,18 @@ class Simulation:
             return self.costs.create_s(op.profile.compute_slices)
         return self.costs.destroy_s(op.profile.compute_slices)
 
-    def _apply(self, node: _Node, outcome: SchedOutcome) -> None:
+    def _apply(self, node: _Node, outcome: SchedOutcome, *, placed: bool = False) -> None:
         """Act on a scheduler outcome as the daemon does: run its work (in simulated
         time), and look at the node's leases again (grants start jobs). A node whose
-        books changed advertises anew to the matcher."""
+        books changed advertises anew to the matcher: at once when a job was
+        ``placed`` on it (its ad shrinks), else after ``ad_latency_s`` (what it frees
+        reaches the collector that much later)."""
         if outcome.work or outcome.transitions:
-            self._invalidate(node)
+            if placed or self.matcher is None or self.config.ad_latency_s <= 0:
+                self._invalidate(node)
+            elif node.ad_due is None:
+                node.ad_due = self.now + self.config.ad_latency_s
+                self._push(node.ad_due, "advertise", node.index)
         self._execute(node, outcome.work)
         self._dirty.add(node.index)
 

@@ -15,6 +15,7 @@ from migd.core.costs import CostModel
 from migd.core.forecast import Verdict
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
+from migd.errors import InvalidRequest
 from migd.sim import engine
 from migd.sim.engine import SimConfig, SimResult, Simulation, simulate
 from migd.sim.jobs import Growth, SimJob, runtime_at
@@ -419,3 +420,39 @@ def test_jobs_are_conserved_and_capacity_is_never_exceeded(
     assert len(runs) == m.completed + killed
     if policy.gpu_mode is GpuMode.EXCLUSIVE or policy.static_layout is not None:
         assert m.creates == 0
+
+
+# -- the pool matcher against the real HTCondor pool (docs/simulator.md) --------------------
+
+
+def _whole_gpu_wave(ad_latency_s: float) -> dict[str, float]:
+    """Three whole-A100 jobs on two one-GPU nodes: the third waits in the matcher for
+    the first to end. Returns (job id -> first start) and the first job's end."""
+    jobs = [
+        SimJob("a", 0.0, 40000, 100.0, compute_demand=1.0, kind="full"),
+        SimJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full"),
+        SimJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full"),
+    ]
+    config = SimConfig(nodes=2, ad_latency_s=ad_latency_s, check_invariants=True)
+    result = simulate(jobs, named_policy("migd"), config)
+    out = {r.job.job_id: r.first_start_s or math.nan for r in result.records}
+    [a] = [r for r in result.records if r.job.job_id == "a"]
+    assert all(r.outcome == "completed" for r in result.records)
+    return {**out, "a_end": a.end_s or math.nan}
+
+
+def test_pool_sees_a_freed_node_only_after_the_ad_latency() -> None:
+    instant = _whole_gpu_wave(0.0)
+    late = _whole_gpu_wave(1.4)
+    # placing a job shrinks the node's ad at once: a and b start together on two nodes
+    assert late["a"] == instant["a"] and late["b"] == instant["b"]
+    # the freed A100 reaches the matcher 1.4 s after a ends (the pool measured 0.8-1.9 s);
+    # the idle 7g.40gb instance is reused, so nothing else separates c's start from a's end
+    assert instant["c"] == pytest.approx(instant["a_end"])
+    assert late["c"] == pytest.approx(late["a_end"] + 1.4)
+
+
+def test_default_ad_latency_is_the_pools_measured_median() -> None:
+    assert SimConfig().ad_latency_s == 1.4
+    with pytest.raises(InvalidRequest):
+        SimConfig(ad_latency_s=-1.0)
