@@ -82,12 +82,17 @@ def instances(daemon: DaemonProcess) -> list[dict[str, Any]]:
 
 
 def host_of(daemon: DaemonProcess, lease_id: str) -> dict[str, Any] | None:
-    """The MIG instance whose MPS server holds ``lease_id``'s share."""
+    """The MIG instance whose MPS server holds ``lease_id``'s share (as status shows it
+    now: compare hosts by ``uuid``, the rest changes between calls)."""
     for inst in instances(daemon):
         shares = (inst.get("mps") or {}).get("shares", [])
         if any(s["lease_id"] == lease_id for s in shares):
             return inst
     return None
+
+
+def uuid_of(inst: dict[str, Any] | None) -> str | None:
+    return None if inst is None else str(inst["uuid"])
 
 
 @contextlib.contextmanager
@@ -136,7 +141,7 @@ def test_small_jobs_share_a_pinned_host_and_a_big_job_gets_its_own_instance(
     assert a["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M"
     assert b["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M"
     host = host_of(hybrid, a["lease_id"])
-    assert host is not None and host_of(hybrid, b["lease_id"]) == host
+    assert host is not None and uuid_of(host_of(hybrid, b["lease_id"])) == host["uuid"]
     assert host["lease_id"] is None  # the host belongs to no single lease
     assert a["env"]["CUDA_VISIBLE_DEVICES"] == host["uuid"]
     pipe = Path(a["env"]["CUDA_MPS_PIPE_DIRECTORY"])
@@ -211,7 +216,7 @@ def test_two_users_small_jobs_never_share_one_mps_server(
         assert mine["env"]["CUDA_MPS_PIPE_DIRECTORY"] != theirs["env"]["CUDA_MPS_PIPE_DIRECTORY"]
         # a second job of mine joins my host, not theirs
         again = lease(hybrid, holders, "hu.2", 3000)
-        assert host_of(hybrid, again["lease_id"]) == host_of(hybrid, mine["lease_id"])
+        assert uuid_of(host_of(hybrid, again["lease_id"])) == my_host["uuid"]
 
 
 def test_multi_user_lets_two_users_share_one_host(
@@ -223,5 +228,5 @@ def test_multi_user_lets_two_users_share_one_host(
     with other_user_lease(hybrid, "hm.1", 3000) as theirs:
         assert theirs["state"] == "active" and theirs["mode"] == "mps"
         host = host_of(hybrid, mine["lease_id"])
-        assert host is not None and host_of(hybrid, theirs["lease_id"]) == host
+        assert host is not None and uuid_of(host_of(hybrid, theirs["lease_id"])) == host["uuid"]
         assert host["mps"]["multi_user"] is True
