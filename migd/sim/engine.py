@@ -28,7 +28,10 @@ Nothing here decides placement, queue order or MPS admission: the scheduler
 does. The matcher only ranks nodes by what they advertise (largest profile the
 planner could place now, free MPS memory, a free whole GPU) and, for static
 layouts, names the smallest idle instance a job fits in, as HTCondor matching a
-job to a statically partitioned slot would.
+job to a statically partitioned slot would. As in the real pool, memory a node frees
+reaches the matcher ``SimConfig.ad_latency_s`` late, except for the same user's next
+job that fits the ended job's partition (claim reuse); docs/simulator.md, "The
+matcher against the real pool".
 """
 
 from __future__ import annotations
