@@ -28,7 +28,10 @@ Nothing here decides placement, queue order or MPS admission: the scheduler
 does. The matcher only ranks nodes by what they advertise (largest profile the
 planner could place now, free MPS memory, a free whole GPU) and, for static
 layouts, names the smallest idle instance a job fits in, as HTCondor matching a
-job to a statically partitioned slot would.
+job to a statically partitioned slot would. As in the real pool, memory a node frees
+reaches the matcher ``SimConfig.ad_latency_s`` late, except for the same user's next
+job that fits the ended job's partition (claim reuse); docs/simulator.md, "The
+matcher against the real pool".
 """
 
 from __future__ import annotations
@@ -94,6 +97,14 @@ class SimConfig:
             share a device, on top of ``interference`` (0: the calibrated model alone).
         interference: how MPS clients share a device (a whole GPU or a MIG instance
             hosting MPS); :mod:`migd.sim.interference`, calibrated to [Voigtlaender].
+        ad_latency_s: in a pool, seconds from a node freeing GPU memory (a job's end,
+            an idle teardown) until the matcher sees it in the node's ad: the real
+            pool's ``migctl condor-ad --watch`` put a freed A100 in the collector
+            0.8-1.9 s after the release (docs/htcondor-notes.md (r)); 1.4 s is the
+            median of those runs. A node's ad that shrinks (a job placed on it) is
+            seen at once, as the startd updates the collector when a slot is
+            claimed. 0: every change is seen at once (the model before it was
+            compared with the pool). Static layouts and single nodes ignore it.
         max_time_s: stop the simulation at this simulated time.
         check_invariants: assert capacity and layout invariants after every event
             (tests; slows the run down).
@@ -107,6 +118,7 @@ class SimConfig:
     power: PowerModel | None = None
     mps_interference: float = 0.0
     interference: MpsInterference = CALIBRATED
+    ad_latency_s: float = 1.4
     max_time_s: float = 365 * 86400.0
     check_invariants: bool = False
 
@@ -117,6 +129,8 @@ class SimConfig:
             raise InvalidRequest(f"nodes must be 1-{MAX_NODES}, got {self.nodes}")
         if self.mps_interference < 0:
             raise InvalidRequest("mps_interference must not be negative")
+        if self.ad_latency_s < 0:
+            raise InvalidRequest("ad_latency_s must not be negative")
 
 
 @dataclass
@@ -270,6 +284,7 @@ class _Node:
         self.driver_free: dict[int, float] = dict.fromkeys(scheduler.gpus, 0.0)
         self.pending: dict[str, Attempt] = {}
         self.capacity: int | None = None  # advertised MiB, cached until the node changes
+        self.ad_due: float | None = None  # when its pending, freed-memory ad is seen
         self.rooms: dict[int | None, int] = {}  # its MPS hosts' unpinned MiB by user
 
 
@@ -509,8 +524,36 @@ class Simulation:
             and profile.compute_slices >= attempt.min_compute
         )
 
+    def _reuse_claim(self, node: _Node, run: _Run) -> None:
+        """The schedd keeps the claim on the dynamic slot a finished job leaves and
+        starts the user's next idle job that fits the slot's ``VRAM`` there at once,
+        before any ad shows the freed memory (``MIGD_START``'s dynamic-slot clause;
+        whole-GPU wave in the real pool: the next lease 0.2-0.8 s after the end,
+        docs/htcondor-notes.md (r)). Only where ads lag: with ``ad_latency_s = 0`` the
+        matcher sees the freed memory at once anyway."""
+        if self.matcher is None or self.policy.static_layout is not None:
+            return
+        if self.config.ad_latency_s <= 0:
+            return
+        uid = run.attempt.job.uid
+        for item in self.matcher.order(self.now):
+            attempt = item.payload
+            if attempt.job.uid != uid or attempt.memory_mib > run.limit_mib:
+                continue
+            if self._submit_now(node, attempt, None):
+                self.matcher.remove(item.ident)
+            return  # one slot, one job
+
+    def _on_advertise(self, node_index: int) -> None:
+        """A node's freed memory reaches the matcher (``ad_latency_s`` after it freed it)."""
+        node = self.nodes[node_index]
+        if node.ad_due is not None and node.ad_due <= self.now:
+            self._invalidate(node)
+            self._negotiate = True
+
     def _invalidate(self, node: _Node) -> None:
         """The node changed: its advertised capacity is computed again when asked."""
+        node.ad_due = None  # a fresh ad carries every change so far
         if node.capacity is not None:
             self._by_capacity[node.capacity].discard(node.index)
             node.capacity = None
@@ -638,7 +681,7 @@ class Simulation:
             outcome = node.scheduler.submit(lease, self.now, self.now)
         except (RequestTooLarge, InvalidRequest):
             return False
-        self._apply(node, outcome)
+        self._apply(node, outcome, placed=True)
         if outcome.refusal is not None:
             return False
         node.pending[attempt.lease_id] = attempt
@@ -672,12 +715,18 @@ class Simulation:
             return self.costs.create_s(op.profile.compute_slices)
         return self.costs.destroy_s(op.profile.compute_slices)
 
-    def _apply(self, node: _Node, outcome: SchedOutcome) -> None:
+    def _apply(self, node: _Node, outcome: SchedOutcome, *, placed: bool = False) -> None:
         """Act on a scheduler outcome as the daemon does: run its work (in simulated
         time), and look at the node's leases again (grants start jobs). A node whose
-        books changed advertises anew to the matcher."""
+        books changed advertises anew to the matcher: at once when a job was
+        ``placed`` on it (its ad shrinks), else after ``ad_latency_s`` (what it frees
+        reaches the collector that much later)."""
         if outcome.work or outcome.transitions:
-            self._invalidate(node)
+            if placed or self.matcher is None or self.config.ad_latency_s <= 0:
+                self._invalidate(node)
+            elif node.ad_due is None:
+                node.ad_due = self.now + self.config.ad_latency_s
+                self._push(node.ad_due, "advertise", node.index)
         self._execute(node, outcome.work)
         self._dirty.add(node.index)
 
@@ -913,6 +962,8 @@ class Simulation:
         node = self.nodes[run.node]
         self._apply(node, node.scheduler.release(lease_id, self.now, self.now, reason=run.stop))
         self._negotiate = True
+        if run.stop == "done":
+            self._reuse_claim(node, run)
         if run.mode == "mps":
             self._rebalance_mps(run.node, run.gpu, run.host)
         sched_policy = node.scheduler.policy

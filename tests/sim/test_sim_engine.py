@@ -15,6 +15,7 @@ from migd.core.costs import CostModel
 from migd.core.forecast import Verdict
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
+from migd.errors import InvalidRequest
 from migd.sim import engine
 from migd.sim.engine import SimConfig, SimResult, Simulation, simulate
 from migd.sim.jobs import Growth, SimJob, runtime_at
@@ -419,3 +420,64 @@ def test_jobs_are_conserved_and_capacity_is_never_exceeded(
     assert len(runs) == m.completed + killed
     if policy.gpu_mode is GpuMode.EXCLUSIVE or policy.static_layout is not None:
         assert m.creates == 0
+
+
+# -- the pool matcher against the real HTCondor pool (docs/simulator.md) --------------------
+
+
+def _whole_gpu_wave(ad_latency_s: float, c_uid: int = 2000) -> dict[str, float]:
+    """Three whole-A100 jobs on two one-GPU nodes: the third (user ``c_uid``) waits in
+    the matcher for the first (user 1000) to end. Returns (job id -> first start) and
+    the first job's end."""
+    jobs = [
+        SimJob("a", 0.0, 40000, 100.0, compute_demand=1.0, kind="full", uid=1000),
+        SimJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full", uid=1000),
+        SimJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full", uid=c_uid),
+    ]
+    config = SimConfig(nodes=2, ad_latency_s=ad_latency_s, check_invariants=True)
+    result = simulate(jobs, named_policy("migd"), config)
+    out = {r.job.job_id: r.first_start_s or math.nan for r in result.records}
+    [a] = [r for r in result.records if r.job.job_id == "a"]
+    assert all(r.outcome == "completed" for r in result.records)
+    return {**out, "a_end": a.end_s or math.nan}
+
+
+def test_pool_sees_a_freed_node_only_after_the_ad_latency() -> None:
+    instant = _whole_gpu_wave(0.0)
+    late = _whole_gpu_wave(1.4)
+    # placing a job shrinks the node's ad at once: a and b start together on two nodes
+    assert late["a"] == instant["a"] and late["b"] == instant["b"]
+    # the freed A100 reaches the matcher 1.4 s after a ends (the pool measured 0.8-1.9 s);
+    # the idle 7g.40gb instance is reused, so nothing else separates c's start from a's end
+    assert instant["c"] == pytest.approx(instant["a_end"])
+    assert late["c"] == pytest.approx(late["a_end"] + 1.4)
+
+
+def test_the_same_users_next_job_reuses_the_claim_without_waiting_for_the_ad() -> None:
+    # the schedd reuses the claimed dynamic slot of a's user for that user's next job
+    # that fits it, before any ad (the pool's whole-GPU wave: 0.2-0.8 s)
+    late = _whole_gpu_wave(1.4, c_uid=1000)
+    assert late["c"] == pytest.approx(late["a_end"])
+
+    # a bigger job of the same user does not fit the slot: it waits for the ad, as
+    # another user's job does
+    def half_then_full(c_uid: int) -> float:
+        jobs = [
+            SimJob("a", 0.0, 20000, 100.0, compute_demand=0.5, kind="half", uid=1000),
+            SimJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full", uid=1000),
+            SimJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full", uid=c_uid),
+        ]
+        config = SimConfig(nodes=2, ad_latency_s=1.4, check_invariants=True)
+        records = {r.job.job_id: r for r in simulate(jobs, named_policy("migd"), config).records}
+        start, a_end = records["c"].first_start_s, records["a"].end_s
+        assert start is not None and a_end is not None
+        assert a_end + 1.4 <= start < 200.0  # on a's node, after the ad, before b ends
+        return start
+
+    assert half_then_full(1000) == pytest.approx(half_then_full(2000))
+
+
+def test_default_ad_latency_is_the_pools_measured_median() -> None:
+    assert SimConfig().ad_latency_s == 1.4
+    with pytest.raises(InvalidRequest):
+        SimConfig(ad_latency_s=-1.0)
