@@ -10,7 +10,6 @@ GPU its lease is on.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +21,6 @@ from test_migd_condor import (
     A100_FULL_MIB,
     PY,
     SOCKET,
-    VENV,
     Migd,
     gpu_pool,
     installed,
@@ -36,41 +34,14 @@ STARTER_HIDE_EXPR = 'join(",",evalInEachContext(strcat("GPU-",DeviceUuid),Availa
 DEFAULT_VRAM = 6000
 
 
-class MixedMigd(Migd):
-    """migd on an A100 (MIG) and a V100 (MPS)."""
-
-    def start(self) -> None:
-        self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
-        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd"])
-        self.chroot.run(["chmod", "755", "/run/migd"])
-        argv = self.chroot.command(
-            [
-                f"{VENV}/bin/migd",
-                "--simulate",
-                "1xA100-40GB,1xV100-32GB",
-                "--state-dir",
-                "/var/lib/migd",
-                "--socket",
-                SOCKET,
-                "--log-format",
-                "json",
-                "--set",
-                'api.lease_users=["*"]',
-                "--set",
-                "reaper.interval_s=1.0",
-            ]
-        )
-        log = self.chroot.path("/var/log/migd-test.log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=out)
-        self.chroot.protected_pids.add(self.proc.pid)
-        self.wait_for(lambda: self.ctl("status", "--json") is not None, "migd to answer")
-
-
 @pytest.fixture
-def mixed_migd(installed: CondorChroot) -> Iterator[MixedMigd]:
-    daemon = MixedMigd(installed)
+def mixed_migd(installed: CondorChroot) -> Iterator[Migd]:
+    """migd on an A100 (MIG) and a V100 (MPS)."""
+    daemon = Migd(
+        installed,
+        "1xA100-40GB,1xV100-32GB",
+        settings=['api.lease_users=["*"]', "reaper.interval_s=1.0"],
+    )
     daemon.start()
     try:
         yield daemon
@@ -96,7 +67,7 @@ def slot_ad(pool: PersonalPool, name: str) -> Any:
 
 
 def test_gpu_submit_lines_match_and_the_starter_sees_the_leased_gpu(
-    mixed_migd: MixedMigd, personal_pool: Callable[..., PersonalPool]
+    mixed_migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     pool = gpu_pool(personal_pool, f"MIGD_DEFAULT_VRAM = {DEFAULT_VRAM}\n")
     Migd.wait_for(
@@ -153,7 +124,7 @@ def test_gpu_submit_lines_match_and_the_starter_sees_the_leased_gpu(
 
 
 def test_a_gpu_memory_constraint_no_node_meets_is_held(
-    mixed_migd: MixedMigd, personal_pool: Callable[..., PersonalPool]
+    mixed_migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     pool = gpu_pool(personal_pool)
     cluster = pool.submit(long_job(gpus_minimum_memory="60000"))

@@ -12,17 +12,15 @@ slot: it hands out the GPU shares sorted, so a user's jobs go round-robin over t
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from condor_pool import CondorChroot, PersonalPool
-from test_migd_condor import SOCKET, VENV, Migd, gpu_pool, installed, simjob
+from test_migd_condor import Migd, gpu_pool, installed, simjob
 
 __all__ = ["installed"]  # a fixture, used by name below
 
-CONFIG = "/etc/migd/hybrid-test.toml"
 HYBRID_TOML = """version = 1
 [api]
 lease_users = ["*"]
@@ -38,40 +36,10 @@ BIG_MIB = 15000
 SMALL_JOBS = 3
 
 
-class HybridMigd(Migd):
-    """migd on an A100-40GB with the hybrid policy."""
-
-    def start(self) -> None:
-        self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
-        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd", "/etc/migd"])
-        self.chroot.run(["chmod", "755", "/run/migd"])
-        self.chroot.write_file(CONFIG, HYBRID_TOML)
-        argv = self.chroot.command(
-            [
-                f"{VENV}/bin/migd",
-                "--config",
-                CONFIG,
-                "--simulate",
-                "1xA100-40GB",
-                "--state-dir",
-                "/var/lib/migd",
-                "--socket",
-                SOCKET,
-                "--log-format",
-                "json",
-            ]
-        )
-        log = self.chroot.path("/var/log/migd-test.log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=out)
-        self.chroot.protected_pids.add(self.proc.pid)
-        self.wait_for(lambda: self.ctl("status", "--json") is not None, "migd to answer")
-
-
 @pytest.fixture
-def hybrid_migd(installed: CondorChroot) -> Iterator[HybridMigd]:
-    daemon = HybridMigd(installed)
+def hybrid_migd(installed: CondorChroot) -> Iterator[Migd]:
+    """migd on an A100-40GB with the hybrid policy."""
+    daemon = Migd(installed, "1xA100-40GB", settings=[], config=HYBRID_TOML)
     daemon.start()
     try:
         yield daemon
@@ -86,7 +54,7 @@ def job_env(pool: PersonalPool, cluster: int, proc: int) -> dict[str, str]:
 
 
 def test_small_jobs_share_one_mig_instance_and_a_big_one_gets_its_own(
-    hybrid_migd: HybridMigd, personal_pool: Callable[..., PersonalPool]
+    hybrid_migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     pool = gpu_pool(personal_pool)
     Migd.wait_for(

@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,34 +43,59 @@ STARTD_CRON_MIGD_PERIOD = 2
 
 
 class Migd:
-    """The daemon inside the chroot, started and stopped by the tests."""
+    """The daemon inside the chroot, started and stopped by the tests.
 
-    def __init__(self, chroot: CondorChroot) -> None:
+    Args:
+        chroot: the chroot with migd installed.
+        simulate: the simulated GPUs (``--simulate``).
+        settings: ``--set`` overrides; ``None``: the ones these tests use.
+        config: a migd.toml for ``--config`` (written to :attr:`CONFIG`), if any.
+    """
+
+    CONFIG = "/etc/migd/test.toml"
+
+    def __init__(
+        self,
+        chroot: CondorChroot,
+        simulate: str = "2xA100-40GB",
+        settings: Sequence[str] | None = None,
+        config: str | None = None,
+    ) -> None:
         self.chroot = chroot
         self.proc: subprocess.Popen[bytes] | None = None
         self.reaper_interval_s = 1.0
+        self.simulate = simulate
+        self.settings = settings
+        self.config = config
 
     def start(self) -> None:
         self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
-        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd"])
+        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd", "/etc/migd"])
         self.chroot.run(["chmod", "755", "/run/migd"])
+        with_config: list[str] = []
+        if self.config is not None:
+            self.chroot.write_file(self.CONFIG, self.config)
+            with_config = ["--config", self.CONFIG]
+        settings = self.settings
+        if settings is None:
+            settings = [
+                'api.lease_users=["*"]',
+                f"reaper.interval_s={self.reaper_interval_s}",
+                "policy.idle_policy=keep",
+            ]
         argv = self.chroot.command(
             [
                 f"{VENV}/bin/migd",
+                *with_config,
                 "--simulate",
-                "2xA100-40GB",
+                self.simulate,
                 "--state-dir",
                 "/var/lib/migd",
                 "--socket",
                 SOCKET,
                 "--log-format",
                 "json",
-                "--set",
-                'api.lease_users=["*"]',
-                "--set",
-                f"reaper.interval_s={self.reaper_interval_s}",
-                "--set",
-                "policy.idle_policy=keep",
+                *(arg for setting in settings for arg in ("--set", setting)),
             ]
         )
         log = self.chroot.path("/var/log/migd-test.log")
