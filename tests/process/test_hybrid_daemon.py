@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.process.conftest import DaemonProcess, wait_for
-from tests.process.test_daemon_process import NOBODY
+from tests.process.test_daemon_process import OTHER_UID
 
 HYBRID = """version = 1
 [api]
@@ -97,7 +97,7 @@ def uuid_of(inst: dict[str, Any] | None) -> str | None:
 
 @contextlib.contextmanager
 def other_user_lease(daemon: DaemonProcess, job_id: str, mib: int) -> Iterator[dict[str, Any]]:
-    """A lease held by uid ``NOBODY`` (peer credentials are the kernel's): the process
+    """A lease held by uid ``OTHER_UID`` (peer credentials are the kernel's): the process
     leases, prints the lease and holds it until its stdin closes."""
     code = f"""
 import json, sys
@@ -108,7 +108,7 @@ sys.stdin.read()
 """
     proc = subprocess.Popen(
         [
-            *("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"),
+            *("setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"),
             *(sys.executable, "-c", code),
         ],
         stdin=subprocess.PIPE,
@@ -206,13 +206,13 @@ def test_two_users_small_jobs_never_share_one_mps_server(
     mine = lease(hybrid, holders, "hu.0", 3000)
     with other_user_lease(hybrid, "hu.1", 3000) as theirs:
         assert theirs["state"] == "active" and theirs["mode"] == "mps"
-        assert theirs["owner_uid"] == NOBODY
+        assert theirs["owner_uid"] == OTHER_UID
         my_host = host_of(hybrid, mine["lease_id"])
         their_host = host_of(hybrid, theirs["lease_id"])
         assert my_host is not None and their_host is not None
         # MPS's rule (one server per user per device, unless multi_user): another host
         assert my_host["uuid"] != their_host["uuid"]
-        assert my_host["mps"]["uid"] == os.getuid() and their_host["mps"]["uid"] == NOBODY
+        assert my_host["mps"]["uid"] == os.getuid() and their_host["mps"]["uid"] == OTHER_UID
         assert mine["env"]["CUDA_MPS_PIPE_DIRECTORY"] != theirs["env"]["CUDA_MPS_PIPE_DIRECTORY"]
         # a second job of mine joins my host, not theirs
         again = lease(hybrid, holders, "hu.2", 3000)
