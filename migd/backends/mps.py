@@ -67,8 +67,8 @@ from migd.core.mps import (
     parse_limit_mib,
     share_environment,
 )
-from migd.daemon.paths import ensure_dir
 from migd.errors import ConfigError, GpuBusy, MpsError
+from migd.paths import ensure_dir
 from migd.ports import Clock, SystemClock
 
 if TYPE_CHECKING:
@@ -1417,7 +1417,7 @@ class MpsManager:
     # -- internals: files
 
     def _make_dir(self, path: Path, mode: int, owner: RunAs | None = None) -> None:
-        # Through migd.daemon.paths: the runtime directory is checked like the socket's,
+        # Through migd.paths: the runtime directory is checked like the socket's,
         # and nothing under it is followed if it is a symlink (a user's `mps -> /root`
         # must not make migd chmod /root). Only the directory is chowned: log directories
         # are per user, so nothing in them belongs to anybody else.

@@ -28,7 +28,6 @@ from migd.core.scheduler import Lease
 from migd.daemon.auth import Peer
 from migd.daemon.config import ApiSection
 from migd.daemon.context import DaemonContext
-from migd.daemon.paths import check_directory_chain
 from migd.errors import (
     ConfigError,
     DaemonUnavailable,
@@ -38,6 +37,7 @@ from migd.errors import (
     NotAuthorized,
     ProtocolError,
 )
+from migd.paths import check_directory_chain
 
 log = structlog.get_logger("migd")
 
@@ -395,7 +395,7 @@ def check_socket_path(path: Path) -> None:
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o755, parents=True)
-    # The rules every directory migd creates things in follows (migd.daemon.paths).
+    # The rules every directory migd creates things in follows (migd.paths).
     check_directory_chain(parent, where, purpose="the socket")
     if path.is_symlink():
         raise ConfigError(f"{path} is a symlink; refusing to use it", where=where)

@@ -118,7 +118,7 @@ def build_mps(config: MigdConfig) -> Any:
 
     binary = config.mps.control_binary
     if config.backend.kind == "simulated" and shutil.which(binary) is None:
-        from migd.daemon.paths import ensure_dir
+        from migd.paths import ensure_dir
         from migd.testing import write_fake_mps_control
 
         runtime = config.daemon.runtime_dir  # checked, never through a symlink (paths.py)

@@ -42,12 +42,12 @@ from migd.daemon.lease_service import LeaseService
 from migd.daemon.metrics import MetricsService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
-from migd.daemon.paths import ensure_dir
 from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
+from migd.paths import ensure_dir
 from migd.ports import Accounts, Clock, GpuBackend, MpsControl, ProcessTable, SystemClock
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from migd.backends.mps import MpsManager, MpsManagerConfig
-from migd.daemon.paths import check_directory_chain, ensure_dir
 from migd.errors import ConfigError, MigdError
+from migd.paths import check_directory_chain, ensure_dir
 
 
 def _mode(path: Path) -> int:
