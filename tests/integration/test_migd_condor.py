@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -70,10 +70,11 @@ class Migd:
 
     def start(self) -> None:
         self.chroot.run(["rm", "-rf", "/var/lib/migd", "/run/migd"], check=False)
-        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd", "/etc/migd"])
+        self.chroot.run(["mkdir", "-p", "/run/migd", "/var/lib/migd"])
         self.chroot.run(["chmod", "755", "/run/migd"])
         with_config: list[str] = []
         if self.config is not None:
+            self.chroot.run(["mkdir", "-p", str(PurePosixPath(self.CONFIG).parent)])
             self.chroot.write_file(self.CONFIG, self.config)
             with_config = ["--config", self.CONFIG]
         settings = self.settings
@@ -111,6 +112,10 @@ class Migd:
             self.proc.wait(30)
         if self.proc is not None:
             self.chroot.protected_pids.discard(self.proc.pid)
+        if self.config is not None:
+            # The test's own file must not outlive it: /etc/migd is the package's
+            # (tests/packaging checks that purge leaves no /etc/migd).
+            self.chroot.run(["rm", "-f", self.CONFIG], check=False)
 
     def ctl(self, *args: str) -> Any:
         result = self.chroot.run(

@@ -150,13 +150,17 @@ def load(pool: MultiNodePool) -> Load:
     )
     result.killed_at = time.time()
     result.killed_pid = node.kill_migd()
+    # While that migd is down, the other nodes take new work: a job submitted now.
+    result.clusters["after_kill"] = ap.submit(
+        simjob(4000, "--start", "1G", "--steps", "2", requirements=NOT_KILLED)
+    )
     result.restarted_pid = ap.wait_for(
         lambda: node.ctl("status", "--json", check=False) and node.migd_pid(),
         timeout=60,
         what=f"migd on {KILLED} to be restarted",
     )
     result.leases_after_restart = node.leases()
-    for name in ("small", "grows", "too_big"):
+    for name in ("small", "grows", "too_big", "after_kill"):
         result.ads[name] = _finished(pool, result.clusters[name], 240)
     # The scenarios that wait for another engineer's work (gpus_minimum_memory, the
     # no-memory default) get a bounded wait, then leave the queue before the timed wave.
@@ -225,12 +229,15 @@ def test_killed_migd_restarts_and_the_node_keeps_its_jobs(load: Load) -> None:
             ad = done[lease["job_id"]]
             assert ad["ExitCode"] == 0 and ad["NumJobStarts"] == 1, PersonalPool.describe([ad])
     # the other nodes kept working: jobs started there after the kill
+    jobs = [*load.ads["small"], *load.ads["after_kill"]]
     started_elsewhere = [
         ad
-        for ad in load.ads["small"]
+        for ad in jobs
         if pool.node_of(ad) != KILLED and ad.get("JobCurrentStartDate", 0) >= int(load.killed_at)
     ]
-    assert started_elsewhere, PersonalPool.describe(load.ads["small"])
+    assert started_elsewhere, PersonalPool.describe(jobs)
+    [after] = load.ads["after_kill"]
+    assert after["ExitCode"] == 0 and after["NumJobStarts"] == 1, PersonalPool.describe([after])
 
 
 def test_growing_job_restarts_on_a_bigger_partition(load: Load) -> None:
