@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -18,17 +17,16 @@ from typing import Any
 import pytest
 
 from migd.errors import MigdError
-from tests.process.conftest import DaemonProcess, kill_strays, wait_for
+from tests.process.conftest import DaemonProcess, started_daemon, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[DaemonProcess]:
-    root = Path(os.environ.get("TMPDIR", "/tmp")) / f"migd-h{os.getpid()}-{tmp_path.name[-16:]}"
-    root.mkdir(parents=True, exist_ok=True)
-    proc = DaemonProcess(
-        root,
+    with started_daemon(
+        tmp_path,
+        "h",
         config_text=(
             "version = 1\n[metrics]\nlisten = '127.0.0.1:0'\n"
             # The test drives the admin-only sim_xid op and `migctl resume` as itself: by
@@ -36,18 +34,8 @@ def node(tmp_path: Path) -> Iterator[DaemonProcess]:
             f"[api]\nadmin_users = ['{os.getuid()}']\n"
         ),
         extra_args=["--set", "backend.sim_time_scale=0"],
-    )
-    try:
-        proc.start()
+    ) as proc:
         yield proc
-    finally:
-        if os.environ.get("MIGD_TEST_SHOW_LOGS") and proc.log_path.exists():
-            print(proc.log_path.read_text())
-        proc.stop()
-        kill_strays(root)
-        if proc.notify is not None:
-            proc.notify.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def migctl(node: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -145,15 +133,12 @@ def test_a_gpu_failing_under_load_is_taken_out_of_service(node: DaemonProcess) -
 
 
 def test_configured_xids_are_injected_at_start_and_bad_ones_refused(tmp_path: Path) -> None:
-    root = Path(os.environ.get("TMPDIR", "/tmp")) / f"migd-hc{os.getpid()}-{tmp_path.name[-12:]}"
-    root.mkdir(parents=True, exist_ok=True)
-    proc = DaemonProcess(
-        root,
+    with started_daemon(
+        tmp_path,
+        "hc",
         config_text="version = 1\n[health]\nsim_xids = ['1:48']\n",
         extra_args=["--set", "backend.sim_time_scale=0"],
-    )
-    try:
-        proc.start()
+    ) as proc:
         gpu1 = wait_for(
             lambda: next(g for g in status(proc)["gpus"] if g["index"] == 1 and not g["healthy"]),
             what="GPU 1 unhealthy from health.sim_xids",
@@ -162,9 +147,3 @@ def test_configured_xids_are_injected_at_start_and_bad_ones_refused(tmp_path: Pa
         assert status(proc)["gpus"][0]["healthy"] is True
         with pytest.raises(MigdError, match="no GPU 7"):
             proc.client().call("sim_xid", gpu=7, xid=79)
-    finally:
-        proc.stop()
-        kill_strays(root)
-        if proc.notify is not None:
-            proc.notify.close()
-        shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from migd.errors import MigdError
-from tests.process.conftest import DaemonProcess, kill_strays, wait_for
+from tests.process.conftest import DaemonProcess, started_daemon, wait_for
 
 MIB = 1024 * 1024
 STATUS = ("status", "--json")
@@ -30,27 +29,16 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[DaemonProcess]:
     """migd on two simulated A100s with the endpoint on a port the kernel picks."""
-    root = Path(os.environ.get("TMPDIR", "/tmp")) / f"migd-m{os.getpid()}-{tmp_path.name[-16:]}"
-    root.mkdir(parents=True, exist_ok=True)
-    proc = DaemonProcess(
-        root,
-        config_text=(
+    with started_daemon(
+        tmp_path,
+        "m",
+        config=lambda root: (
             "version = 1\n[metrics]\nlisten = '127.0.0.1:0'\n"
             f"dcgm_job_mapping_dir = '{root / 'dcgm-map'}'\n"
         ),
         extra_args=["--set", "backend.sim_time_scale=0"],
-    )
-    try:
-        proc.start()
+    ) as proc:
         yield proc
-    finally:
-        if os.environ.get("MIGD_TEST_SHOW_LOGS") and proc.log_path.exists():
-            print(proc.log_path.read_text())
-        proc.stop()
-        kill_strays(root)
-        if proc.notify is not None:
-            proc.notify.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def metrics_url(node: DaemonProcess) -> str:

@@ -172,6 +172,31 @@ def kill_strays(root: Path) -> None:
     wait_for(lambda: not strays(root), timeout_s=5.0, what=f"the processes of {root} to end")
 
 
+@contextlib.contextmanager
+def started_daemon(
+    tmp_path: Path, tag: str, config: Callable[[Path], str] | None = None, **options: Any
+) -> Iterator[DaemonProcess]:
+    """A started migd (``DaemonProcess(root, **options)``) in a short root of its own
+    (``tag`` tells the tests' roots apart), stopped and cleaned up afterwards. ``config``
+    makes the config text from the root, for settings that name paths under it."""
+    root = Path(os.environ.get("TMPDIR", "/tmp")) / f"migd-{tag}{os.getpid()}-{tmp_path.name[-16:]}"
+    root.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        options["config_text"] = config(root)
+    proc = DaemonProcess(root, **options)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        if os.environ.get("MIGD_TEST_SHOW_LOGS") and proc.log_path.exists():
+            print(proc.log_path.read_text())
+        proc.stop()
+        kill_strays(root)
+        if proc.notify is not None:
+            proc.notify.close()
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     # Unix socket paths are limited to ~107 bytes; pytest's tmp paths can be long.
