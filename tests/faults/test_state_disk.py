@@ -7,26 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
 from migd.daemon.store import StateStore
 from migd.errors import StateDiskError, StateStoreError
 from tests.faults.conftest import SmallDisk
-
-
-def _lease(n: int) -> Lease:
-    return Lease(
-        f"L{n}",
-        LeaseRequest(f"{n}.0", 1000 * n, wait_s=5),
-        1000,
-        4242,
-        1.0,
-        state=LeaseState.ACTIVE,
-        gpu=0,
-        profile="1g.5gb",
-        start=6,
-        mig_uuid="MIG-x",
-    )
+from tests.unit.test_daemon_parts import _lease
 
 
 def _three_leases(disk: SmallDisk) -> Path:
