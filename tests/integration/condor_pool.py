@@ -46,7 +46,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 # --------------------------------------------------------------------------- #
 # Recipe.  Bump RECIPE_VERSION (or change the package list) to force a rebuild
@@ -170,6 +170,23 @@ def default_cache() -> Path:
         return Path(env)
     suffix = ".tar.zst" if shutil.which("zstd") else ".tar.gz"
     return Path.home() / ".cache" / "migd" / f"condor-{SUITE}{suffix}"
+
+
+def session_chroot(unavailable: Callable[[str], NoReturn]) -> Iterator[CondorChroot]:
+    """The chroot at :func:`default_root`, built (or restored from the cache) and mounted
+    for a test session, cleaned up after it; ``unavailable`` is called with the reason
+    where this host cannot have it (the tiers' fixtures skip or fail there)."""
+    chroot = CondorChroot(default_root())
+    try:
+        chroot.check_host()
+        chroot.ensure_built(default_cache())
+    except HarnessUnavailable as exc:
+        unavailable(str(exc))
+    chroot.mount()
+    try:
+        yield chroot
+    finally:
+        chroot.cleanup()
 
 
 def _host_ca_bundle() -> Path | None:

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -36,11 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from condor_pool import (
     CondorChroot,
-    HarnessUnavailable,
     PersonalPool,
     _log,
-    default_cache,
-    default_root,
+    session_chroot,
 )
 from migd_packages import build_debs
 
@@ -72,7 +71,7 @@ def pytest_runtest_makereport(
     return report
 
 
-def _unavailable(reason: str) -> None:
+def _unavailable(reason: str) -> NoReturn:
     message = f"HTCondor integration harness unavailable: {reason}"
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(message)
@@ -81,17 +80,7 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def condor_chroot() -> Iterator[CondorChroot]:
-    chroot = CondorChroot(default_root())
-    try:
-        chroot.check_host()
-        chroot.ensure_built(default_cache())
-    except HarnessUnavailable as exc:
-        _unavailable(str(exc))
-    chroot.mount()
-    try:
-        yield chroot
-    finally:
-        chroot.cleanup()
+    yield from session_chroot(_unavailable)
 
 
 @pytest.fixture(scope="session")

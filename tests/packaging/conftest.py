@@ -14,33 +14,28 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from condor_pool import CondorChroot, HarnessUnavailable, default_cache, default_root
+from condor_pool import CondorChroot, session_chroot
 from migd_packages import build_debs, build_rpms
 
 SKIP_ENV = "MIGD_SKIP_HTCONDOR"
 
 
+def _unavailable(reason: str) -> NoReturn:
+    message = f"the trixie chroot that builds the .deb is unavailable: {reason}"
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(message)
+    pytest.fail(f"{message}\n(set {SKIP_ENV}=1 to skip these tests instead)", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def trixie_chroot() -> Iterator[CondorChroot]:
-    chroot = CondorChroot(default_root())
-    try:
-        chroot.check_host()
-        chroot.ensure_built(default_cache())
-    except HarnessUnavailable as exc:
-        message = f"the trixie chroot that builds the .deb is unavailable: {exc}"
-        if os.environ.get(SKIP_ENV) == "1":
-            pytest.skip(message)
-        pytest.fail(f"{message}\n(set {SKIP_ENV}=1 to skip these tests instead)", pytrace=False)
-    chroot.mount()
-    try:
-        yield chroot
-    finally:
-        chroot.cleanup()
+    yield from session_chroot(_unavailable)
 
 
 @pytest.fixture(scope="session")
