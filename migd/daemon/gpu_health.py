@@ -155,10 +155,6 @@ class GpuHealthMonitor:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.apply, event)
 
-    def condition_sources(self, gpu: ManagedGpu) -> Mapping[str, str]:
-        """The GPU's health conditions by source, for the metrics."""
-        return {source: c.reason for source, c in gpu.health.conditions.items()}
-
     def apply(self, event: GpuEvent) -> list[Lease]:
         """Apply one event to the books; returns the leases it flagged."""
         ctx = self.ctx

@@ -7,7 +7,7 @@ docstring.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
@@ -73,12 +73,10 @@ class StateCollector(Collector):
         *,
         mps_status: Callable[[str], list[dict[str, Any]]] | None = None,
         daemon_problem: Callable[[], str] | None = None,
-        health_conditions: Callable[[ManagedGpu], Mapping[str, str]] | None = None,
     ) -> None:
         self.source = source
         self.mps_status = mps_status
         self.daemon_problem = daemon_problem or (lambda: "")
-        self.health_conditions = health_conditions or _conditions
 
     def describe(self) -> list[Metric]:
         # Families depend on the state; an empty description keeps registration from
@@ -204,7 +202,7 @@ class StateCollector(Collector):
         for gpu in sorted(sched.gpus.values(), key=lambda g: g.index):
             g = str(gpu.index)
             g_info.add_metric([g, gpu.uuid, gpu.model, gpu.name, gpu.mode.value], 1.0)
-            conditions = self.health_conditions(gpu)
+            conditions = gpu.health.conditions
             g_healthy.add_metric([g], 0.0 if conditions else 1.0)
             for source in sorted(conditions):
                 g_cond.add_metric([g, source], 1.0)
@@ -280,8 +278,3 @@ class StateCollector(Collector):
         )
         oldest.add_metric([], max(waits, default=0.0))
         yield oldest
-
-
-def _conditions(gpu: ManagedGpu) -> Mapping[str, str]:
-    """A GPU's health conditions by source (migd.core.health)."""
-    return {source: c.reason for source, c in gpu.health.conditions.items()}

@@ -219,7 +219,6 @@ class Daemon:
             ctx,
             mps_status=ctx.mps.cached_status_for if ctx.mps is not None else None,
             daemon_problem=lambda: self.executor.tripped,
-            health_conditions=self.health.condition_sources,
         )
         await self.health.start()
         loop = asyncio.get_running_loop()

@@ -9,7 +9,7 @@ from typing import Any
 
 from migd.backends.nvml_events import EVENT_XID_CRITICAL, classify
 from migd.core.leases import LeaseState
-from migd.core.scheduler import NodeScheduler
+from migd.core.scheduler import ManagedGpu, NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.gpu_health import GPU_LOST, GpuHealthMonitor, clear_condition, raise_condition
 from migd.daemon.metrics import MetricsService
@@ -70,6 +70,10 @@ def test_an_xid_on_one_instance_flags_only_its_lease() -> None:
     assert books.records[0][0] == "gpu.event" and books.records[0][1]["xid"] == 94
 
 
+def reasons(gpu: ManagedGpu) -> dict[str, str]:
+    return {source: c.reason for source, c in gpu.health.conditions.items()}
+
+
 def test_an_unattributed_non_fatal_xid_flags_every_lease_but_loses_none() -> None:
     node, a, b = node_with_two_leases()
     books = Books(node)
@@ -78,8 +82,8 @@ def test_an_unattributed_non_fatal_xid_flags_every_lease_but_loses_none() -> Non
     assert event is not None
     assert {x.lease_id for x in health.apply(event)} == {a.lease_id, b.lease_id}
     assert not a.warning.startswith(GPU_LOST) and "no new leases" in a.warning
-    assert health.condition_sources(node.gpus[0]) == {"xid": str(node.gpus[0].health)}
-    assert health.condition_sources(node.gpus[1]) == {}
+    assert reasons(node.gpus[0]) == {"xid": str(node.gpus[0].health)}
+    assert reasons(node.gpus[1]) == {}
     body, _ = render(health.metrics.recorder.registry)
     assert b'migd_gpu_xid_events_total{critical="true",gpu="0",xid="74"} 1.0' in body
     assert health.clear(0) and node.gpus[0].available
@@ -100,8 +104,7 @@ def test_the_xid_condition_leaves_other_sources_conditions_alone() -> None:
     g.health.raise_("mps", "MPS daemon down", 1.0)
     raise_condition(g, "XID 79 ...", 5.0)
     assert set(g.health.conditions) == {"mps", "xid"}
-    sources = monitor(Books(NodeScheduler([g]))).condition_sources(g)
-    assert sources == {"mps": "MPS daemon down", "xid": "XID 79 ..."}
+    assert reasons(g) == {"mps": "MPS daemon down", "xid": "XID 79 ..."}
     clear_condition(g, "XID 79 ...")
     assert set(g.health.conditions) == {"mps"}
     assert not g.health.available
