@@ -52,11 +52,9 @@ def raise_condition(gpu: ManagedGpu, reason: str, now_s: float) -> None:
     gpu.health.raise_(SOURCE, reason, now_s)
 
 
-def clear_condition(gpu: ManagedGpu, reason: str) -> None:
-    """Clear the GPU's ``xid`` condition (``reason`` names what is cleared, for callers
-    that log it)."""
-    del reason
-    gpu.health.clear(SOURCE)
+def clear_condition(gpu: ManagedGpu) -> bool:
+    """Clear the GPU's ``xid`` condition; True if it had one."""
+    return gpu.health.clear(SOURCE)
 
 
 class GpuHealthMonitor:
@@ -85,7 +83,6 @@ class GpuHealthMonitor:
         kind = ctx.config.backend.kind
         self.nvml = nvml if nvml is not None else events_module(kind, sim_node)
         self.listener: NvmlEventListener | None = None
-        self.conditions: dict[int, str] = {}  # GPU index -> its xid condition's reason
         self.events: list[GpuEvent] = []  # every event applied, newest last (bounded)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -169,7 +166,6 @@ class GpuHealthMonitor:
             return []
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
         reason = f"{event.reason} at {stamp}: no new leases on this GPU"
-        self.conditions[event.gpu] = reason
         raise_condition(gpu, reason, now)
         flagged = []
         for lease in ctx.sched.active_leases():
@@ -212,11 +208,9 @@ class GpuHealthMonitor:
 
     def clear(self, index: int) -> bool:
         """An admin cleared the GPU (``migctl resume``): drop its xid condition."""
-        reason = self.conditions.pop(index, None)
         gpu = self.ctx.sched.gpus.get(index)
-        if reason is None or gpu is None:
+        if gpu is None or not clear_condition(gpu):
             return False
-        clear_condition(gpu, reason)
         log.info("gpu.xid_cleared", gpu=index)
         # The GPU's health changed outside the scheduler's books: place what now fits.
         now, mono = self.ctx.now()
