@@ -2,7 +2,7 @@
 
 For each task configuration of [Villarrubia] §6.3 (PoorScaling, MixedScaling,
 GoodScaling with WideTimes) and batch size n, plans ``--runs`` random batches
-with ``migd.sim.far.plan_batch`` and reports the mean of
+with ``migd.policysim.far.plan_batch`` and reports the mean of
 ``rho = makespan / (sum_i min_s s * t_i(s) / 7)`` next to the paper's Table 4,
 for the paper-faithful variant and migd's extended one, with no memory-bound tasks
 (p_sup = 0, the setting that reproduces Table 4) and with Figure 11's p_sup = 0.5,
@@ -28,12 +28,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from migd.core.catalog import geometry
-from migd.sim.engine import SimConfig, simulate
-from migd.sim.far import lower_bound, plan_batch
-from migd.sim.metrics import compute_metrics
-from migd.sim.policies import named_policy
-from migd.sim.progress import ProgressBar
-from migd.sim.workloads import far_jobs, far_tasks
+from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.far import lower_bound, plan_batch
+from migd.policysim.metrics import compute_metrics
+from migd.policysim.policies import named_policy
+from migd.policysim.progress import ProgressBar
+from migd.policysim.workloads import far_jobs, far_tasks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NS = (10, 15, 20, 25, 30, 35)
@@ -115,7 +115,7 @@ def fit_verdict(tables: dict[float, dict[tuple[str, str, int], list[float]]]) ->
         f"{best:g} and by {spread[max(tables)]:.3f} with p_sup = {max(tables):g}. "
         f"p_sup = {best:g} is therefore taken as Table 4's setting (an inference from "
         "these numbers, not a statement of the paper); it is the default of "
-        "`far_tasks` and of `python -m migd.sim far`. Any p_sup > 0 makes at least one "
+        "`far_tasks` and of `python -m migd.policysim far`. Any p_sup > 0 makes at least one "
         "task per size class memory-bound (the generator rounds up)."
     )
 

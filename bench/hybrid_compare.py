@@ -3,7 +3,7 @@
     .venv/bin/python bench/hybrid_compare.py --seeds 3     # bench/results/hybrid.md
 
 Every built-in workload runs under scheme A (size queue) with the calibrated MPS model
-(:mod:`migd.sim.interference`); the KIT rows are checked against [Voigtlaender] Table
+(:mod:`migd.policysim.interference`); the KIT rows are checked against [Voigtlaender] Table
 2, and two multi-user mixes show what per-user MPS servers cost and that the hybrid
 never puts two users' jobs in one server.
 """
@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from migd.sim.compare import compare
-from migd.sim.engine import SimConfig, simulate
-from migd.sim.interference import fit_kit
-from migd.sim.jobs import SimJob
-from migd.sim.metrics import Metrics, area_bounds, compute_metrics
-from migd.sim.policies import named_policy
-from migd.sim.workloads import WORKLOADS
+from migd.policysim.compare import compare
+from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.interference import fit_kit
+from migd.policysim.jobs import SimJob
+from migd.policysim.metrics import Metrics, area_bounds, compute_metrics
+from migd.policysim.policies import named_policy
+from migd.policysim.workloads import WORKLOADS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("exclusive", "static", "mps", "migd", "hybrid")
@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# Hybrid MIG+MPS against the pure modes",
         "",
         f"Made by `.venv/bin/python bench/hybrid_compare.py --seeds {args.seeds}` "
-        "(queue scheme A, the calibrated MPS model of `migd.sim.interference`, "
+        "(queue scheme A, the calibrated MPS model of `migd.policysim.interference`, "
         "A100-40GB; seeds 1.."
         f"{args.seeds}, means). Throughput is completed jobs per hour of makespan "
         "against exclusive whole GPUs; *steady* counts only from the first completion to the "
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(as [Voigtlaender] Table 2 cuts to the fully used part); turnaround is the "
         "median in minutes; *slice acc.* is slice-weighted acceptance; *breaches* are "
         "jobs that shared an MPS server with another user's job. *Bounds* are the "
-        "slice-area bounds (`migd.sim.metrics.area_bounds`): MIG = each job on its "
+        "slice-area bounds (`migd.policysim.metrics.area_bounds`): MIG = each job on its "
         "least-area profile, packed without gaps; shared = compute demand x runtime "
         "and MiB x runtime packed into the GPU. A dagger marks a run that did not "
         "complete every job.",

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pool_scale.py --runs 3      # bench/results/pool_scale.md
 
-Each size simulates a day of :func:`migd.sim.workloads.pool_stream` (8 A100-40GB per
+Each size simulates a day of :func:`migd.policysim.workloads.pool_stream` (8 A100-40GB per
 node, 12 jobs per GPU per day, offered load 0.7) under one policy, in a fresh Python
 process per run so that its peak resident memory (``ru_maxrss``) is its own. The
 median of ``--runs`` runs is reported with the machine's load average, because the
@@ -25,10 +25,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 CHILD = """
 import json, resource, sys, time
-from migd.sim.engine import SimConfig, simulate
-from migd.sim.metrics import compute_metrics
-from migd.sim.policies import named_policy
-from migd.sim.workloads import pool_stream
+from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.metrics import compute_metrics
+from migd.policysim.policies import named_policy
+from migd.policysim.workloads import pool_stream
 nodes, policy = int(sys.argv[1]), sys.argv[2]
 t0 = time.perf_counter()
 jobs = pool_stream(nodes, 8)

@@ -23,17 +23,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from migd.sim.compare import Comparison, compare
-from migd.sim.engine import SimConfig
-from migd.sim.progress import ProgressBar
-from migd.sim.report import (
+from migd.policysim.compare import Comparison, compare
+from migd.policysim.engine import SimConfig
+from migd.policysim.progress import ProgressBar
+from migd.policysim.report import (
     comparison_table,
     plot_comparison,
     plot_policy_bars,
     plot_slice_map,
     plot_utilisation,
 )
-from migd.sim.workloads import WORKLOADS
+from migd.policysim.workloads import WORKLOADS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paper_table(all_runs),
         "[MIG-HT]'s Hm2/Hm3 and Hm4 figures, and [Voigtlaender]'s, are *calibration inputs* of "
         "the workloads (per-job slowdown on a small partition; see "
-        "`migd/sim/workloads.py`), so agreement there checks the simulator, not migd. The "
+        "`migd/policysim/workloads.py`), so agreement there checks the simulator, not migd. The "
         "heterogeneous mixes (Ht1-3), the LLM mix and every policy difference are "
         "outcomes.",
         "",

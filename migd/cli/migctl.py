@@ -388,7 +388,7 @@ def cmd_simulate(argv: Sequence[str]) -> int:
     """
     import importlib
 
-    sim_cli = importlib.import_module("migd.sim.cli")
+    sim_cli = importlib.import_module("migd.policysim.cli")
     return int(sim_cli.main(list(argv), prog="migctl simulate"))
 
 

@@ -1,7 +1,7 @@
 """How much GPU memory a job asks for when it restarts after an OOM or a forecast.
 
 One rule, used by the job wrapper (:mod:`migd.wrapper.runner`) when it restarts a
-job on its node, and by the policy simulator (:mod:`migd.sim.engine`) so that the
+job on its node, and by the policy simulator (:mod:`migd.policysim.engine`) so that the
 simulated pool restarts jobs exactly as the real one does. Pure: the caller says
 what the job had, what the evidence asks for and what the node can hold.
 

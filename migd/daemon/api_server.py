@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import os
 import socket
 import stat
@@ -38,6 +37,7 @@ from migd.errors import (
     ProtocolError,
 )
 from migd.paths import check_directory_chain
+from migd.ports import Accounts
 
 log = structlog.get_logger("migd")
 
@@ -123,7 +123,9 @@ class ApiServer:
     async def bind(self) -> None:
         api = self.ctx.config.api
         check_socket_path(api.socket)
-        access = socket_access(api)  # before binding: an unknown group fails
+        access = socket_access(
+            api, self.ctx.auth.accounts
+        )  # before binding: an unknown group fails
         self._server = await asyncio.start_unix_server(
             self._serve_client, path=str(api.socket), limit=api.max_message_bytes
         )
@@ -353,8 +355,11 @@ def latency_class(op: str, result: Any) -> str:
     return op
 
 
-def socket_access(api: ApiSection) -> tuple[int, int]:
+def socket_access(api: ApiSection, accounts: Accounts) -> tuple[int, int]:
     """The socket file's mode and group for an ``[api]`` section.
+
+    Group names are looked up through the accounts port, as the access rules' are, so
+    the answer follows the same cache (cleared on SIGHUP) and tests need no host group.
 
     ``0666`` when status is public or any user may lease (SO_PEERCRED decides who may
     do what); else ``0660``, group ``api.socket_group`` (migd's own group if unset).
@@ -365,14 +370,14 @@ def socket_access(api: ApiSection) -> tuple[int, int]:
     gid = os.getegid()
     if api.socket_group is not None:
         name = api.socket_group
-        try:
-            gid = int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-        except KeyError:
+        found = int(name) if name.isdigit() else accounts.group_id(name)
+        if found is None:
             raise ConfigError(
                 f"no group {name!r} on this host",
                 where="api.socket_group",
                 hint="name an existing group (getent group) or a numeric gid",
-            ) from None
+            )
+        gid = found
     public = api.status_public or "*" in api.lease_users or "*" in api.lease_groups
     return (0o666 if public else 0o660), gid
 

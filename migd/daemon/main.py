@@ -109,7 +109,7 @@ def build_mps(config: MigdConfig) -> Any:
     """The MPS manager: one control daemon per MPS device under ``<runtime_dir>/mps``.
 
     On simulated nodes without NVIDIA's ``nvidia-cuda-mps-control`` the stand-in from
-    ``migd.testing`` is used, so MPS leases work in demos and tests.
+    ``migd.backends.simulated.mps_control`` is used, so MPS leases work in demos and tests.
     """
     import shutil
 
@@ -118,8 +118,8 @@ def build_mps(config: MigdConfig) -> Any:
 
     binary = config.mps.control_binary
     if config.backend.kind == "simulated" and shutil.which(binary) is None:
+        from migd.backends.simulated import write_fake_mps_control
         from migd.paths import ensure_dir
-        from migd.testing import write_fake_mps_control
 
         runtime = config.daemon.runtime_dir  # checked, never through a symlink (paths.py)
         bin_dir = ensure_dir(runtime.parent, f"{runtime.name}/sim-bin", 0o755)

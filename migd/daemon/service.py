@@ -254,14 +254,16 @@ class Daemon:
         ctx.notifier.reloading()
         try:
             new = self.reload_config()
-            access = socket_access(new.api)  # an unknown socket group fails the reload
+            # Users and groups may have changed with the configuration: forget the cached
+            # answers before the new socket group and access rules are looked up.
+            self.accounts.forget()
+            access = socket_access(new.api, self.accounts)  # an unknown group fails the reload
         except ConfigError as exc:
             log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
             ctx.notifier.ready("reload failed; old configuration kept")
             return {"reloaded": False, "error": exc.to_dict()}
         needs_restart = changed_restart_keys(ctx.config, new)
         ctx.config = keep_restart_keys(ctx.config, new)
-        self.accounts.forget()  # users and groups may have changed with the configuration
         ctx.auth = Authorizer(ctx.config.api, self.accounts)
         if self.api.bound:
             try:

@@ -1,7 +1,7 @@
 """Simulator-only API ops: fake CUDA processes on the simulated node.
 
 ``sim_attach``, ``sim_alloc``, ``sim_free`` and ``sim_detach`` let a fake job (see
-``migd.testing.simjob``) behave like a CUDA program on the simulated GPUs. They are
+``migd.backends.simulated.cuda_job``) behave like a CUDA program on the simulated GPUs. They are
 registered with the API server only when migd runs the simulated backend; otherwise the
 server answers that they exist only there. Nothing in the production ops depends on
 this module.

@@ -38,6 +38,15 @@ def load_script(name: str) -> ModuleType:
 CALIBRATE = load_script("mig_calibrate")
 PROBE = load_script("gpu_probe")
 
+
+def recordings(schema: str) -> list[Path]:
+    """The recordings of one kind (each test replays its own kind, so none is skipped)."""
+    return [p for p in RECORDINGS if json.loads(p.read_text()).get("schema") == schema]
+
+
+CALIBRATIONS = recordings(CALIBRATE.SCHEMA)
+PROBES = recordings(PROBE.PROBE_SCHEMA)
+
 # What a replay compares: the driver's answers, not timings or idle memory.
 PLACEMENT_KEYS = ("profile_id", "start", "gi_id", "size", "ci_ids", "memory_total_mib", "error")
 
@@ -69,11 +78,9 @@ def comparable(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("path", RECORDINGS, ids=[p.name for p in RECORDINGS])
+@pytest.mark.parametrize("path", CALIBRATIONS, ids=[p.name for p in CALIBRATIONS])
 def test_the_simulator_answers_as_the_recorded_gpu_did(path: Path) -> None:
     record = json.loads(path.read_text())
-    if record.get("schema") != CALIBRATE.SCHEMA:
-        pytest.skip(f"{path.name}: not a calibration record ({record.get('schema')})")
     if not path.name.startswith("synthetic-"):
         assert not record.get("synthetic"), f"{path.name}: a simulator's record must be synthetic-*"
     replayed = comparable(calibrate_simulated(simulated_node(record)))
@@ -82,11 +89,9 @@ def test_the_simulator_answers_as_the_recorded_gpu_did(path: Path) -> None:
         assert replayed[key] == recorded[key], f"{path.name}: the simulator differs in {key}"
 
 
-@pytest.mark.parametrize("path", RECORDINGS, ids=[p.name for p in RECORDINGS])
+@pytest.mark.parametrize("path", PROBES, ids=[p.name for p in PROBES])
 def test_the_simulator_rebuilt_from_a_probe_reports_the_same(path: Path) -> None:
     record = json.loads(path.read_text())
-    if record.get("schema") != PROBE.PROBE_SCHEMA:
-        pytest.skip(f"{path.name}: not a probe record ({record.get('schema')})")
     node = SimNode.from_probe(path)
     node.set_root(bool(record.get("is_root", True)))
     replayed = PROBE.probe(NvmlBackend(PROBE.ReadOnlyNvml(FakePynvml(node))))
@@ -96,6 +101,12 @@ def test_the_simulator_rebuilt_from_a_probe_reports_the_same(path: Path) -> None
         if "mig" in recorded:
             assert again["mig"]["profiles"] == recorded["mig"]["profiles"], path.name
             assert again["mig"]["instances"] == recorded["mig"]["instances"], path.name
+
+
+def test_every_recording_is_of_a_kind_a_test_replays() -> None:
+    """A file of an unknown schema would otherwise be silently left out of both replays."""
+    assert sorted(CALIBRATIONS + PROBES) == RECORDINGS
+    assert CALIBRATIONS and PROBES
 
 
 def test_recordings_made_by_the_simulator_are_named_synthetic() -> None:

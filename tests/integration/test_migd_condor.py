@@ -4,7 +4,7 @@ migd is installed in the trixie chroot from this tree's ``.deb`` packages (``mig
 ``migd-ep``, ``migd-ap``: the HTCondor configuration comes from their drop-ins in
 ``/usr/share/condor/config.d``, unchanged but for documented knobs) and runs on
 simulated GPUs (2 x A100-40GB); jobs are submitted by a non-root user and run fake CUDA programs
-(``migd.testing.simjob``) that allocate on their partition through migd.
+(``migd.backends.simulated.cuda_job``) that allocate on their partition through migd.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def gpu_pool(personal_pool: Callable[..., PersonalPool], extra: str = "") -> Per
 def simjob(memory_mib: int, *job_args: str, **submit: str) -> dict[str, str]:
     return {
         "executable": PY,
-        "arguments": " ".join(["-m", "migd.testing.simjob", *job_args]),
+        "arguments": " ".join(["-m", "migd.backends.simulated.cuda_job", *job_args]),
         "request_GPUs": "1",
         "request_VRAM": str(memory_mib),
         "request_cpus": "1",

@@ -55,7 +55,7 @@ NOT_KILLED = f'!regexp("@{KILLED}@", TARGET.Name)'
 def simjob(memory_mib: int | None, *job_args: str, **submit: str) -> dict[str, str]:
     desc = {
         "executable": PY,
-        "arguments": " ".join(["-m", "migd.testing.simjob", *job_args]),
+        "arguments": " ".join(["-m", "migd.backends.simulated.cuda_job", *job_args]),
         "request_GPUs": "1",
         "request_cpus": "1",
         "request_memory": "64",

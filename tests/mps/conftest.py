@@ -22,9 +22,9 @@ from migd.backends.mps import (
     RunAs,
     SubprocessRunner,
 )
+from migd.backends.simulated import write_fake_mps_control
+from migd.backends.simulated.mps_control import PID_FILE_NAME
 from migd.ports import ManualClock
-from migd.testing import write_fake_mps_control
-from migd.testing.fake_mps_control import PID_FILE_NAME
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from migd.testing.fake_mps_control import (
+from migd.backends.simulated.mps_control import (
     ALREADY_RUNNING_MESSAGE,
     NO_DAEMON_MESSAGE,
     PID_FILE_NAME,
@@ -305,7 +305,7 @@ def test_a_client_gets_the_servers_limit_lowered_never_raised_by_its_env(
     client_procs: Callable[[], int],
     start_daemon: Callable[..., None],
 ) -> None:
-    from migd.testing.fake_mps_control import connect_client
+    from migd.backends.simulated.mps_control import connect_client
 
     pipe, log = dirs
     start_daemon()

@@ -28,7 +28,7 @@ GPU = "GPU-0a1b2c3d-0000-4000-8000-0000000000aa"
 # (through the pipe directory) and fails with PyTorch's message past it.
 FAKE_CLIENT = """
 import json, os, sys
-from migd.testing.fake_mps_control import connect_client
+from migd.backends.simulated.mps_control import connect_client
 label, target = sys.argv[1], int(sys.argv[2])
 got = connect_client(os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.getpid(), os.getuid(),
                      os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))

@@ -19,9 +19,9 @@ from migd.backends.mps import (
     MpsManager,
     RunAs,
 )
+from migd.backends.simulated.mps_control import fault_path
 from migd.core.mps import MpsShare, UserPolicy
 from migd.errors import MpsError
-from migd.testing.fake_mps_control import fault_path
 
 from .conftest import Env, kill_fake, pid_alive, wait_for
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from migd.backends.simulated import SimNode, SimOutOfMemory
+from migd.backends.simulated.mps_control import connect_client
 from migd.core import catalog
 from migd.core.mps import (
     MpsPool,
@@ -21,7 +22,6 @@ from migd.core.mps import (
     parse_limit_mib,
     share_environment,
 )
-from migd.testing.fake_mps_control import connect_client
 
 from .conftest import Env
 

@@ -13,8 +13,8 @@ import json
 import pytest
 
 from migd.backends.mps import MpsCommandFailed, MpsManager
+from migd.backends.simulated.mps_control import fault_path
 from migd.core.mps import MpsShare, limit_applied
-from migd.testing.fake_mps_control import fault_path
 
 from .conftest import Env
 

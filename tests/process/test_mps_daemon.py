@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from migd.backends.simulated.mps_control import fault_path
 from migd.errors import MigdError
-from migd.testing.fake_mps_control import fault_path
 from tests.mps.conftest import pid_alive
 from tests.process.conftest import DaemonProcess, wait_for
 from tests.process.test_daemon_process import OTHER_UID, as_user
@@ -170,7 +170,7 @@ def held_lease(daemon: DaemonProcess, job_id: str) -> Iterator[dict[str, Any]]:
 def fake_control(pipe: str | Path, command: str) -> str:
     """Talk to a daemon's stand-in control daemon, as `nvidia-cuda-mps-control` would."""
     proc = subprocess.run(
-        [sys.executable, "-m", "migd.testing.fake_mps_control"],
+        [sys.executable, "-m", "migd.backends.simulated.mps_control"],
         input=command + "\n",
         capture_output=True,
         text=True,

@@ -21,7 +21,7 @@ from migd.wrapper.jobspec import physical_gpu, spec_from_ads
 from migd.wrapper.release_hook import job_id_from_ad_text, slot_from_ad_text
 from tests.process.conftest import DaemonProcess, wait_for
 
-SIMJOB = [sys.executable, "-m", "migd.testing.simjob"]
+SIMJOB = [sys.executable, "-m", "migd.backends.simulated.cuda_job"]
 
 
 def run(

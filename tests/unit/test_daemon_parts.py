@@ -547,8 +547,8 @@ def test_per_gpu_ad_has_free_memory_largest_profile_mode_and_health() -> None:
 
 
 def test_release_job_permission_follows_hook_users() -> None:
+    from migd.backends.simulated.accounts import FakeAccounts
     from migd.daemon.auth import Authorizer, Peer
-    from migd.testing.fake_accounts import FakeAccounts
 
     # The hook's user by name, as sites write it; the accounts are the test's, not the host's.
     accounts = FakeAccounts(users={0: "root", 4242: "condorhook"}, groups={"hooks": 4242})
@@ -676,3 +676,24 @@ def test_api_doc_lists_every_field_of_the_status_schema() -> None:
 
     missing = sorted(fields(schema) - listed)
     assert missing == [], f"docs/api.md's status block does not list {missing}"
+
+
+def test_socket_group_is_looked_up_through_the_accounts_port() -> None:
+    """The socket's group by name comes from the accounts port (not the host's group
+    database), so it follows the same SIGHUP-cleared cache as the access rules."""
+    from migd.backends.simulated.accounts import FakeAccounts
+    from migd.daemon.api_server import socket_access
+    from migd.daemon.config import ApiSection
+
+    accounts = FakeAccounts(groups={"gpu-users": 4242})
+
+    def private(group: str) -> ApiSection:
+        return ApiSection(socket_group=group, status_public=False)
+
+    assert socket_access(private("gpu-users"), accounts) == (0o660, 4242)
+    assert socket_access(private("77"), accounts) == (0o660, 77)
+    public = ApiSection(socket_group="gpu-users", lease_users=["*"], status_public=False)
+    assert socket_access(public, accounts) == (0o666, 4242)
+    with pytest.raises(ConfigError) as caught:
+        socket_access(private("no-such-group"), accounts)
+    assert caught.value.where == "api.socket_group" and "getent group" in (caught.value.hint or "")

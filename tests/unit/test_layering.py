@@ -43,8 +43,11 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("daemon", ("migd.wrapper",)),
-        ("wrapper", ("migd.daemon",)),
+        ("daemon", ("migd.wrapper", "migd.policysim")),
+        ("wrapper", ("migd.daemon", "migd.policysim")),
+        # The policy simulator replays workloads through the pure core alone: it never
+        # starts a daemon, touches a backend or the simulated node.
+        ("policysim", ("migd.daemon", "migd.wrapper", "migd.backends", "migd.cli")),
         (
             "core",
             (
@@ -52,8 +55,7 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
                 "migd.wrapper",
                 "migd.backends",
                 "migd.cli",
-                "migd.sim",
-                "migd.testing",
+                "migd.policysim",
             ),
         ),
     ],

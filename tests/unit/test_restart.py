@@ -97,9 +97,9 @@ def test_properties(
 
 
 def test_simulator_restarts_an_mps_job_as_the_wrapper_would() -> None:
-    from migd.sim.engine import SimConfig, simulate
-    from migd.sim.jobs import Growth, SimJob
-    from migd.sim.policies import named_policy
+    from migd.policysim.engine import SimConfig, simulate
+    from migd.policysim.jobs import Growth, SimJob
+    from migd.policysim.policies import named_policy
 
     # 10000 -> 25000 MiB: the wrapper doubles an MPS share (20000, still too small),
     # then asks for 40000 and gets the node's largest share.
@@ -110,9 +110,9 @@ def test_simulator_restarts_an_mps_job_as_the_wrapper_would() -> None:
 
 
 def test_simulator_gives_up_only_when_nothing_bigger_exists() -> None:
-    from migd.sim.engine import SimConfig, simulate
-    from migd.sim.jobs import Growth, SimJob
-    from migd.sim.policies import named_policy
+    from migd.policysim.engine import SimConfig, simulate
+    from migd.policysim.jobs import Growth, SimJob
+    from migd.policysim.policies import named_policy
 
     job = SimJob("huge", 0.0, 30000, 100.0, growth=Growth(30000, 45000, 10))
     record = simulate([job], named_policy("migd"), SimConfig()).records[0]

@@ -1,68 +1,72 @@
-"""A simulated GPU node at the ``pynvml`` level, for tests, demos and ``migd --simulate``.
+"""The simulated GPU node: everything ``migd --simulate``, the demos and the tests run on.
+
+One package holds every stand-in for the outside world, so "simulated" means one thing:
 
 * :class:`SimNode` (``node.py``): the node's state and rules (placements, processes,
   memory, faults);
 * :class:`FakePynvml` (``fake_pynvml.py``): the ``pynvml`` API over a node, so the real
   :class:`~migd.backends.nvml.NvmlBackend` runs unchanged on top of it;
 * :func:`simulated_backend`: both wired together;
-* ``state_file`` (``persist.py``): the node's GPUs outlive the process, as real ones do.
+* ``state_file`` (``persist.py``): the node's GPUs outlive the process, as real ones do;
+* ``mps_control.py``: a stand-in ``nvidia-cuda-mps-control`` (run as
+  ``python -m migd.backends.simulated.mps_control``); :func:`write_fake_mps_control`
+  puts an executable shim of that name into a directory;
+* ``cuda_job.py``: a CUDA job on the simulated GPUs (``python -m
+  migd.backends.simulated.cuda_job``), what the wrapper and HTCondor tests run;
+* ``accounts.py``: :class:`FakeAccounts`, the accounts port over a table;
+* ``nvml_events.py``: NVML events (XIDs) over a node.
+
+(The *policy* simulator, which replays workloads through the scheduler in simulated
+time, is another thing: :mod:`migd.policysim`.)
+
+Names are loaded on first use (PEP 562): the stand-in MPS control binary and the CUDA
+job start as ``python -m`` processes many times per test run, and must neither pay for
+importing the NVML backend nor find their own module already imported by this package
+(runpy warns about that).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from migd.backends.nvml import NvmlBackend
-from migd.backends.simulated.fake_pynvml import FakePynvml
-from migd.backends.simulated.node import (
-    InstanceView,
-    SimCudaError,
-    SimNode,
-    SimOutOfMemory,
-)
-from migd.backends.simulated.persist import SIM_STATE_SCHEMA
-from migd.backends.simulated.specs import SimGpuSpec, SimInstanceSpec, SimProcessSpec
+if TYPE_CHECKING:
+    from migd.backends.simulated.accounts import FakeAccounts
+    from migd.backends.simulated.backend import simulated_backend
+    from migd.backends.simulated.fake_pynvml import FakePynvml
+    from migd.backends.simulated.mps_control import write_fake_mps_control
+    from migd.backends.simulated.node import InstanceView, SimCudaError, SimNode, SimOutOfMemory
+    from migd.backends.simulated.persist import SIM_STATE_SCHEMA
+    from migd.backends.simulated.specs import SimGpuSpec, SimInstanceSpec, SimProcessSpec
 
-_BACKEND_OPTIONS = ("destroy_retries", "retry_backoff_s", "sleep")
+#: Public name -> the module that defines it.
+_HOME = {
+    "FakeAccounts": "accounts",
+    "simulated_backend": "backend",
+    "FakePynvml": "fake_pynvml",
+    "write_fake_mps_control": "mps_control",
+    "InstanceView": "node",
+    "SimCudaError": "node",
+    "SimNode": "node",
+    "SimOutOfMemory": "node",
+    "SIM_STATE_SCHEMA": "persist",
+    "SimGpuSpec": "specs",
+    "SimInstanceSpec": "specs",
+    "SimProcessSpec": "specs",
+}
 
 
-def simulated_backend(
-    description: str | Path | SimNode, **options: Any
-) -> tuple[NvmlBackend, SimNode]:
-    """An :class:`NvmlBackend` over a simulated node, and the node (to inspect or disturb).
-
-    Args:
-        description: ``"8xA100-40GB"``, a mixed list, TOML text or file, a probe JSON
-            file (see :mod:`migd.backends.simulated.specs`), or a ready :class:`SimNode`.
-        **options: ``destroy_retries``, ``retry_backoff_s`` and ``sleep`` go to the
-            backend; the rest (``seed``, ``time_scale``, ``root``, ``state_file``, ...)
-            to the node. ``state_file`` (``backend.sim_state_file``) keeps the GPUs'
-            state in that file across restarts (see :class:`SimNode`).
-
-    Raises:
-        ConfigError: the description is malformed, or the state file is corrupt or
-            was written for other GPUs (``where="backend.sim_state_file"``).
-        StateStoreError: the state file cannot be written.
-    """
-    backend_options = {k: options.pop(k) for k in _BACKEND_OPTIONS if k in options}
-    if isinstance(description, SimNode):
-        if options:
-            raise TypeError(f"node options {sorted(options)} given with a ready SimNode")
-        node = description
-    elif isinstance(description, Path) and description.suffix == ".json":
-        node = SimNode.from_probe(description, **options)
-    else:
-        node = SimNode.from_description(description, **options)
-    sleep: Callable[[float], None] | None = backend_options.pop("sleep", None)
-    if sleep is not None:
-        return NvmlBackend(FakePynvml(node), sleep=sleep, **backend_options), node
-    return NvmlBackend(FakePynvml(node), **backend_options), node
+def __getattr__(name: str) -> Any:
+    try:
+        module = _HOME[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 __all__ = [
     "SIM_STATE_SCHEMA",
+    "FakeAccounts",
     "FakePynvml",
     "InstanceView",
     "SimCudaError",
@@ -72,4 +76,5 @@ __all__ = [
     "SimOutOfMemory",
     "SimProcessSpec",
     "simulated_backend",
+    "write_fake_mps_control",
 ]

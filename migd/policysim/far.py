@@ -27,7 +27,7 @@ makespan. Timing is computed by one exact event simulation of the tree
 
 :meth:`FarSchedule.steps` turns the result into timed create/destroy/run steps;
 replayed in time order they are a valid sequence of states of
-:mod:`migd.core.states` (``tests/sim/test_far.py`` checks that).
+:mod:`migd.core.states` (``tests/policysim/test_far.py`` checks that).
 """
 
 from __future__ import annotations

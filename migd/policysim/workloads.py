@@ -36,8 +36,8 @@ from typing import Any
 from migd.core.catalog import geometry
 from migd.core.geometry import Geometry, Profile
 from migd.errors import ConfigError, InvalidRequest, MigdError
-from migd.sim.interference import fit_kit
-from migd.sim.jobs import Growth, SimJob
+from migd.policysim.interference import fit_kit
+from migd.policysim.jobs import Growth, SimJob
 
 # -- [MIG-HT] -------------------------------------------------------------------------------
 
@@ -474,7 +474,7 @@ def llm_mix(
 # -- [Voigtlaender] --------------------------------------------------------------------------------
 
 
-#: The KIT job's compute demand, fitted by :func:`migd.sim.interference.fit_kit`.
+#: The KIT job's compute demand, fitted by :func:`migd.policysim.interference.fit_kit`.
 KIT_DEMAND = fit_kit().demand
 
 
@@ -483,7 +483,7 @@ def kit_mix(n_jobs: int = 414, seed: int = 1) -> list[SimJob]:
 
     10.56 min alone on an A100 ([Voigtlaender] Table 1, "Default"). The compute demand
     ``d`` is fitted with the MPS model to Table 1 and Table 2 together
-    (:func:`migd.sim.interference.fit_kit`: 0.117, a 12-client slowdown of 1.40 between
+    (:func:`migd.policysim.interference.fit_kit`: 0.117, a 12-client slowdown of 1.40 between
     Table 1's 1.54 and Table 2's 1.28); twelve fit in 40 GB, so each needs at most
     3.2 GiB. Runtimes vary +-10 % (assumed: the paper's jobs differ slightly in
     parameters).

@@ -16,11 +16,11 @@ from migd.core.forecast import Verdict
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
 from migd.errors import InvalidRequest
-from migd.sim import engine
-from migd.sim.engine import SimConfig, SimResult, Simulation, simulate
-from migd.sim.jobs import Growth, SimJob, runtime_at
-from migd.sim.metrics import compute_metrics
-from migd.sim.policies import POLICY_NAMES, PolicySpec, named_policy, static_policies
+from migd.policysim import engine
+from migd.policysim.engine import SimConfig, SimResult, Simulation, simulate
+from migd.policysim.jobs import Growth, SimJob, runtime_at
+from migd.policysim.metrics import compute_metrics
+from migd.policysim.policies import POLICY_NAMES, PolicySpec, named_policy, static_policies
 
 A100 = geometry("A100-40GB")
 TABLE1 = CostModel.for_model("A100-40GB")
@@ -331,7 +331,7 @@ def test_runs_take_the_modelled_time() -> None:
 
 
 def test_same_seed_same_result() -> None:
-    from migd.sim.workloads import workload
+    from migd.policysim.workloads import workload
 
     a = compute_metrics(simulate(workload("ht2", 3), named_policy("migd"), SimConfig()))
     b = compute_metrics(simulate(workload("ht2", 3), named_policy("migd"), SimConfig()))

@@ -10,7 +10,7 @@ Definitions (the report repeats them):
 * **acceptance**: jobs that ever ran / jobs submitted; **time to first
   placement**: first start minus submission (includes MIG creation time).
 * **compute utilisation**: time-weighted busy compute slices / all slices over the
-  makespan; a job keeps ``C * min(share, demand)`` slices busy (:mod:`migd.sim.jobs`).
+  makespan; a job keeps ``C * min(share, demand)`` slices busy (:mod:`migd.policysim.jobs`).
 * **allocated slices**: compute slices of the partitions jobs hold (a whole GPU
   for exclusive, the demand-weighted share for MPS) / all slices.
 * **wasted slices**: time-weighted compute + memory slices of the committed MIG
@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from migd.core.geometry import Geometry
-from migd.sim.engine import SimResult
-from migd.sim.jobs import SimJob, runtime_at
+from migd.policysim.engine import SimResult
+from migd.policysim.jobs import SimJob, runtime_at
 
 
 def percentile(values: Sequence[float], q: float) -> float:

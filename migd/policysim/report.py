@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from migd.sim.compare import Comparison, Row
-from migd.sim.engine import SimResult
-from migd.sim.metrics import Metrics
+from migd.policysim.compare import Comparison, Row
+from migd.policysim.engine import SimResult
+from migd.policysim.metrics import Metrics
 
 # -- formatting ---------------------------------------------------------------------------------
 

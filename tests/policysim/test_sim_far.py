@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 
 from migd.core.catalog import geometry
 from migd.core.costs import CostModel
-from migd.sim.far import RepartitionTree, _refine_paper, lower_bound, plan_batch, validate_steps
-from migd.sim.workloads import far_tasks
+from migd.policysim.far import (
+    RepartitionTree,
+    _refine_paper,
+    lower_bound,
+    plan_batch,
+    validate_steps,
+)
+from migd.policysim.workloads import far_tasks
 
 A100 = geometry("A100-40GB")
 A30 = geometry("A30-24GB")

@@ -8,12 +8,12 @@ import pytest
 
 from migd.core.catalog import geometry
 from migd.errors import InvalidRequest
-from migd.sim.engine import SimConfig, simulate
-from migd.sim.interference import CALIBRATED, MpsInterference, fit_kit
-from migd.sim.jobs import SimJob
-from migd.sim.metrics import area_bounds, compute_metrics
-from migd.sim.policies import named_policy
-from migd.sim.workloads import kit_mix, pool_stream, workload
+from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.interference import CALIBRATED, MpsInterference, fit_kit
+from migd.policysim.jobs import SimJob
+from migd.policysim.metrics import area_bounds, compute_metrics
+from migd.policysim.policies import named_policy
+from migd.policysim.workloads import kit_mix, pool_stream, workload
 
 
 def test_processor_sharing_until_the_device_is_full() -> None:

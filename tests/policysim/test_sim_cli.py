@@ -1,4 +1,4 @@
-"""``python -m migd.sim``: the report, the plots, and the errors people see."""
+"""``python -m migd.policysim``: the report, the plots, and the errors people see."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from migd.sim import cli, report
-from migd.sim.progress import ProgressBar
+from migd.policysim import cli, report
+from migd.policysim.progress import ProgressBar
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -39,7 +39,7 @@ def test_compare_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "# migd simulation: ht1" in text
     for label in ("exclusive (A)", "static-best (A)", "static-median (A)", "migd (A)"):
         assert f"| {label} |" in text
-    assert "Reproduce: `python -m migd.sim" in text
+    assert "Reproduce: `python -m migd.policysim" in text
     assert "1g.5gb@6" in text  # the static layouts are listed
     printed = capsys.readouterr().out
     assert "migd (A)" in printed and "report:" in printed
@@ -164,7 +164,7 @@ def test_model_rebuilds_the_workload_for_that_gpu(
     assert f"(rebuilt for {model})" in text and f"x 1 {model}," in text
     assert "| migd (A) | 36/36 |" in text
     from migd.core.catalog import geometry
-    from migd.sim.workloads import WORKLOADS
+    from migd.policysim.workloads import WORKLOADS
 
     memory = geometry(model).memory_mib
     full = [j.memory_mib for j in WORKLOADS["ht3"].build(1, model) if j.kind == "full"]
@@ -193,8 +193,8 @@ def test_incomplete_runs_are_marked_and_the_baseline_is_named(
 
 
 def test_progress_moves_within_one_long_simulation(tmp_path: Path) -> None:
-    from migd.sim.compare import compare
-    from migd.sim.workloads import kit_mix
+    from migd.policysim.compare import compare
+    from migd.policysim.workloads import kit_mix
 
     fractions: list[float] = []
     compare(
@@ -237,9 +237,9 @@ def test_no_progress_output_when_not_a_terminal(
 
 
 def test_list_into_a_closed_pipe_ends_quietly() -> None:
-    # `python -m migd.sim list | head -1` must not end with a BrokenPipeError traceback
+    # `python -m migd.policysim list | head -1` must not end with a BrokenPipeError traceback
     proc = subprocess.run(
-        f"{shlex.quote(sys.executable)} -m migd.sim list | head -1",
+        f"{shlex.quote(sys.executable)} -m migd.policysim list | head -1",
         shell=True,
         capture_output=True,
         text=True,

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from migd.core.catalog import geometry
 from migd.core.queueing import QueuePolicy
 from migd.errors import InvalidRequest
-from migd.sim.engine import SimConfig, SimResult, simulate
-from migd.sim.jobs import SimJob
-from migd.sim.metrics import Metrics, compute_metrics
-from migd.sim.policies import POLICY_NAMES, PolicySpec, named_policy, static_policies
+from migd.policysim.engine import SimConfig, SimResult, simulate
+from migd.policysim.jobs import SimJob
+from migd.policysim.metrics import Metrics, compute_metrics
+from migd.policysim.policies import POLICY_NAMES, PolicySpec, named_policy, static_policies
 
 DEFAULT_POLICIES = (
     "exclusive",
@@ -141,7 +141,7 @@ def compare(
     Args:
         jobs: the workload.
         workload, description, assumptions: carried into the report.
-        policies: names from :data:`migd.sim.policies.POLICY_NAMES`.
+        policies: names from :data:`migd.policysim.policies.POLICY_NAMES`.
         queue: ``size`` ([MIG-HT] scheme A), ``fifo`` (scheme B) or ``both``.
         config: hardware and simulation knobs.
         keep_results: which runs keep their raw result (timelines for plots); default

@@ -12,8 +12,8 @@ import pytest
 from migd.core.catalog import geometry
 from migd.core.planner import right_size
 from migd.errors import ConfigError, InvalidRequest, UnknownModel
-from migd.sim.jobs import Growth, SimJob, runtime_at
-from migd.sim.workloads import (
+from migd.policysim.jobs import Growth, SimJob, runtime_at
+from migd.policysim.workloads import (
     ALIBABA_PROFILE_MIX,
     WORKLOADS,
     alibaba_mix,

@@ -1,6 +1,6 @@
 """A stand-in ``nvidia-cuda-mps-control`` for tests without a GPU.
 
-Run as ``python -m migd.testing.fake_mps_control [-d | -f] [-M]``; tests put an
+Run as ``python -m migd.backends.simulated.mps_control [-d | -f] [-M]``; tests put an
 executable shim named ``nvidia-cuda-mps-control`` on ``PATH``
 (:func:`write_fake_mps_control`). It behaves like the real program as far as
 migd relies on it:
@@ -50,7 +50,7 @@ migd relies on it:
   (never raised) by the client's own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` ("The
   new limit will only further constrain the limit set by the control daemon",
   docs.nvidia.com/deploy/mps/appendix-environment-variables.html).
-  :func:`connect_client` is what a simulated CUDA program (``migd.testing.simjob``)
+  :func:`connect_client` is what a simulated CUDA program (``migd.backends.simulated.cuda_job``)
   calls at CUDA init to learn its limit; clients are real processes, and a client
   whose process has exited leaves its server.
 
@@ -135,9 +135,9 @@ def write_fake_mps_control(bin_dir: Path) -> Path:
     interpreter = os.environ.get("MIGD_FAKE_MPS_PYTHON") or sys.executable
     shim.write_text(
         "#!/bin/sh\n"
-        "# Test stand-in for NVIDIA's nvidia-cuda-mps-control (migd.testing.fake_mps_control)\n"
+        "# Stand-in for NVIDIA's nvidia-cuda-mps-control (migd.backends.simulated.mps_control)\n"
         f"PYTHONPATH={shlex.quote(str(package_root))}${{PYTHONPATH:+:$PYTHONPATH}} "
-        f'exec {shlex.quote(interpreter)} -m migd.testing.fake_mps_control "$@"\n',
+        f'exec {shlex.quote(interpreter)} -m migd.backends.simulated.mps_control "$@"\n',
         encoding="utf-8",
     )
     shim.chmod(0o755)
@@ -567,7 +567,7 @@ class _Daemon:
             "To connect CUDA applications to this daemon, set env "
             f"CUDA_MPS_PIPE_DIRECTORY={self.pipe_dir}"
         )
-        self.log("CUDA MPS Control binary version: fake (migd.testing)")
+        self.log("CUDA MPS Control binary version: fake (migd.backends.simulated)")
         if ready_fd is not None:
             os.write(ready_fd, b"1")
             os.close(ready_fd)
@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: nvidia-cuda-mps-control [-d | -f] [-M]   (fake, migd.testing)")
         return 0 if not unknown else 1
     if "-v" in args:
-        print("fake nvidia-cuda-mps-control (migd.testing.fake_mps_control)")
+        print("fake nvidia-cuda-mps-control (migd.backends.simulated.mps_control)")
         return 0
     pipe_dir = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
     log_dir = Path(os.environ.get("CUDA_MPS_LOG_DIRECTORY", "/var/log/nvidia-mps"))

@@ -1,9 +1,9 @@
-"""A fake CUDA job for the simulated backend: ``python -m migd.testing.simjob``.
+"""A fake CUDA job for the simulated backend: ``python -m migd.backends.simulated.cuda_job``.
 
 It finds its device the way a CUDA program does (``CUDA_VISIBLE_DEVICES``) and,
 with ``CUDA_MPS_PIPE_DIRECTORY`` set, connects to the MPS control daemon there as
 CUDA init would (the stand-in ``nvidia-cuda-mps-control`` of
-:mod:`migd.testing.fake_mps_control`): the server tells it its pinned-memory
+:mod:`migd.backends.simulated.mps_control`): the server tells it its pinned-memory
 limit, its own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` lowered by the server's, and
 without a daemon it runs without MPS and without a limit, as CUDA does. It then
 attaches to the simulated GPU inside migd, allocates memory step by step and,
@@ -36,7 +36,7 @@ def _connect_mps(pid: int) -> tuple[bool, int | None, str]:
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     if not pipe:
         return False, None, ""
-    from migd.testing.fake_mps_control import ClientRefused, connect_client
+    from migd.backends.simulated.mps_control import ClientRefused, connect_client
 
     try:
         got = connect_client(
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(MigdError):
             client.call("sim_detach", pid=pid)
         if mps:
-            from migd.testing.fake_mps_control import disconnect_client
+            from migd.backends.simulated.mps_control import disconnect_client
 
             disconnect_client(os.environ["CUDA_MPS_PIPE_DIRECTORY"], pid)
     print(f"simjob: done, peak {total} MiB on {device}", flush=True)

@@ -4,7 +4,7 @@ One model for every MPS device the simulator knows: a whole GPU in MPS mode and 
 MPS server inside a MIG instance ([Voigtlaender] §3: "both MIG and MPS can be used
 together"). A device offers ``capacity`` of a whole GPU's compute (1 for a GPU, ``c/C``
 for an instance of ``c`` of ``C`` compute slices). Its ``n`` clients keep ``d_i`` of a
-whole GPU busy each (:attr:`migd.sim.jobs.SimJob.compute_demand`), ``D = sum d_i``.
+whole GPU busy each (:attr:`migd.policysim.jobs.SimJob.compute_demand`), ``D = sum d_i``.
 Client ``i`` gets the share
 
     share_i = d_i * min(1, capacity / D) / (contention * overload)
@@ -18,7 +18,7 @@ Client ``i`` gets the share
   contexts per device (NVIDIA MPS documentation, "Limitations"); [Voigtlaender] §3.1
   saw slowdown start "around 50 processes managed by one server".
 
-A client then runs ``runtime * max(1, d_i / share_i)`` (:func:`migd.sim.jobs.runtime_at`).
+A client then runs ``runtime * max(1, d_i / share_i)`` (:func:`migd.policysim.jobs.runtime_at`).
 
 **Calibration** (:func:`fit_kit`, the numbers in ``docs/simulator.md``). [Voigtlaender]
 publishes, for its small TensorFlow training on an A100-40GB:
@@ -43,7 +43,7 @@ shape: ``kappa > 0`` raises the runtime from the second client on, and the figur
 shows little to no increase, so the fit takes ``kappa = 0`` and ``d = s12 / 12 =
 0.117`` (runtime flat up to 8 clients, then growing to 1.40x at 12). ``kappa`` stays
 a parameter for other calibrations and sensitivity runs; ``d`` is the KIT job's, set in
-:func:`migd.sim.workloads.kit_mix`.
+:func:`migd.policysim.workloads.kit_mix`.
 """
 
 from __future__ import annotations

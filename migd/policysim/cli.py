@@ -1,11 +1,11 @@
-"""``python -m migd.sim`` (and ``migctl simulate``): compare policies, plan batches.
+"""``python -m migd.policysim`` (and ``migctl simulate``): compare policies, plan batches.
 
 Examples::
 
-    python -m migd.sim compare --workload ht3 --out sim-out
-    python -m migd.sim compare --trace jobs.csv --gpus 4 --policies exclusive,migd
-    python -m migd.sim far --n 20 --scaling mixed --runs 100
-    python -m migd.sim list
+    python -m migd.policysim compare --workload ht3 --out sim-out
+    python -m migd.policysim compare --trace jobs.csv --gpus 4 --policies exclusive,migd
+    python -m migd.policysim far --n 20 --scaling mixed --runs 100
+    python -m migd.policysim list
 
 ``compare`` is the default subcommand. Exit status: 0 on success, 2 on a usage
 or input error (the message says what to fix).
@@ -23,14 +23,14 @@ from pathlib import Path
 
 from migd.core.catalog import geometry, model_names
 from migd.errors import InvalidRequest, MigdError
-from migd.sim.compare import DEFAULT_POLICIES, compare, count_runs
-from migd.sim.engine import SimConfig
-from migd.sim.far import lower_bound, plan_batch
-from migd.sim.jobs import SimJob
-from migd.sim.policies import POLICY_NAMES
-from migd.sim.progress import ProgressBar
-from migd.sim.report import INCOMPLETE, fmt_duration, write_report
-from migd.sim.workloads import (
+from migd.policysim.compare import DEFAULT_POLICIES, compare, count_runs
+from migd.policysim.engine import SimConfig
+from migd.policysim.far import lower_bound, plan_batch
+from migd.policysim.jobs import SimJob
+from migd.policysim.policies import POLICY_NAMES
+from migd.policysim.progress import ProgressBar
+from migd.policysim.report import INCOMPLETE, fmt_duration, write_report
+from migd.policysim.workloads import (
     SCALING,
     TIMES,
     TRACE_COLUMNS,
@@ -173,7 +173,7 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         on_step=lambda policy, fraction: bar.partial(fraction, policy),
     )
     bar.close()
-    command = "python -m migd.sim " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m migd.policysim " + " ".join(shlex.quote(a) for a in argv)
     path = write_report(comparison, args.out, plots=not args.no_plots, command=command)
     print(f"{name}: {len(jobs)} jobs, {total} runs in {time.monotonic() - started:.1f}s")
     print(f"  throughput ratios are vs {comparison.baseline}")
@@ -239,8 +239,8 @@ def _cmd_far(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = "python -m migd.sim") -> int:
-    """Entry point of ``python -m migd.sim`` and ``migctl simulate`` (``prog`` names which,
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m migd.policysim") -> int:
+    """Entry point of ``python -m migd.policysim`` and ``migctl simulate`` (``prog`` names which,
     for the usage lines); returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     # compare is the default subcommand. argparse has no default subparser, and compare's

@@ -16,7 +16,7 @@ simulated time instead of NVML:
   ``idle_teardown`` when the idle timeout passes; queued requests with a
   deadline are ``expire``\\ d.
 
-Jobs run at the speed :mod:`migd.sim.jobs` assigns to their share of the GPU.
+Jobs run at the speed :mod:`migd.policysim.jobs` assigns to their share of the GPU.
 A job whose memory grows past its limit dies in that iteration and is
 resubmitted with :func:`migd.core.restart.restart_size`, the wrapper's own rule; with
 the forecast on,
@@ -72,9 +72,9 @@ from migd.core.scheduler import (
 )
 from migd.core.states import StateSpace, state_space
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
-from migd.sim.interference import CALIBRATED, MpsInterference
-from migd.sim.jobs import PowerModel, SimJob, busy_fraction, demand_of, runtime_at
-from migd.sim.policies import PolicySpec
+from migd.policysim.interference import CALIBRATED, MpsInterference
+from migd.policysim.jobs import PowerModel, SimJob, busy_fraction, demand_of, runtime_at
+from migd.policysim.policies import PolicySpec
 
 Outcome = Literal["completed", "rejected", "failed", "unfinished"]
 
@@ -96,7 +96,7 @@ class SimConfig:
         mps_interference: extra flat slowdown of every MPS client while two or more
             share a device, on top of ``interference`` (0: the calibrated model alone).
         interference: how MPS clients share a device (a whole GPU or a MIG instance
-            hosting MPS); :mod:`migd.sim.interference`, calibrated to [Voigtlaender].
+            hosting MPS); :mod:`migd.policysim.interference`, calibrated to [Voigtlaender].
         ad_latency_s: in a pool, seconds from a node freeing GPU memory (a job's end,
             an idle teardown) until the matcher sees it in the node's ad: the real
             pool's ``migctl condor-ad --watch`` put a freed A100 in the collector
@@ -249,7 +249,7 @@ class ReconfigStats:
 
 @dataclass
 class SimResult:
-    """Raw output of one run; :mod:`migd.sim.metrics` turns it into numbers."""
+    """Raw output of one run; :mod:`migd.policysim.metrics` turns it into numbers."""
 
     policy: PolicySpec
     config: SimConfig
@@ -905,7 +905,7 @@ class Simulation:
         self._push(self.now + remaining / run.rate, "end", (lease_id, run.version))
 
     def _rebalance_mps(self, node_index: int, gpu_index: int, host: int) -> None:
-        """Share one MPS device among its clients (:mod:`migd.sim.interference`).
+        """Share one MPS device among its clients (:mod:`migd.policysim.interference`).
 
         The device is the whole GPU (``host == -1``) or the MIG instance at ``host``;
         an instance offers its compute slices' share of the GPU.
