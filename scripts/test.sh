@@ -33,27 +33,44 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
             "${missing[@]}" >/dev/null; } || echo "could not install ${missing[*]}: their tests say why they skip"
 fi
 
-echo "== ruff"; .venv/bin/ruff check .
-echo "== ruff format"; .venv/bin/ruff format --check .
-echo "== mypy (strict)"; .venv/bin/mypy
-echo "== pytest"
+lint() {
+    echo "== ruff"; .venv/bin/ruff check .
+    echo "== ruff format"; .venv/bin/ruff format --check .
+    echo "== mypy (strict)"; .venv/bin/mypy
+}
 if [ $# -gt 0 ]; then
+    lint
+    echo "== pytest"
     exec .venv/bin/python -m pytest "$@"
 fi
 # The whole suite waits on processes, sockets and HTCondor far more than it computes, so
 # it runs as two overlapping pytest runs: the chroot tiers (the HTCondor pools and the
 # packages share one Debian chroot, its mounts and its pool lock) in one process, in
-# order, and everything else on pytest-xdist workers beside it.
+# order, and everything else on pytest-xdist workers beside it. The chroot tiers are the
+# longest part, so they start first, while the lint and type checks run.
 chroot_log=$(mktemp) rest_log=$(mktemp)
-trap 'rm -f "$chroot_log" "$rest_log"' EXIT
+chroot_pid=
+cleanup() {
+    if [ -n "$chroot_pid" ] && kill -0 "$chroot_pid" 2>/dev/null; then
+        # SIGTERM: tests/conftest.py turns it into pytest's Ctrl-C, whose teardown unmounts the
+        # chroot (a background job of a script ignores SIGINT itself).
+        kill -TERM "$chroot_pid" 2>/dev/null || true
+        wait "$chroot_pid" 2>/dev/null || true
+    fi
+    rm -f "$chroot_log" "$rest_log"
+}
+trap cleanup EXIT
 .venv/bin/python -m pytest -p no:cacheprovider tests/integration tests/packaging \
     >"$chroot_log" 2>&1 &
 chroot_pid=$!
+lint
+echo "== pytest"
 rest=0
 .venv/bin/python -m pytest -p no:cacheprovider -n 3 \
     --ignore=tests/integration --ignore=tests/packaging 2>&1 | tee "$rest_log" || rest=$?
 chroot=0
 wait "$chroot_pid" || chroot=$?
+chroot_pid=
 echo "== pytest: the chroot tiers (tests/integration, tests/packaging)"
 cat "$chroot_log"
 # One closing line for both runs, in pytest's words ("N passed, N failed, N skipped").

@@ -15,8 +15,10 @@ Elsewhere a test is marked ``slow`` where it is defined, with the reason. A test
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -38,3 +40,14 @@ def apply_markers(
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     apply_markers(items)
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (CI cancelling, scripts/test.sh stopping the chroot tier after a failed lint)
+    # ends the run as Ctrl-C does, so fixtures are torn down: the chroot tier's pools are
+    # stopped and its mounts undone, instead of left behind for the next run to find.
+    signal.signal(signal.SIGTERM, _terminated)

@@ -133,6 +133,9 @@ JOB_START_DELAY = 0
 JOB_START_COUNT = 10
 SHUTDOWN_GRACEFUL_TIMEOUT = 10
 MASTER_UPDATE_INTERVAL = 5
+# The schedd evaluates periodic holds (migd's too-big and loop-breaker holds) every
+# PERIODIC_EXPR_INTERVAL, 60 s by default: a test of a hold would wait most of a minute.
+PERIODIC_EXPR_INTERVAL = 5
 
 ALL_DEBUG = D_FULLDEBUG
 MAX_DEFAULT_LOG = 20000000

@@ -143,8 +143,8 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
         "the collector to have migd's ad",
     )
 
-    def whole_gpu_jobs(n: int) -> int:
-        job = simjob(A100_FULL_MIB, "--start", "1G", "--steps", "16", "--step-s", "0.5")
+    def whole_gpu_jobs(n: int, steps: int) -> int:
+        job = simjob(A100_FULL_MIB, "--start", "1G", "--steps", str(steps), "--step-s", "0.5")
         return pool.submit({**job, "queue": str(n)})
 
     def placeable() -> int:
@@ -154,8 +154,9 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
         values = [int(v) for v in proc.stdout.split() if v.strip().isdigit()]
         return max(values, default=-1)
 
-    # 1. ad latency: two whole-GPU jobs, nothing queued behind them to take a freed GPU
-    cluster = whole_gpu_jobs(2)
+    # 1. ad latency: two whole-GPU jobs, nothing queued behind them to take a freed GPU; 8 s
+    # long, so the collector is seen holding both before either ends
+    cluster = whole_gpu_jobs(2, steps=16)
     Migd.wait_for(lambda: placeable() == 0, "both GPUs to be held", timeout_s=120)
     samples: list[tuple[float, int]] = []
 
@@ -178,8 +179,8 @@ def test_a_freed_gpu_reaches_the_collector_within_two_seconds(
     # sample taken 2 s or more after the release still showed the GPU busy.
     assert before - released < 2.0, f"the freed GPU took {latency:.2f} s to reach the collector"
     assert all(ad["ExitCode"] == 0 for ad in pool.wait(cluster, timeout=120))
-    # 2. wave gap: four whole-GPU jobs on two GPUs
-    cluster = whole_gpu_jobs(4)
+    # 2. wave gap: four whole-GPU jobs on two GPUs (4 s each: only the gap is measured)
+    cluster = whole_gpu_jobs(4, steps=8)
     ads = pool.wait(cluster, timeout=180)
     assert all(ad["ExitCode"] == 0 for ad in ads)
     wave = {ad["GlobalJobId"] for ad in ads}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import textwrap
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -129,6 +128,25 @@ def _probe(**extra: Any) -> dict[str, Any]:
     return desc
 
 
+def _wait_negotiation_cycles(pool: PersonalPool, n: int) -> None:
+    """Wait until the negotiator has ended ``n`` more cycles (its ad's
+    ``LastNegotiationCycleEnd0``, published after every cycle)."""
+
+    def last_end() -> int | None:
+        ads = pool.status("-negotiator")
+        return ads[0].get("LastNegotiationCycleEnd0") if ads else None
+
+    first, ends = last_end(), set()
+
+    def advanced() -> bool:
+        end = last_end()
+        if end is not None and (first is None or end > first):
+            ends.add(end)
+        return len(ends) >= n
+
+    pool.wait_for(advanced, timeout=60, what=f"{n} negotiation cycles")
+
+
 def _one(ads: list[dict[str, Any]]) -> dict[str, Any]:
     assert len(ads) == 1, PersonalPool.describe(ads)
     return ads[0]
@@ -234,10 +252,16 @@ def test_wrapper_error_file_requeues_job_when_visible(
     assert f'ERROR "{expected}"' in pool.log_text("StarterLog*")
     log = pool.user_log(cluster)
     assert expected in log
-    # Keeps bouncing Idle -> Running until removed; never held by itself.
-    time.sleep(5)
-    ad = _one(pool.q(cluster))
-    assert ad["JobStatus"] in (1, 2) and ad["NumJobStarts"] >= 2
+    # Keeps bouncing Idle -> Running until removed (two more starts); never held by itself.
+    starts = ad["NumJobStarts"]
+    ad = _one(
+        pool.wait(
+            cluster,
+            timeout=60,
+            until=lambda q: bool(q) and (q[0].get("NumJobStarts", 0) >= starts + 2),
+        )
+    )
+    assert ad["JobStatus"] in (1, 2) and ad.get("NumJobCompletions", 0) == 0
     pool.rm(cluster)
     pool.wait(cluster, timeout=60)
 
@@ -474,7 +498,9 @@ def test_startd_cron_attribute_gates_start(
         what="MigdHealthy = false in the slot ad",
     )
     cluster = pool.submit(_probe())
-    time.sleep(8)  # several negotiation cycles
+    # Three negotiation cycles that saw the job and matched nothing (a fixed sleep would
+    # be too long on a fast machine and too short on a loaded one).
+    _wait_negotiation_cycles(pool, 3)
     ad = _one(pool.q(cluster))
     assert ad["JobStatus"] == 1 and ad.get("NumJobStarts", 0) == 0, PersonalPool.describe([ad])
     chroot.write_file(f"{STATE_DIR}/healthy", "")
