@@ -129,22 +129,13 @@ def _probe(**extra: Any) -> dict[str, Any]:
 
 
 def _wait_negotiation_cycles(pool: PersonalPool, n: int) -> None:
-    """Wait until the negotiator has ended ``n`` more cycles (its ad's
-    ``LastNegotiationCycleEnd0``, published after every cycle)."""
+    """Wait until the negotiator has finished ``n`` more cycles (as its log says)."""
 
-    def last_end() -> int | None:
-        ads = pool.status("-negotiator")
-        return ads[0].get("LastNegotiationCycleEnd0") if ads else None
+    def finished() -> int:
+        return pool.log_text("NegotiatorLog*").count("Finished Negotiation Cycle")
 
-    first, ends = last_end(), set()
-
-    def advanced() -> bool:
-        end = last_end()
-        if end is not None and (first is None or end > first):
-            ends.add(end)
-        return len(ends) >= n
-
-    pool.wait_for(advanced, timeout=60, what=f"{n} negotiation cycles")
+    first = finished()
+    pool.wait_for(lambda: finished() >= first + n, timeout=60, what=f"{n} negotiation cycles")
 
 
 def _one(ads: list[dict[str, Any]]) -> dict[str, Any]:
