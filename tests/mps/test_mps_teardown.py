@@ -70,6 +70,9 @@ def test_a_device_with_clients_is_not_torn_down(env: Env) -> None:
         manager.stop_for_teardown(MIG, list)
 
     assert manager.manages(MIG) and pid_alive(server)
+    # The client leaves, as a job's CUDA context does at exit: the fixture's teardown then
+    # stops the daemon at once instead of waiting out the fake's grace for live clients.
+    env.control(manager.pipe_dir(MIG), f"fake_unregister_client {os.getpid()}")
 
 
 def test_a_device_without_a_daemon_returns_at_once(env: Env) -> None:
