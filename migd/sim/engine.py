@@ -66,6 +66,7 @@ from migd.core.scheduler import (
     ManagedInstance,
     NodeScheduler,
     Work,
+    mode_state,
 )
 from migd.core.scheduler import (
     Outcome as SchedOutcome,
@@ -377,17 +378,20 @@ class Simulation:
                 model=self.geo.model,
                 name=self.geo.display_name,
                 memory_total_mib=self.geo.memory_mib,
-                mode=mode,
-                space=self.space if mode is GpuMode.MIG else None,
-                mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
+                state=mode_state(
+                    mode,
+                    self.space if mode is GpuMode.MIG else None,
+                    mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
+                ),
             )
             if self.policy.static_layout is not None:
-                if mode is not GpuMode.MIG:
+                mig = gpu.mig
+                if mig is None:
                     raise InvalidRequest("a static layout needs GpuMode.MIG")
                 for name, start in self.policy.static_layout:
                     prof = self.space.member(name)
                     n = next(self._gi)
-                    gpu.instances.append(
+                    mig.instances.append(
                         ManagedInstance(
                             profile=prof,
                             start=start,
