@@ -141,6 +141,21 @@ class GpuModeOps(Protocol):
         """Why a request does not fit the GPU now, for its refusal and ``migctl explain``."""
         ...
 
+    # -- what status and metrics show (the caller checks ``gpu.available`` first) --
+
+    def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
+        """The biggest partition one new job could get now: (profile, or ``mps`` /
+        ``whole-gpu``, MiB); None when nothing fits."""
+        ...
+
+    def placeable_mib(self, gpu: ManagedGpu) -> int:
+        """GPU memory new leases could still get here, in total (HTCondor's free memory)."""
+        ...
+
+    def allocated_mib(self, gpu: ManagedGpu) -> int:
+        """GPU memory promised to leases (not what they use)."""
+        ...
+
 
 def mps_thread_percentage(request: LeaseRequest, compute_slices: int | None) -> int | None:
     """The ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of an MPS share.
@@ -320,6 +335,20 @@ class MpsOps:
     def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
         return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "full or in use"}
 
+    def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
+        pool = self.pool(gpu)
+        if pool.clients >= pool.max_clients or pool.free_mib <= 0:
+            return None
+        return "mps", pool.free_mib
+
+    def placeable_mib(self, gpu: ManagedGpu) -> int:
+        pool = self.pool(gpu)
+        return max(0, pool.free_mib) if pool.clients < pool.max_clients else 0
+
+    def allocated_mib(self, gpu: ManagedGpu) -> int:
+        pool = gpu.mps_pool
+        return pool.used_mib if pool is not None else 0
+
 
 class ExclusiveOps:
     """EXCLUSIVE: the whole GPU to one lease, no MIG and no MPS."""
@@ -387,6 +416,15 @@ class ExclusiveOps:
     def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
         return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "full or in use"}
 
+    def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
+        return None if gpu.exclusive_lease else ("whole-gpu", gpu.memory_total_mib)
+
+    def placeable_mib(self, gpu: ManagedGpu) -> int:
+        return 0 if gpu.exclusive_lease else gpu.memory_total_mib
+
+    def allocated_mib(self, gpu: ManagedGpu) -> int:
+        return gpu.memory_total_mib if gpu.exclusive_lease else 0
+
 
 class OffOps:
     """OFF: migd does not manage the GPU; it is never a candidate, so it holds nothing."""
@@ -422,3 +460,12 @@ class OffOps:
 
     def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
         return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "not managed by migd"}
+
+    def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
+        return None
+
+    def placeable_mib(self, gpu: ManagedGpu) -> int:
+        return 0
+
+    def allocated_mib(self, gpu: ManagedGpu) -> int:
+        return 0

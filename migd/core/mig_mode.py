@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from migd.core.capacity import placeable_mib
 from migd.core.geometry import Profile
 from migd.core.gpu_modes import (
     Created,
@@ -45,6 +46,7 @@ from migd.core.planner import (
     DestroyOp,
     PartitionRequest,
     PlacementRule,
+    plan_on_gpu,
     plan_on_node,
     size_request,
 )
@@ -207,6 +209,38 @@ class MigOps:
         except MigdError:  # a layout the state machine cannot describe (health says)
             state = "not understood"
         return {"gpu": gpu.index, "state": state, "why": why}
+
+    def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
+        if gpu.space is None:
+            return None
+        view, policy = gpu.view(), self.books.policy.planner
+        for profile in sorted(gpu.space.profiles, key=lambda p: -p.memory_mib):
+            if plan_on_gpu(view, profile, policy) is not None:
+                return profile.name, profile.memory_mib
+        return None
+
+    def placeable_mib(self, gpu: ManagedGpu) -> int:
+        if gpu.space is None:
+            return 0
+        busy = [
+            (i.profile, i.start)
+            for i in gpu.instances
+            if i.busy and i.status is not InstanceStatus.DESTROYING
+        ]
+        try:
+            return placeable_mib(gpu.space, busy)
+        except MigdError:  # a layout the state machine does not know: promise nothing
+            return 0
+
+    def allocated_mib(self, gpu: ManagedGpu) -> int:
+        # A leased instance counts whole; an MPS host counts its shares' pinned limits.
+        total = 0
+        for inst in gpu.instances:
+            if inst.lease_id is not None:
+                total += inst.memory_mib
+            elif inst.mps_pool is not None:
+                total += inst.mps_pool.used_mib
+        return total
 
 
 def take_partition(

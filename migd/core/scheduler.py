@@ -426,7 +426,7 @@ class NodeScheduler:
                     hint="use GPU UUIDs (or short UUIDs) as AssignedGPUs shows, or indices",
                 )
             gpus = chosen
-        gpus = [g for g in gpus if self._driver(g).serves(g, request.mode)]
+        gpus = [g for g in gpus if self.mode_ops(g).serves(g, request.mode)]
         if not gpus:
             raise InvalidRequest(
                 f"no GPU on this node serves mode={request.mode}",
@@ -459,7 +459,7 @@ class NodeScheduler:
         largest = 0
         fits = False
         for g in gpus:
-            fit = self._driver(g).ever_fits(g, lease.request)
+            fit = self.mode_ops(g).ever_fits(g, lease.request)
             fits = fits or fit.fits
             largest = max(largest, fit.largest_mib)
             if fit.demand is not None:
@@ -485,7 +485,7 @@ class NodeScheduler:
         # the requests still queued, so a request that left (refused, expired, placed
         # elsewhere) cannot reserve a device for a user who no longer waits.
         for gpu in self.gpus.values():
-            self._driver(gpu).clear_waiting(gpu)
+            self.mode_ops(gpu).clear_waiting(gpu)
         # Within one pass nothing is released, so a request that sizes like one that did
         # not fit will not fit either: a long size-ordered queue costs one plan per
         # distinct partition size, not one per queued job or per distinct MiB figure.
@@ -539,7 +539,7 @@ class NodeScheduler:
         # adds the MiB.
         parts: dict[Hashable, Hashable] = {}
         for g in gpus:
-            part = self._driver(g).shape(g, request)
+            part = self.mode_ops(g).shape(g, request)
             if part is not None:
                 parts.setdefault(*part)
         return (request.mode, request.gpu_uuids, tuple(sorted(parts.items(), key=repr)))
@@ -547,7 +547,7 @@ class NodeScheduler:
     def _mps_capable(self, lease: Lease) -> bool:
         """MPS admission depends on the requester's uid, not only on the request's shape."""
         return lease.request.mode != "mig" and any(
-            self._driver(g).admits_by_uid(g) for g in self.gpus.values()
+            self.mode_ops(g).admits_by_uid(g) for g in self.gpus.values()
         )
 
     def _place(self, lease: Lease, now_s: float) -> Work | None:
@@ -565,7 +565,9 @@ class NodeScheduler:
                 return work
         return None
 
-    def _driver(self, gpu: ManagedGpu) -> GpuModeOps:
+    def mode_ops(self, gpu: ManagedGpu) -> GpuModeOps:
+        """The driver of ``gpu``'s mode: what the scheduler, status and metrics ask about
+        anything that differs per mode."""
         return self._drivers[gpu.mode]
 
     # -- what the mode drivers use (gpu_modes.ModeBooks) --------------------------------
@@ -619,7 +621,7 @@ class NodeScheduler:
         if work.lease_id:
             self._placed_items.pop(work.lease_id, None)
         gpu = self.gpus[work.gpu]
-        self._driver(gpu).work_done(gpu, work, created, now_s)
+        self.mode_ops(gpu).work_done(gpu, work, created, now_s)
 
     def work_failed(self, work: Work, error: Exception, now_s: float) -> Outcome:
         """Undo the intended state of failed work; the caller then re-reads the GPU
@@ -805,7 +807,7 @@ class NodeScheduler:
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
-            work.extend(self._driver(gpu).release(gpu, lease, now_s))
+            work.extend(self.mode_ops(gpu).release(gpu, lease, now_s))
         work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
 
@@ -826,7 +828,7 @@ class NodeScheduler:
         if gpu is None or gpu.uuid != lease.gpu_uuid:
             gone = "its GPU is gone"
         else:
-            gone = self._driver(gpu).restore(gpu, lease)
+            gone = self.mode_ops(gpu).restore(gpu, lease)
         if gone:
             self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
         return self._outcome()
@@ -854,7 +856,7 @@ class NodeScheduler:
         A share inside a MIG instance goes back to its host instance (which becomes an
         MPS host again, explained by the lease). False: that instance is gone.
         """
-        return not self._driver(gpu).restore(gpu, lease)
+        return not self.mode_ops(gpu).restore(gpu, lease)
 
     def heartbeat(self, lease_id: str, now_s: float) -> Lease:
         lease = self.leases[lease_id]
@@ -952,7 +954,7 @@ class NodeScheduler:
             gpus = self._candidate_gpus(lease.request)
         except InvalidRequest as exc:
             return [{"why": exc.message}]
-        out = [self._driver(g).why_not(g) for g in gpus]
+        out = [self.mode_ops(g).why_not(g) for g in gpus]
         if len(self.queue) > 1:
             out.append({"why": f"{len(self.queue) - 1} queued request(s) go first"})
         return out

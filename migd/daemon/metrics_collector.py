@@ -51,17 +51,7 @@ def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily
 def allocated_mib(sched: NodeScheduler, gpu: ManagedGpu) -> int:
     """GPU memory promised to leases: leased MIG instances whole, MPS shares' pinned
     limits, a whole GPU for an exclusive lease (HAMi's "allocated", not what is used)."""
-    total = 0
-    if gpu.mode is GpuMode.EXCLUSIVE:
-        return gpu.memory_total_mib if gpu.exclusive_lease else 0
-    if gpu.mode is GpuMode.MPS and gpu.mps_pool is not None:
-        total += gpu.mps_pool.used_mib
-    for inst in gpu.instances:
-        if inst.lease_id is not None:
-            total += inst.memory_mib
-        elif inst.mps_pool is not None:
-            total += inst.mps_pool.used_mib
-    return total
+    return sched.mode_ops(gpu).allocated_mib(gpu)
 
 
 class StateCollector(Collector):

@@ -621,13 +621,10 @@ class Simulation:
         best = 0
         for gpu in sched.gpus.values():
             if gpu.mode is GpuMode.MIG and gpu.space is not None:
+                # memoised per layout (the sim asks after every event), unlike mode_ops
                 best = max(best, self._mig_advert(gpu, sched.policy.planner))
-            if gpu.mode is GpuMode.MPS and gpu.available:
-                pool = sched.mps_pool(gpu)
-                if pool.clients < pool.max_clients:
-                    best = max(best, pool.free_mib)
-            elif gpu.mode is GpuMode.EXCLUSIVE and gpu.available and gpu.exclusive_lease is None:
-                best = max(best, gpu.memory_total_mib)
+            elif gpu.available and (found := sched.mode_ops(gpu).largest_placeable(gpu)):
+                best = max(best, found[1])
         node.capacity = best
         return best
 
