@@ -66,8 +66,9 @@ class ModeBooks(Protocol):
     @property
     def demand(self) -> DemandModel: ...
     def queued(self) -> Iterable[QueuedRequest[str]]: ...
-    def transition(self, lease: Lease, event: LeaseEvent, now_s: float) -> None:
+    def transition(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
         """A lease's state change, through the transition table and into the outcome."""
+        ...
 
     def new_work(self, gpu: int, lease_id: str | None, ops: tuple[Op, ...] = ()) -> Work:
         """Work for the caller (NVML operations pending until done; none: a plain grant)."""
@@ -87,8 +88,10 @@ class Fit:
     """Whether a request could ever fit one GPU (empty), for ``check_ever_fits``."""
 
     fits: bool = False
-    largest_mib: int = 0  # the most memory this GPU could give one lease (not MIG)
-    why: str = ""  # why not, in words (not MIG: the planner says it for MIG)
+    # The most memory this GPU could give one lease, and why not, in words: for MPS and
+    # whole GPUs (a MIG instance's sizing says both for the planner).
+    largest_mib: int = 0
+    why: str = ""
     sizing: tuple[StateSpace, Sizing] | None = None  # MIG: why no profile fits
     demand: tuple[str, Profile] | None = None  # MIG: (model, the profile it sizes to)
 
@@ -267,9 +270,9 @@ class MpsOps:
         return None  # MPS admission depends on the uid: such requests are never grouped
 
     def clear_waiting(self, gpu: ManagedGpu) -> None:
-        state = gpu.mps
-        if state is not None and state.pool and state.pool.draining_for_uid is not None:
-            state.pool = clear_waiting(state.pool)
+        pool = gpu.mps_pool
+        if pool is not None and pool.draining_for_uid is not None:
+            self._state(gpu).pool = clear_waiting(pool)
 
     def place(self, lease: Lease, gpus: Sequence[ManagedGpu], now_s: float) -> Work | None:
         for gpu in gpus:

@@ -12,6 +12,11 @@ requests never plan against slices that are about to change. The backend stays
 the truth: when work fails the daemon re-reads the GPU and calls
 :meth:`NodeScheduler.resync`.
 
+What differs per GPU mode (MIG with MPS inside MIG, MPS, EXCLUSIVE) is asked of
+that mode's driver (:mod:`migd.core.gpu_modes`, :mod:`migd.core.mig_mode`), picked
+by :meth:`NodeScheduler.mode_ops`; this module keeps the queue, the lease table,
+the transition table and the outcomes.
+
 Invariants (tested with hypothesis in tests/property/test_scheduler.py):
 
 * an instance with a lease, or with processes migd cannot explain, is never in
@@ -31,7 +36,6 @@ from typing import Any, Literal
 from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
 from migd.core.gpu_modes import (
-    DEFAULT_COMPUTE_SLICES,
     Created,
     ExclusiveOps,
     GpuModeOps,
@@ -71,7 +75,6 @@ from migd.errors import InvalidRequest, NoCapacity
 
 # The GPU model and mode types live in migd.core.gpus; callers keep importing them here.
 __all__ = [
-    "DEFAULT_COMPUTE_SLICES",
     "ExclusiveState",
     "GpuMode",
     "InstanceStatus",
@@ -338,8 +341,9 @@ class NodeScheduler:
             backfill=self.policy.backfill,
         )
 
-    def _event(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
-        """Every state change goes through here (and the transition table)."""
+    def transition(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
+        """Every state change goes through here (and the transition table), the mode
+        drivers' too, so the mutation's outcome lists it."""
         self._changed.setdefault(lease.lease_id, (lease, lease.state))
         lease.event(event, now_s, reason)
 
@@ -575,9 +579,6 @@ class NodeScheduler:
     def queued(self) -> Iterable[QueuedRequest[str]]:
         return iter(self.queue)
 
-    def transition(self, lease: Lease, event: LeaseEvent, now_s: float) -> None:
-        self._event(lease, event, now_s)
-
     def new_work(self, gpu: int, lease_id: str | None, ops: tuple[Op, ...] = ()) -> Work:
         work = Work(gpu, ops, lease_id, "grant", next(self._work_ids))
         if ops:
@@ -696,7 +697,7 @@ class NodeScheduler:
             return
         lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
         lease.memory_limit_mib = None
-        self._event(lease, LeaseEvent.RETRY, now_s, reason=reason)
+        self.transition(lease, LeaseEvent.RETRY, now_s, reason=reason)
         if item is not None:
             self.queue.restore(item)
 
@@ -774,7 +775,7 @@ class NodeScheduler:
             notes.append(f"{gone} disappeared")
             for lease in self._leases_on(gone):
                 if lease.state.holds_resources:
-                    self._event(
+                    self.transition(
                         lease, LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared"
                     )
         mig.instances = sorted(fresh, key=lambda i: i.start)
@@ -802,7 +803,9 @@ class NodeScheduler:
             return self._outcome()
         event = LeaseEvent.RECLAIM if reclaim else LeaseEvent.RELEASE
         was = lease.state
-        self._event(lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released"))
+        self.transition(
+            lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released")
+        )
         self.queue.remove(lease_id)
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
@@ -822,7 +825,7 @@ class NodeScheduler:
         self.leases[lease.lease_id] = lease
         if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
             reason = "daemon restarted while waiting"
-            self._event(lease, LeaseEvent.RELEASE, now_s, reason=reason)
+            self.transition(lease, LeaseEvent.RELEASE, now_s, reason=reason)
             return self._outcome()
         gpu = self.gpus.get(lease.gpu if lease.gpu is not None else -1)
         if gpu is None or gpu.uuid != lease.gpu_uuid:
@@ -830,7 +833,7 @@ class NodeScheduler:
         else:
             gone = self.mode_ops(gpu).restore(gpu, lease)
         if gone:
-            self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
+            self.transition(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
         return self._outcome()
 
     def quarantine(self, lease_id: str, why: str) -> str | None:
@@ -875,7 +878,7 @@ class NodeScheduler:
             lease = self.leases.get(item.payload)
             if lease is not None and lease.state is LeaseState.QUEUED:
                 reason = "no partition before the deadline"
-                self._event(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
+                self.transition(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
                 gone = True
         return self._outcome(self._schedule(now_s, mono_s) if gone else [])
 
