@@ -238,12 +238,6 @@ class ManagedGpu:
         return self.state.lease_id if isinstance(self.state, ExclusiveState) else None
 
     @property
-    def mps_shares(self) -> dict[str, int]:
-        """Lease id -> pinned MiB per client of the MPS-mode pool, for status output."""
-        pool = self.mps_pool
-        return {s.share_id: s.memory_mib for s in pool.shares} if pool else {}
-
-    @property
     def available(self) -> bool:
         return not self.draining and self.health.available
 

@@ -19,12 +19,12 @@ from migd.core.gpu_modes import (
     Created,
     Fit,
     ModeBooks,
+    elsewhere,
+    grant,
     mps_request,
     partition_request,
     restored_share,
 )
-from migd.core.gpu_modes import elsewhere as _elsewhere
-from migd.core.gpu_modes import grant as _grant
 from migd.core.gpus import GpuMode, InstanceStatus, ManagedGpu, ManagedInstance, Origin, RequestMode
 from migd.core.hybrid import Route
 from migd.core.leases import LeaseEvent, LeaseState
@@ -53,7 +53,7 @@ from migd.core.planner import (
 from migd.core.states import describe
 from migd.errors import MigdError, NoCapacity, RequestTooLarge, UnknownProfile
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the scheduler imports this module: its types only for annotations
     from migd.core.scheduler import Lease, LeaseRequest, Work
 
 
@@ -123,7 +123,7 @@ class MigOps:
         gpu = self.books.gpus[decision.gpu]
         inst, work = take_partition(self.books, gpu, decision, lease.lease_id, lease.lease_id)
         self.books.transition(lease, LeaseEvent.PLAN, now_s)
-        _grant(lease, gpu, GpuMode.MIG)
+        grant(lease, gpu, GpuMode.MIG)
         lease.profile, lease.start = decision.profile.name, decision.start
         lease.memory_limit_mib = decision.profile.memory_mib
         lease.decision = decision.to_dict()
@@ -160,7 +160,7 @@ class MigOps:
         if lease.mode is GpuMode.MPS and lease.mig_uuid is not None:
             return "" if self.hosts.restore(gpu, lease) else "its MIG instance is gone"
         if lease.mode is not GpuMode.MIG:
-            return _elsewhere(gpu, lease)
+            return elsewhere(gpu, lease)
         inst = gpu.instance_at(lease.start) if lease.start is not None else None
         if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
             return "its MIG instance is gone"
@@ -472,7 +472,7 @@ class MpsHosts:
         pool = inst.mps_pool = mps_admit(inst.mps_pool, share)
         inst.idle_since_s = None
         books.transition(lease, LeaseEvent.PLAN, now_s)
-        _grant(lease, gpu, GpuMode.MPS)
+        grant(lease, gpu, GpuMode.MPS)
         lease.profile, lease.start = inst.profile.name, inst.start
         lease.memory_limit_mib = share.memory_mib
         lease.mps_thread_percentage = share.thread_percentage

@@ -40,7 +40,7 @@ def test_each_gpu_holds_only_its_modes_state() -> None:
         assert g.mig is None and g.space is None and g.instances == () and not g.mps_in_mig
         assert g.instance_at(0) is None and g.instance_of("L") is None
     for g in (mig, whole, off):
-        assert g.mps is None and g.mps_pool is None and g.mps_shares == {}
+        assert g.mps is None and g.mps_pool is None
     for g in (mig, mps, off):
         assert g.exclusive is None and g.exclusive_lease is None
 
@@ -145,4 +145,5 @@ def test_a_lease_restored_onto_its_own_mode_is_bound_again(mode: GpuMode) -> Non
     if mode is GpuMode.EXCLUSIVE:
         assert g.exclusive_lease == old.lease_id
     else:
-        assert g.mps_shares == {old.lease_id: 4000}
+        assert g.mps_pool is not None
+        assert [(s.share_id, s.memory_mib) for s in g.mps_pool.shares] == [(old.lease_id, 4000)]
