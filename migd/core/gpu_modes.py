@@ -375,7 +375,7 @@ class ExclusiveOps:
         return Fit(largest_mib=largest, why=why)
 
     def shape(self, gpu: ManagedGpu, request: LeaseRequest) -> tuple[Hashable, Hashable] | None:
-        return ("exclusive",), request.memory_mib  # a whole GPU fits by MiB alone
+        return (GpuMode.EXCLUSIVE,), request.memory_mib  # a whole GPU fits by MiB alone
 
     def clear_waiting(self, gpu: ManagedGpu) -> None:
         return

@@ -87,7 +87,8 @@ class MigOps:
         if gpu.space is None:
             return None
         prof = size_request(gpu.space, partition_request(request)).profile
-        return ("mig", gpu.space.geometry.model), prof.profile_id if prof is not None else None
+        size = prof.profile_id if prof is not None else None
+        return (GpuMode.MIG, gpu.space.geometry.model), size
 
     def clear_waiting(self, gpu: ManagedGpu) -> None:
         for inst in gpu.instances:
