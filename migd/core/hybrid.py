@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from migd.core.geometry import Profile
+from migd.core.gpus import RequestMode
 from migd.errors import InvalidRequest
 
 
@@ -99,10 +100,11 @@ class HybridPolicy:
         profiles: Sequence[Profile],
         memory_mib: int,
         min_compute: int = 0,
-        mode: str = "auto",
+        mode: RequestMode = "auto",
         named_profile: bool = False,
     ) -> Route:
-        """Share or own instance, for a request of ``memory_mib`` x one client.
+        """Share or own instance, for a request of ``memory_mib`` x one client that asks
+        for ``mode`` (what the job wants, not what the GPU runs).
 
         ``profiles`` are the GPU's profiles (its profile set).
         """

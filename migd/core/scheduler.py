@@ -12,6 +12,11 @@ requests never plan against slices that are about to change. The backend stays
 the truth: when work fails the daemon re-reads the GPU and calls
 :meth:`NodeScheduler.resync`.
 
+What differs per GPU mode (MIG with MPS inside MIG, MPS, EXCLUSIVE) is asked of
+that mode's driver (:mod:`migd.core.gpu_modes`, :mod:`migd.core.mig_mode`), picked
+by :meth:`NodeScheduler.mode_ops`; this module keeps the queue, the lease table,
+the transition table and the outcomes.
+
 Invariants (tested with hypothesis in tests/property/test_scheduler.py):
 
 * an instance with a lease, or with processes migd cannot explain, is never in
@@ -25,72 +30,71 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from migd.core.demand import DemandKey, DemandModel
 from migd.core.geometry import Profile
-from migd.core.health import GpuHealth
-from migd.core.hybrid import HybridPolicy, Route
-from migd.core.leases import LeaseEvent, LeaseState, next_state
-from migd.core.mps import (
-    DeviceKind,
-    MpsPool,
-    MpsRequest,
-    UserPolicy,
-    can_admit,
-    clear_waiting,
-    client_environment,
-    mark_waiting,
-    max_clients_for,
+from migd.core.gpu_modes import (
+    Created,
+    ExclusiveOps,
+    GpuModeOps,
+    MpsOps,
+    OffOps,
+    mps_thread_percentage,
+    partition_request,
 )
-from migd.core.mps import admit as mps_admit
-from migd.core.mps import release as mps_release
+from migd.core.gpus import (
+    ExclusiveState,
+    GpuMode,
+    InstanceStatus,
+    ManagedGpu,
+    ManagedInstance,
+    MigState,
+    MpsState,
+    OffState,
+    Origin,
+    RequestMode,
+    mode_state,
+)
+from migd.core.hybrid import HybridPolicy
+from migd.core.leases import LeaseEvent, LeaseState, next_state
+from migd.core.mig_mode import MigOps
+from migd.core.mps import MpsPool, client_environment
 from migd.core.planner import (
     CreateOp,
-    Decision,
     DestroyOp,
-    GpuView,
-    Instance,
     Op,
-    PartitionRequest,
-    PlacementRule,
     PlannerPolicy,
     Sizing,
     never_fits_error,
-    plan_on_node,
-    size_request,
 )
 from migd.core.queueing import QueuedRequest, QueuePolicy, RequestQueue
-from migd.core.states import StateSpace, describe
-from migd.errors import InvalidRequest, MigdError, NoCapacity, RequestTooLarge, UnknownProfile
+from migd.core.states import StateSpace
+from migd.errors import InvalidRequest, NoCapacity
 
-
-class GpuMode(StrEnum):
-    MIG = "mig"  # migd creates and destroys MIG instances
-    MPS = "mps"  # the whole GPU is shared through one MPS daemon
-    EXCLUSIVE = "exclusive"  # the whole GPU goes to one job (no MIG, no MPS)
-    OFF = "off"  # not managed by migd
-
-
-class InstanceStatus(StrEnum):
-    READY = "ready"
-    CREATING = "creating"
-    DESTROYING = "destroying"
-
-
-class Origin(StrEnum):
-    MIGD = "migd"  # created by migd (this run or before a restart)
-    ADOPTED = "adopted"  # found at start-up, explainable, now managed
-    UNEXPLAINED = "unexplained"  # processes without a lease, or not a state of the model
-
-
-RequestMode = Literal["mig", "mps", "auto"]
-
-#: Compute slices of a GPU without a MIG geometry, for reading ``min_compute`` as an MPS
-#: thread percentage: sevenths, the slice of A100/H100-class GPUs.
-DEFAULT_COMPUTE_SLICES = 7
+# The GPU model and mode types live in migd.core.gpus; callers keep importing them here.
+__all__ = [
+    "ExclusiveState",
+    "GpuMode",
+    "InstanceStatus",
+    "Lease",
+    "LeaseRequest",
+    "ManagedGpu",
+    "ManagedInstance",
+    "MigState",
+    "MpsState",
+    "NodeScheduler",
+    "OffState",
+    "Origin",
+    "Outcome",
+    "RequestMode",
+    "SchedulerPolicy",
+    "Transition",
+    "Work",
+    "default_mps_env",
+    "mode_state",
+]
 
 
 @dataclass(frozen=True)
@@ -219,115 +223,6 @@ class Lease:
         }
 
 
-@dataclass
-class ManagedInstance:
-    """A MIG instance migd tracks on one GPU."""
-
-    profile: Profile
-    start: int
-    memory_mib: int
-    gi_id: int | None = None
-    uuid: str | None = None
-    status: InstanceStatus = InstanceStatus.READY
-    origin: Origin = Origin.MIGD
-    lease_id: str | None = None
-    idle_since_s: float | None = None
-    used_mib: int | None = None
-    note: str = ""
-    # MPS inside MIG: the instance hosts an MPS daemon whose shares are these (no
-    # lease_id then: many leases share it).
-    mps_pool: MpsPool | None = None
-
-    @property
-    def busy(self) -> bool:
-        """Planner view: anything but an idle, ready, explained instance is untouchable."""
-        return (
-            self.lease_id is not None
-            or self.status is not InstanceStatus.READY
-            or self.origin is Origin.UNEXPLAINED
-            or (self.mps_pool is not None and bool(self.mps_pool.shares))
-        )
-
-    def __str__(self) -> str:
-        return f"{self.profile.name}@{self.start}"
-
-
-@dataclass
-class ManagedGpu:
-    """One GPU as the scheduler sees it."""
-
-    index: int
-    uuid: str
-    model: str
-    name: str
-    memory_total_mib: int
-    mode: GpuMode
-    space: StateSpace | None = None
-    instances: list[ManagedInstance] = field(default_factory=list)
-    draining: bool = False
-    #: Conditions that keep new work off the GPU, each owned by its source (core.health).
-    health: GpuHealth = field(default_factory=GpuHealth)
-    exclusive_lease: str | None = None  # EXCLUSIVE-mode bookkeeping
-    mps_pool: MpsPool | None = None  # MPS-mode accounting (migd.core.mps)
-    used_mib: int | None = None
-    # MIG GPUs: small and mode=mps requests get an MPS share inside an instance of
-    # mps_profile (default: the smallest profile) that migd creates for MPS.
-    mps_in_mig: bool = False
-    mps_profile: str | None = None
-    # Compute slices of the whole GPU (MIG geometry, also known for MPS-mode GPUs of MIG
-    # models); None when the model has none. min_compute is read against it.
-    compute_slices: int | None = None
-
-    @property
-    def mps_shares(self) -> dict[str, int]:
-        """Lease id -> pinned MiB per client, for status output."""
-        return {s.share_id: s.memory_mib for s in self.mps_pool.shares} if self.mps_pool else {}
-
-    @property
-    def available(self) -> bool:
-        return not self.draining and self.health.available
-
-    def instance_at(
-        self, start: int, status: InstanceStatus | None = None
-    ) -> ManagedInstance | None:
-        """The instance at ``start`` (with ``status``, if given).
-
-        During a repartition an instance being destroyed and its replacement being
-        created can share a start, so callers that act on one of them name its status.
-        """
-        for inst in self.instances:
-            if inst.start == start and (status is None or inst.status is status):
-                return inst
-        return None
-
-    def instance_of(self, lease_id: str) -> ManagedInstance | None:
-        for inst in self.instances:
-            if inst.lease_id == lease_id:
-                return inst
-        return None
-
-    def view(self) -> GpuView:
-        assert self.space is not None
-        reason = (
-            "draining" if self.draining else ("" if self.health.available else str(self.health))
-        )
-        return GpuView(
-            index=self.index,
-            space=self.space,
-            # Instances being destroyed are already gone from the intended layout: work on a
-            # GPU runs in order, so a later plan may reuse their slices.
-            # An MPS host (even with no share now) is kept for MPS: plain MIG requests
-            # neither reuse nor repartition it; idle teardown still removes it.
-            instances=tuple(
-                Instance(i.profile, i.start, i.busy or i.mps_pool is not None, f"gi:{i.gi_id}")
-                for i in self.instances
-                if i.status is not InstanceStatus.DESTROYING
-            ),
-            available=self.available,
-            unavailable_reason=reason,
-        )
-
-
 @dataclass(frozen=True)
 class Work:
     """NVML work the caller must execute, in order, on one GPU."""
@@ -427,6 +322,14 @@ class NodeScheduler:
         # its work fails (a retry must not lose its place).
         self._placed_items: dict[str, QueuedRequest[str]] = {}
         self._mps_env = mps_env or default_mps_env
+        # What depends on a GPU's mode is asked of its driver, in this order (placement).
+        self._mps = MpsOps(self)
+        self._drivers: dict[GpuMode, GpuModeOps] = {
+            GpuMode.MIG: MigOps(self),
+            GpuMode.MPS: self._mps,
+            GpuMode.EXCLUSIVE: ExclusiveOps(self),
+            GpuMode.OFF: OffOps(),
+        }
         # Leases changed by the mutation in progress, with their state before it.
         self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
 
@@ -438,8 +341,9 @@ class NodeScheduler:
             backfill=self.policy.backfill,
         )
 
-    def _event(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
-        """Every state change goes through here (and the transition table)."""
+    def transition(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
+        """Every state change goes through here (and the transition table), the mode
+        drivers' too, so the mutation's outcome lists it."""
         self._changed.setdefault(lease.lease_id, (lease, lease.state))
         lease.event(event, now_s, reason)
 
@@ -526,12 +430,7 @@ class NodeScheduler:
                     hint="use GPU UUIDs (or short UUIDs) as AssignedGPUs shows, or indices",
                 )
             gpus = chosen
-        if request.mode == "mig":
-            gpus = [g for g in gpus if g.mode is GpuMode.MIG]
-        elif request.mode == "mps":
-            gpus = [
-                g for g in gpus if g.mode is GpuMode.MPS or (g.mode is GpuMode.MIG and g.mps_in_mig)
-            ]
+        gpus = [g for g in gpus if self.mode_ops(g).serves(g, request.mode)]
         if not gpus:
             raise InvalidRequest(
                 f"no GPU on this node serves mode={request.mode}",
@@ -558,61 +457,23 @@ class NodeScheduler:
                 named profile too small).
             UnknownProfile: it names a profile no GPU here has.
         """
-        request = lease.request
-        partition = _partition_request(request)
         sizes: dict[str, Profile] = {}
         sizings: list[tuple[StateSpace, Sizing]] = []
         others: list[str] = []
         largest = 0
         fits = False
         for g in gpus:
-            if g.mode is GpuMode.MIG and g.space is not None:
-                if request.mode == "mps":  # only an MPS share inside an instance will do
-                    host = self._mps_host_profile(g)
-                    capacity = max(0, host.memory_mib - self.policy.mps_reserve_mib)
-                    largest = max(largest, capacity)
-                    if request.memory_mib * request.mps_clients <= capacity:
-                        fits = True
-                    else:
-                        others.append(
-                            f"{request.memory_mib} MiB x {request.mps_clients} client(s) is "
-                            f"more than an MPS share in GPU {g.index}'s {host.name} can hold "
-                            f"({capacity} MiB)"
-                        )
-                    continue
-                sizing = size_request(g.space, partition)
-                if sizing.profile is not None:
-                    sizes.setdefault(g.space.geometry.model, sizing.profile)
-                    fits = True
-                else:
-                    sizings.append((g.space, sizing))
-            elif g.mode is GpuMode.MPS:
-                pool = self.mps_pool(g)
-                largest = max(largest, pool.capacity_mib)
-                need_mib = request.memory_mib * request.mps_clients
-                if need_mib <= pool.capacity_mib and request.mps_clients <= pool.max_clients:
-                    fits = True
-                elif request.mps_clients > pool.max_clients:
-                    others.append(
-                        f"{request.mps_clients} MPS clients are more than GPU {g.index} "
-                        f"serves ({pool.max_clients})"
-                    )
-                else:
-                    others.append(
-                        f"{need_mib} MiB is more than GPU {g.index}'s MPS capacity "
-                        f"({pool.capacity_mib} MiB)"
-                    )
-            elif g.mode is GpuMode.EXCLUSIVE:
-                largest = max(largest, g.memory_total_mib)
-                if request.memory_mib <= g.memory_total_mib:
-                    fits = True
-                else:
-                    others.append(
-                        f"{request.memory_mib} MiB is more than GPU {g.index}'s "
-                        f"{g.memory_total_mib} MiB"
-                    )
+            fit = self.mode_ops(g).ever_fits(g, lease.request)
+            fits = fits or fit.fits
+            largest = max(largest, fit.largest_mib)
+            if fit.demand is not None:
+                sizes.setdefault(*fit.demand)
+            if fit.sizing is not None:
+                sizings.append(fit.sizing)
+            if fit.why:
+                others.append(fit.why)
         if not fits:
-            raise never_fits_error(partition, sizings, others, largest)
+            raise never_fits_error(partition_request(lease.request), sizings, others, largest)
         return sizes
 
     # -- the scheduling pass ----------------------------------------------------------------
@@ -628,11 +489,7 @@ class NodeScheduler:
         # the requests still queued, so a request that left (refused, expired, placed
         # elsewhere) cannot reserve a device for a user who no longer waits.
         for gpu in self.gpus.values():
-            if gpu.mps_pool is not None and gpu.mps_pool.draining_for_uid is not None:
-                gpu.mps_pool = clear_waiting(gpu.mps_pool)
-            for inst in gpu.instances:
-                if inst.mps_pool is not None and inst.mps_pool.draining_for_uid is not None:
-                    inst.mps_pool = clear_waiting(inst.mps_pool)
+            self.mode_ops(gpu).clear_waiting(gpu)
         # Within one pass nothing is released, so a request that sizes like one that did
         # not fit will not fit either: a long size-ordered queue costs one plan per
         # distinct partition size, not one per queued job or per distinct MiB figure.
@@ -682,464 +539,60 @@ class NodeScheduler:
             gpus = self._candidate_gpus(request)
         except InvalidRequest:
             return None
-        partition = _partition_request(request)
-        sizes: dict[str, int | None] = {}
-        exclusive = False
+        # Per model, the first GPU's size decides (as for demand); a GPU in exclusive mode
+        # adds the MiB.
+        parts: dict[Hashable, Hashable] = {}
         for g in gpus:
-            if g.mode is GpuMode.MIG and g.space is not None:
-                model = g.space.geometry.model
-                if model not in sizes:
-                    prof = size_request(g.space, partition).profile
-                    sizes[model] = prof.profile_id if prof is not None else None
-            elif g.mode is GpuMode.EXCLUSIVE:
-                exclusive = True
-        return (
-            request.mode,
-            request.gpu_uuids,
-            tuple(sorted(sizes.items())),
-            request.memory_mib if exclusive else None,
-        )
+            part = self.mode_ops(g).shape(g, request)
+            if part is not None:
+                parts.setdefault(*part)
+        return (request.mode, request.gpu_uuids, tuple(sorted(parts.items(), key=repr)))
 
     def _mps_capable(self, lease: Lease) -> bool:
         """MPS admission depends on the requester's uid, not only on the request's shape."""
         return lease.request.mode != "mig" and any(
-            g.mode is GpuMode.MPS or g.mps_in_mig for g in self.gpus.values()
+            self.mode_ops(g).admits_by_uid(g) for g in self.gpus.values()
         )
 
     def _place(self, lease: Lease, now_s: float) -> Work | None:
-        """Place one lease now, or return None. Commits the decision on success."""
-        request = lease.request
+        """Place one lease now, or return None. Commits the decision on success.
+
+        Each mode's driver tries its candidate GPUs, in the drivers' order (MIG, with
+        MPS inside MIG first, then MPS GPUs, then whole GPUs)."""
         try:
-            gpus = self._candidate_gpus(request)
+            gpus = self._candidate_gpus(lease.request)
         except InvalidRequest:
             return None
-        mig = [g for g in gpus if g.mode is GpuMode.MIG and g.space is not None]
-        hosts = [g for g in mig if self._mps_in_mig_for(g, request)]
-        if hosts:
-            placed = self._place_mps_in_mig(lease, hosts, now_s)
-            if placed is not None:
-                self._explain_hybrid(lease, hosts[0])
-                return placed
-        if request.mode == "mps":
-            mig = []  # an MPS request never takes a MIG instance of its own
-        if mig:
-            planner = self.policy.planner
-            if self.policy.demand_weighting:
-                weights = self.demand.weights(now_s)
-                if weights:
-                    planner = replace(planner, placement=PlacementRule.WEIGHTED, demand=weights)
-            try:
-                decision = plan_on_node(
-                    [g.view() for g in mig], _partition_request(request), planner
-                )
-            except (NoCapacity, RequestTooLarge, UnknownProfile):
-                decision = None  # the MIG GPUs cannot take it: MPS or a whole GPU may
-            if decision is not None:
-                work = self._commit_mig(lease, decision, now_s)
-                self._explain_hybrid(lease, self.gpus[decision.gpu])
+        for mode, driver in self._drivers.items():
+            mine = [g for g in gpus if g.mode is mode]
+            if mine and (work := driver.place(lease, mine, now_s)) is not None:
                 return work
-        for g in gpus:
-            if g.mode is GpuMode.MPS and g.available and self._mps_admits(g, lease):
-                return self._commit_mps(lease, g, now_s)
-        for g in gpus:
-            if (
-                g.mode is GpuMode.EXCLUSIVE
-                and g.available
-                and g.exclusive_lease is None
-                and request.memory_mib <= g.memory_total_mib
-            ):
-                return self._commit_exclusive(lease, g, now_s)
         return None
 
-    def _take_partition(
-        self, gpu: ManagedGpu, decision: Decision, lease_id: str, owner: str | None
-    ) -> tuple[ManagedInstance, Work]:
-        """Carry ``decision`` out in the books: the idle instances it destroys are being
-        destroyed, and the instance it grants is reused (no NVML work) or being created
-        for ``owner`` (its work pending until :meth:`work_done`)."""
-        for op in decision.ops:
-            if isinstance(op, DestroyOp):
-                victim = gpu.instance_at(op.start, InstanceStatus.READY)
-                assert victim is not None and not victim.busy, "planner chose a busy instance"
-                victim.status = InstanceStatus.DESTROYING
-        if decision.action == "reuse":
-            inst = gpu.instance_at(decision.start, InstanceStatus.READY)
-            assert inst is not None
-            return inst, Work(gpu.index, (), lease_id, "grant", next(self._work_ids))
-        inst = ManagedInstance(
-            profile=decision.profile,
-            start=decision.start,
-            memory_mib=decision.profile.memory_mib,
-            status=InstanceStatus.CREATING,
-            lease_id=owner,
-        )
-        gpu.instances.append(inst)
-        work = Work(gpu.index, decision.ops, lease_id, "grant", next(self._work_ids))
-        self._pending_work[work.work_id] = work
-        return inst, work
+    def mode_ops(self, gpu: ManagedGpu) -> GpuModeOps:
+        """The driver of ``gpu``'s mode: what the scheduler, status and metrics ask about
+        anything that differs per mode."""
+        return self._drivers[gpu.mode]
 
-    def _commit_mig(self, lease: Lease, decision: Decision, now_s: float) -> Work:
-        gpu = self.gpus[decision.gpu]
-        inst, work = self._take_partition(gpu, decision, lease.lease_id, lease.lease_id)
-        self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MIG
-        lease.profile, lease.start = decision.profile.name, decision.start
-        lease.memory_limit_mib = decision.profile.memory_mib
-        lease.decision = decision.to_dict()
-        if decision.action == "reuse":
-            inst.lease_id, inst.idle_since_s = lease.lease_id, None
-            self._activate_mig(lease, inst, now_s)
+    # -- what the mode drivers use (gpu_modes.ModeBooks) --------------------------------
+
+    def queued(self) -> Iterable[QueuedRequest[str]]:
+        return iter(self.queue)
+
+    def new_work(self, gpu: int, lease_id: str | None, ops: tuple[Op, ...] = ()) -> Work:
+        work = Work(gpu, ops, lease_id, "grant", next(self._work_ids))
+        if ops:
+            self._pending_work[work.work_id] = work
         return work
 
-    def _activate_mig(self, lease: Lease, inst: ManagedInstance, now_s: float) -> None:
-        lease.mig_uuid = inst.uuid
-        lease.memory_limit_mib = inst.memory_mib
-        uuid = inst.uuid or ""
-        lease.env = {"CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid}
-        self._event(lease, LeaseEvent.READY, now_s)
-        lease.heartbeat_s = now_s
+    def mps_env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
+        return self._mps_env(gpu, lease)
 
     def mps_pool(self, gpu: ManagedGpu) -> MpsPool:
-        """The GPU's MPS accounting, created on first use from the policy."""
-        if gpu.mps_pool is None:
-            gpu.mps_pool = MpsPool(
-                device_uuid=gpu.uuid,
-                memory_total_mib=gpu.memory_total_mib,
-                reserve_mib=self.policy.mps_reserve_mib,
-                max_clients=self.policy.mps_max_clients,
-                policy=UserPolicy.MULTI_USER if self.policy.mps_multi_user else UserPolicy.PER_USER,
-            )
-        return gpu.mps_pool
+        """An MPS-mode GPU's accounting, created on first use from the policy."""
+        return self._mps.pool(gpu)
 
-    @staticmethod
-    def mps_thread_percentage(request: LeaseRequest, compute_slices: int | None) -> int | None:
-        """The ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of an MPS share.
-
-        An explicit ``mps_thread_percentage`` wins. Else ``min_compute`` (compute slices,
-        as for MIG) becomes its share of the device's slices, rounded up: 2 of a 7-slice
-        GPU is 29 %, 1 of a 3-slice instance 34 %. A device without a slice count (a GPU
-        model without MIG) counts sevenths, the slice of A100/H100-class GPUs. MPS takes
-        the value as a cap on the SMs the client's work may occupy, not a reservation
-        (docs.nvidia.com/deploy/mps, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). ``None``: no cap.
-        """
-        if request.mps_thread_percentage is not None:
-            return request.mps_thread_percentage
-        if request.min_compute <= 0:
-            return None
-        slices = compute_slices or DEFAULT_COMPUTE_SLICES
-        return min(100, math.ceil(100 * request.min_compute / slices))
-
-    def _mps_request(self, lease: Lease, compute_slices: int | None) -> MpsRequest:
-        request = lease.request
-        return MpsRequest(
-            lease.lease_id,
-            lease.owner_uid,
-            request.memory_mib,
-            clients=request.mps_clients,
-            thread_percentage=self.mps_thread_percentage(request, compute_slices),
-        )
-
-    def _mps_admits(self, gpu: ManagedGpu, lease: Lease) -> bool:
-        pool = self.mps_pool(gpu)
-        try:
-            answer = can_admit(pool, self._mps_request(lease, gpu.compute_slices))
-        except RequestTooLarge:
-            return False
-        if not answer.ok and answer.waiting_for_uid is not None:
-            # One MPS server serves one UID at a time: let the device drain for this user
-            # so a stream of the current user's jobs cannot starve it.
-            gpu.mps_pool = mark_waiting(pool, lease.owner_uid)
-        return answer.ok
-
-    def _commit_mps(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
-        self._event(lease, LeaseEvent.PLAN, now_s)
-        share = self._mps_request(lease, gpu.compute_slices)
-        gpu.mps_pool = mps_admit(self.mps_pool(gpu), share)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
-        lease.memory_limit_mib = lease.request.memory_mib
-        lease.mps_thread_percentage = share.thread_percentage
-        lease.decision = {
-            "action": "mps-share",
-            "gpu": gpu.index,
-            "pinned_mib": lease.request.memory_mib,
-            "shares_after": len(gpu.mps_pool.shares),
-            "reason": f"GPU {gpu.index}: MPS share of {lease.request.memory_mib} MiB "
-            f"({gpu.mps_pool.free_mib} MiB left unpinned)",
-        }
-        lease.env = self._mps_env(gpu, lease)
-        self._event(lease, LeaseEvent.READY, now_s)
-        lease.heartbeat_s = now_s
-        return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
-
-    # -- MPS inside MIG ----------------------------------------------------------------------
-
-    def _mps_host_profile(self, gpu: ManagedGpu) -> Profile:
-        """The profile of the instances migd makes to host MPS on ``gpu``."""
-        assert gpu.space is not None
-        if gpu.mps_profile:
-            return gpu.space.member(gpu.mps_profile)
-        return min(gpu.space.profiles, key=lambda p: (p.memory_mib, p.compute_slices))
-
-    def _mps_in_mig_for(self, gpu: ManagedGpu, request: LeaseRequest) -> bool:
-        """Whether ``request`` goes to an MPS share inside a MIG instance of ``gpu``:
-        the GPU is configured for it, and the request asks for MPS or is smaller than
-        the smallest instance (and names no profile)."""
-        if not gpu.mps_in_mig or gpu.space is None or request.mode == "mig" or request.profile:
-            return False
-        if self.policy.hybrid is not None:
-            return self._hybrid_route(gpu, request).share
-        if request.mode == "mps":
-            return True
-        smallest = min(p.memory_mib for p in gpu.space.profiles)
-        return request.memory_mib < smallest
-
-    # -- the hybrid policy's hook (migd.core.hybrid decides; this only asks and records) --
-
-    def _hybrid_route(self, gpu: ManagedGpu, request: LeaseRequest) -> Route:
-        assert self.policy.hybrid is not None and gpu.space is not None
-        return self.policy.hybrid.route(
-            gpu.space.profiles,
-            request.memory_mib * request.mps_clients,
-            request.min_compute,
-            request.mode,
-            bool(request.profile),
-        )
-
-    def _host_profiles(self, gpu: ManagedGpu, lease: Lease) -> tuple[tuple[Profile, ...], str]:
-        """Profiles for a new MPS host on ``gpu``, best first, and why."""
-        if self.policy.hybrid is None or gpu.space is None:
-            return (self._mps_host_profile(gpu),), ""
-        need = lease.request.memory_mib * lease.request.mps_clients
-        demand = need
-        for other_gpu in self.gpus.values():  # observed demand: what this user pins in hosts
-            for inst in other_gpu.instances:
-                if inst.mps_pool is not None:
-                    demand += sum(
-                        s.memory_mib * s.clients
-                        for s in inst.mps_pool.shares
-                        if s.uid == lease.owner_uid
-                    )
-        for item in self.queue:  # and this user's share-bound backlog
-            other = self.leases.get(item.payload)
-            if (
-                other is not None
-                and other is not lease
-                and other.owner_uid == lease.owner_uid
-                and other.state is LeaseState.QUEUED
-                and self._hybrid_route(gpu, other.request).share
-            ):
-                demand += other.request.memory_mib * other.request.mps_clients
-        return self.policy.hybrid.host_profiles(
-            gpu.space.profiles, need, demand, lease.request.min_compute
-        )
-
-    def _explain_hybrid(self, lease: Lease, gpu: ManagedGpu) -> None:
-        """Put the hybrid's reason first in the lease's decision (migctl explain)."""
-        if self.policy.hybrid is None or not gpu.mps_in_mig or lease.decision is None:
-            return
-        why = self._hybrid_route(gpu, lease.request).reason
-        host = lease.decision.pop("host_reason", "")
-        lease.decision["hybrid"] = why + (f"; {host}" if host else "")
-        lease.decision["reason"] = f"hybrid: {lease.decision['hybrid']}. " + str(
-            lease.decision.get("reason", "")
-        )
-
-    def _new_host_pool(
-        self, gpu: ManagedGpu, profile: Profile, uuid: str | None, memory_mib: int | None = None
-    ) -> MpsPool:
-        """An MPS host's pool: as large as NVML says its MIG device is (``memory_mib``, an
-        existing instance's), else the profile's nominal size until it exists."""
-        assert gpu.space is not None
-        return MpsPool(
-            device_uuid=uuid or f"{gpu.uuid}/{profile.name}",
-            memory_total_mib=memory_mib or profile.memory_mib,
-            reserve_mib=self.policy.mps_reserve_mib,
-            max_clients=max_clients_for(
-                self.policy.mps_max_clients,
-                compute_slices=profile.compute_slices,
-                total_compute_slices=gpu.space.geometry.compute_slices,
-            ),
-            policy=UserPolicy.MULTI_USER if self.policy.mps_multi_user else UserPolicy.PER_USER,
-            kind=DeviceKind.MIG,
-        )
-
-    def _host_request(self, lease: Lease, inst: ManagedInstance) -> MpsRequest | None:
-        """The share on host ``inst``; None when its compute instance is too small."""
-        if lease.request.min_compute > inst.profile.compute_slices:
-            return None
-        return self._mps_request(lease, inst.profile.compute_slices)
-
-    def _place_mps_in_mig(
-        self, lease: Lease, gpus: Sequence[ManagedGpu], now_s: float
-    ) -> Work | None:
-        """A share on an MPS host instance: an existing one, else a new (or reused) one."""
-        refused: list[tuple[ManagedGpu, ManagedInstance, int]] = []
-        for gpu in gpus:
-            if not gpu.available:
-                continue
-            for inst in gpu.instances:
-                pool = inst.mps_pool
-                if (
-                    pool is None
-                    or inst.status is InstanceStatus.DESTROYING
-                    or inst.origin is Origin.UNEXPLAINED
-                ):
-                    continue
-                share = self._host_request(lease, inst)
-                if share is None:
-                    continue
-                try:
-                    answer = can_admit(pool, share)
-                except RequestTooLarge:
-                    continue
-                if answer.ok:
-                    return self._commit_mps_in_mig(lease, gpu, inst, share, None, now_s)
-                if answer.waiting_for_uid is not None:
-                    refused.append((gpu, inst, lease.owner_uid))
-        work = self._new_mps_host(lease, [g for g in gpus if g.available], now_s)
-        if work is None:
-            # No room for another host: the user waits for one, and drains it.
-            for _gpu, inst, uid in refused[:1]:
-                assert inst.mps_pool is not None
-                inst.mps_pool = mark_waiting(inst.mps_pool, uid)
-        return work
-
-    def _new_mps_host(self, lease: Lease, gpus: Sequence[ManagedGpu], now_s: float) -> Work | None:
-        by_profile: dict[str, list[ManagedGpu]] = {}
-        why: dict[str, str] = {}
-        for gpu in gpus:
-            order, reason = self._host_profiles(gpu, lease)
-            for prof in order:
-                by_profile.setdefault(prof.name, []).append(gpu)
-                why.setdefault(prof.name, reason)
-        for name, group in by_profile.items():
-            assert group[0].space is not None
-            profile = group[0].space.member(name)
-            probe = ManagedInstance(profile=profile, start=-1, memory_mib=profile.memory_mib)
-            share = self._host_request(lease, probe)
-            if share is None:
-                continue
-            try:
-                can_admit(self._new_host_pool(group[0], profile, None), share)
-            except RequestTooLarge:
-                continue
-            try:
-                decision = plan_on_node(
-                    [g.view() for g in group],
-                    PartitionRequest(memory_mib=profile.memory_mib, profile=name),
-                    self.policy.planner,
-                )
-            except (NoCapacity, RequestTooLarge):
-                continue
-            gpu = self.gpus[decision.gpu]
-            work = self._commit_mps_in_mig(lease, gpu, None, share, decision, now_s)
-            if why[name] and lease.decision is not None:
-                lease.decision["host_reason"] = why[name]
-            return work
-        return None
-
-    def _commit_mps_in_mig(
-        self,
-        lease: Lease,
-        gpu: ManagedGpu,
-        inst: ManagedInstance | None,
-        share: MpsRequest,
-        decision: Decision | None,
-        now_s: float,
-    ) -> Work:
-        """Admit ``share`` on host ``inst``, or on the host ``decision`` makes (creating,
-        reusing or repartitioning like a MIG grant). The lease is active at once on a
-        ready host, else when its creation is done (:meth:`work_done`)."""
-        action = "mps-share"
-        if inst is None:
-            assert decision is not None
-            # A host belongs to no lease (many share it): created with no owner.
-            inst, work = self._take_partition(gpu, decision, lease.lease_id, None)
-            action = f"mps-host-{decision.action}"
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
-            # A new MPS host is demand for its profile, like a request sized to it.
-            assert gpu.space is not None
-            self.demand.observe(gpu.space.geometry.model, decision.profile.profile_id, now_s)
-        else:
-            work = Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
-        assert inst.mps_pool is not None
-        inst.mps_pool = mps_admit(inst.mps_pool, share)
-        inst.idle_since_s = None
-        self._event(lease, LeaseEvent.PLAN, now_s)
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.MPS
-        lease.profile, lease.start = inst.profile.name, inst.start
-        lease.memory_limit_mib = share.memory_mib
-        lease.mps_thread_percentage = share.thread_percentage
-        pool = inst.mps_pool
-        lease.decision = {
-            **(decision.to_dict() if decision is not None else {}),
-            "action": action,
-            "gpu": gpu.index,
-            "pinned_mib": share.memory_mib,
-            "mps_clients": share.clients,
-            "shares_after": len(pool.shares),
-            "max_clients": pool.max_clients,
-            "reason": f"GPU {gpu.index}: MPS share of {share.memory_mib} MiB inside "
-            f"{inst} ({pool.free_mib} MiB of {pool.capacity_mib} MiB left unpinned, "
-            f"{pool.clients}/{pool.max_clients} clients)",
-        }
-        if inst.status is InstanceStatus.READY:
-            self._activate_mps_share(lease, gpu, inst, now_s)
-        return work
-
-    def _activate_mps_share(
-        self, lease: Lease, gpu: ManagedGpu, inst: ManagedInstance, now_s: float
-    ) -> None:
-        lease.mig_uuid = inst.uuid
-        lease.env = self._mps_env(gpu, lease)
-        self._event(lease, LeaseEvent.READY, now_s)
-        lease.heartbeat_s = now_s
-
-    def _leases_on(self, inst: ManagedInstance) -> list[Lease]:
-        """The leases an instance serves: its own, or the shares of an MPS host."""
-        ids = [inst.lease_id] if inst.lease_id else []
-        if inst.mps_pool is not None:
-            ids += [s.share_id for s in inst.mps_pool.shares]
-        return [self.leases[i] for i in ids if i in self.leases]
-
-    def _host_of(self, gpu: ManagedGpu, lease_id: str) -> ManagedInstance | None:
-        for inst in gpu.instances:
-            if inst.mps_pool is not None and inst.mps_pool.share(lease_id) is not None:
-                return inst
-        return None
-
-    def _release_mps(self, gpu: ManagedGpu, lease: Lease, now_s: float) -> list[Work]:
-        """Drop an MPS lease's share: from its GPU's pool or its MIG host's."""
-        if gpu.mps_pool is not None and gpu.mps_pool.share(lease.lease_id) is not None:
-            gpu.mps_pool = mps_release(gpu.mps_pool, lease.lease_id)
-            return []
-        inst = self._host_of(gpu, lease.lease_id)
-        if inst is None or inst.mps_pool is None:
-            return []
-        inst.mps_pool = mps_release(inst.mps_pool, lease.lease_id)
-        if inst.mps_pool.shares or inst.status is not InstanceStatus.READY:
-            return []
-        inst.idle_since_s = now_s
-        hybrid = self.policy.hybrid is not None
-        if (
-            hybrid or self.policy.idle_policy == "destroy"
-        ) and inst.origin is not Origin.UNEXPLAINED:
-            # The hybrid shrinks hosts when idle: an empty host is destroyed at once (the
-            # daemon stops its MPS server first), so its slices are free for any size. It
-            # is never handed to a MIG lease as it is: its server may still hold the device.
-            return self._teardown(gpu, [inst])
-        return []
-
-    def _commit_exclusive(self, lease: Lease, gpu: ManagedGpu, now_s: float) -> Work:
-        self._event(lease, LeaseEvent.PLAN, now_s)
-        gpu.exclusive_lease = lease.lease_id
-        lease.gpu, lease.gpu_uuid, lease.mode = gpu.index, gpu.uuid, GpuMode.EXCLUSIVE
-        lease.memory_limit_mib = gpu.memory_total_mib
-        lease.env = {"CUDA_VISIBLE_DEVICES": gpu.uuid, "NVIDIA_VISIBLE_DEVICES": gpu.uuid}
-        lease.decision = {"action": "exclusive", "gpu": gpu.index, "reason": "whole GPU"}
-        self._event(lease, LeaseEvent.READY, now_s)
-        lease.heartbeat_s = now_s
-        return Work(gpu.index, (), lease.lease_id, "grant", next(self._work_ids))
+    mps_thread_percentage = staticmethod(mps_thread_percentage)
 
     # -- work results -----------------------------------------------------------------------
 
@@ -1150,7 +603,7 @@ class NodeScheduler:
     def work_done(
         self,
         work: Work,
-        created: Mapping[int, tuple[int | None, str | None, int]],
+        created: Created,
         now_s: float,
         mono_s: float,
     ) -> Outcome:
@@ -1161,9 +614,7 @@ class NodeScheduler:
         self._work_done(work, created, now_s)
         return self._outcome(self._schedule(now_s, mono_s))
 
-    def _work_done(
-        self, work: Work, created: Mapping[int, tuple[int | None, str | None, int]], now_s: float
-    ) -> None:
+    def _work_done(self, work: Work, created: Created, now_s: float) -> None:
         if work.work_id in self._stale_work:
             self._stale_work.discard(work.work_id)
             return
@@ -1171,37 +622,7 @@ class NodeScheduler:
         if work.lease_id:
             self._placed_items.pop(work.lease_id, None)
         gpu = self.gpus[work.gpu]
-        for op in work.ops:
-            if isinstance(op, DestroyOp):
-                gpu.instances = [
-                    i
-                    for i in gpu.instances
-                    if not (i.start == op.start and i.status is InstanceStatus.DESTROYING)
-                ]
-        for op in work.ops:
-            if isinstance(op, CreateOp):
-                inst = gpu.instance_at(op.start, InstanceStatus.CREATING)
-                assert inst is not None
-                gi_id, uuid, memory = created[op.start]
-                inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
-                inst.status = InstanceStatus.READY
-                if inst.mps_pool is not None:  # an MPS host: its shares' leases go active
-                    # The pool holds what NVML reports for the new MIG device, not the
-                    # profile's nominal size (issue 13, defect 7).
-                    inst.mps_pool = replace(
-                        inst.mps_pool, device_uuid=uuid or "", memory_total_mib=memory
-                    )
-                    for waiting in self._leases_on(inst):
-                        if waiting.state is LeaseState.PREPARING:
-                            self._activate_mps_share(waiting, gpu, inst, now_s)
-                    if not inst.mps_pool.shares:
-                        inst.idle_since_s = now_s
-                    continue
-                lease = self.leases.get(inst.lease_id or "")
-                if lease is not None and lease.state is LeaseState.PREPARING:
-                    self._activate_mig(lease, inst, now_s)
-                else:  # the lease was cancelled while we were creating: now idle
-                    inst.lease_id, inst.idle_since_s = None, now_s
+        self.mode_ops(gpu).work_done(gpu, work, created, now_s)
 
     def work_failed(self, work: Work, error: Exception, now_s: float) -> Outcome:
         """Undo the intended state of failed work; the caller then re-reads the GPU
@@ -1220,6 +641,8 @@ class NodeScheduler:
             return
         self._pending_work.pop(work.work_id, None)
         gpu = self.gpus[work.gpu]
+        # Only MIG GPUs get work with NVML operations; other grants have none to undo.
+        instances = gpu.mig.instances if gpu.mig is not None else []
         restored: list[ManagedInstance] = []
         # Undo only this work's intentions: other work on the GPU may be in flight.
         for op in work.ops:
@@ -1231,7 +654,7 @@ class NodeScheduler:
             else:
                 inst = gpu.instance_at(op.start, InstanceStatus.CREATING)
                 if inst is not None and inst.profile == op.profile:
-                    gpu.instances.remove(inst)
+                    instances.remove(inst)
                     for waiting in self._leases_on(inst):  # an MPS host's other shares
                         self._retry(waiting, f"placement failed: {error}", now_s)
         self._retry(self.leases.get(work.lease_id or ""), f"placement failed: {error}", now_s)
@@ -1239,10 +662,10 @@ class NodeScheduler:
             units = inst.profile.units_mask(inst.start)
             for other in [
                 o
-                for o in gpu.instances
+                for o in instances
                 if o.status is InstanceStatus.CREATING and o.profile.units_mask(o.start) & units
             ]:
-                gpu.instances.remove(other)
+                instances.remove(other)
                 for pending in list(self._pending_work.values()):
                     if pending.gpu == gpu.index and any(
                         isinstance(op, CreateOp) and op.start == other.start for op in pending.ops
@@ -1261,6 +684,10 @@ class NodeScheduler:
                 for waiting in self._leases_on(other):
                     self._retry(waiting, f"{inst} could not be destroyed ({error})", now_s)
 
+    def _leases_on(self, inst: ManagedInstance) -> list[Lease]:
+        """The leases an instance serves: its own, or the shares of an MPS host."""
+        return [self.leases[i] for i in inst.lease_ids if i in self.leases]
+
     def _retry(self, lease: Lease | None, reason: str, now_s: float) -> None:
         """Send a lease whose placement fell through back to the queue, keeping its place."""
         if lease is None:
@@ -1270,7 +697,7 @@ class NodeScheduler:
             return
         lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
         lease.memory_limit_mib = None
-        self._event(lease, LeaseEvent.RETRY, now_s, reason=reason)
+        self.transition(lease, LeaseEvent.RETRY, now_s, reason=reason)
         if item is not None:
             self.queue.restore(item)
 
@@ -1291,9 +718,10 @@ class NodeScheduler:
         :meth:`schedule` once it has judged the GPU (see the daemon's reconciler).
         """
         gpu = self.gpus[gpu_index]
-        assert gpu.space is not None
+        mig = gpu.mig
+        assert mig is not None and mig.space is not None, "only MIG GPUs have instances"
         notes: list[str] = []
-        known = {i.start: i for i in gpu.instances}
+        known = {i.start: i for i in mig.instances}
         fresh: list[ManagedInstance] = []
         for profile, start, gi_id, uuid, memory in observed:
             inst = known.pop(start, None)
@@ -1347,13 +775,13 @@ class NodeScheduler:
             notes.append(f"{gone} disappeared")
             for lease in self._leases_on(gone):
                 if lease.state.holds_resources:
-                    self._event(
+                    self.transition(
                         lease, LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared"
                     )
-        gpu.instances = sorted(fresh, key=lambda i: i.start)
+        mig.instances = sorted(fresh, key=lambda i: i.start)
         # The committed layout must stay a valid state; a layout that is not is reported.
         try:
-            gpu.space.key_of((i.profile, i.start) for i in gpu.instances)
+            mig.space.key_of((i.profile, i.start) for i in mig.instances)
         except Exception as exc:
             reason = f"layout not understood: {exc}"
             gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
@@ -1375,28 +803,14 @@ class NodeScheduler:
             return self._outcome()
         event = LeaseEvent.RECLAIM if reclaim else LeaseEvent.RELEASE
         was = lease.state
-        self._event(lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released"))
+        self.transition(
+            lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released")
+        )
         self.queue.remove(lease_id)
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
-            if lease.mode is GpuMode.MIG:
-                inst = gpu.instance_of(lease_id)
-                if inst is not None:
-                    # A CREATING instance stays untouchable by its status; work_done then
-                    # finds no owner and marks it idle.
-                    inst.lease_id = None
-                    if inst.status is InstanceStatus.READY:
-                        inst.idle_since_s = now_s
-                        if (
-                            self.policy.idle_policy == "destroy"
-                            and inst.origin is not Origin.UNEXPLAINED
-                        ):
-                            work.extend(self._teardown(gpu, [inst]))
-            elif lease.mode is GpuMode.MPS:
-                work.extend(self._release_mps(gpu, lease, now_s))
-            elif lease.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease == lease_id:
-                gpu.exclusive_lease = None
+            work.extend(self.mode_ops(gpu).release(gpu, lease, now_s))
         work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
 
@@ -1411,27 +825,15 @@ class NodeScheduler:
         self.leases[lease.lease_id] = lease
         if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
             reason = "daemon restarted while waiting"
-            self._event(lease, LeaseEvent.RELEASE, now_s, reason=reason)
+            self.transition(lease, LeaseEvent.RELEASE, now_s, reason=reason)
             return self._outcome()
         gpu = self.gpus.get(lease.gpu if lease.gpu is not None else -1)
-        gone = ""
         if gpu is None or gpu.uuid != lease.gpu_uuid:
             gone = "its GPU is gone"
-        elif lease.mode is GpuMode.MIG:
-            inst = gpu.instance_at(lease.start) if lease.start is not None else None
-            if inst is None or (lease.mig_uuid and inst.uuid != lease.mig_uuid):
-                gone = "its MIG instance is gone"
-            else:
-                inst.lease_id, inst.idle_since_s = lease.lease_id, None
-                if inst.origin is Origin.UNEXPLAINED:
-                    inst.origin, inst.note = Origin.MIGD, ""
-        elif lease.mode is GpuMode.MPS:
-            if not self.restore_mps_share(gpu, lease):
-                gone = "its MIG instance is gone"
-        elif lease.mode is GpuMode.EXCLUSIVE:
-            gpu.exclusive_lease = lease.lease_id
+        else:
+            gone = self.mode_ops(gpu).restore(gpu, lease)
         if gone:
-            self._event(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
+            self.transition(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
         return self._outcome()
 
     def quarantine(self, lease_id: str, why: str) -> str | None:
@@ -1442,7 +844,7 @@ class NodeScheduler:
         it without processes. Returns the instance's name, ``None`` if the lease has none.
         """
         lease = self.leases.get(lease_id)
-        if lease is None or lease.gpu is None or lease.mode != "mig":
+        if lease is None or lease.gpu is None or lease.mode is not GpuMode.MIG:
             return None
         inst = self.gpus[lease.gpu].instance_of(lease_id)
         if inst is None:
@@ -1451,32 +853,13 @@ class NodeScheduler:
         return str(inst)
 
     def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> bool:
-        """Re-account an MPS lease found in the state db at start-up (it may overcommit).
+        """Re-account an MPS lease found in the state db at start-up (it may overcommit),
+        as :meth:`restore` does with no transition.
 
         A share inside a MIG instance goes back to its host instance (which becomes an
         MPS host again, explained by the lease). False: that instance is gone.
         """
-        request = MpsRequest(
-            lease.lease_id,
-            lease.owner_uid,
-            lease.memory_limit_mib or 1,
-            clients=lease.request.mps_clients,
-            thread_percentage=lease.mps_thread_percentage,
-        )
-        if lease.mig_uuid is None:
-            pool = self.mps_pool(gpu)
-            gpu.mps_pool = replace(pool, shares=(*pool.shares, request))
-            return True
-        inst = gpu.instance_at(lease.start) if lease.start is not None else None
-        if inst is None or inst.uuid != lease.mig_uuid or inst.lease_id is not None:
-            return False
-        if inst.mps_pool is None:
-            inst.mps_pool = self._new_host_pool(gpu, inst.profile, inst.uuid, inst.memory_mib)
-        inst.mps_pool = replace(inst.mps_pool, shares=(*inst.mps_pool.shares, request))
-        inst.idle_since_s = None
-        if inst.origin is Origin.UNEXPLAINED:  # its processes are the MPS server's and jobs'
-            inst.origin, inst.note = Origin.MIGD, ""
-        return True
+        return not self.mode_ops(gpu).restore(gpu, lease)
 
     def heartbeat(self, lease_id: str, now_s: float) -> Lease:
         lease = self.leases[lease_id]
@@ -1495,7 +878,7 @@ class NodeScheduler:
             lease = self.leases.get(item.payload)
             if lease is not None and lease.state is LeaseState.QUEUED:
                 reason = "no partition before the deadline"
-                self._event(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
+                self.transition(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
                 gone = True
         return self._outcome(self._schedule(now_s, mono_s) if gone else [])
 
@@ -1508,9 +891,7 @@ class NodeScheduler:
         if self.policy.idle_policy != "timeout":
             return self._outcome()
         work: list[Work] = []
-        for gpu in self.gpus.values():
-            if gpu.mode is not GpuMode.MIG:
-                continue
+        for gpu in self.gpus.values():  # only MIG GPUs have instances
             stale = [
                 i
                 for i in gpu.instances
@@ -1519,7 +900,7 @@ class NodeScheduler:
                 # a timer set for idle_since + timeout must find it due, rounding or not
                 and now_s - i.idle_since_s >= self.policy.idle_timeout_s - 1e-6
             ]
-            work.extend(self._teardown(gpu, stale))
+            work.extend(self.teardown(gpu, stale))
         if work:
             work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
@@ -1544,14 +925,16 @@ class NodeScheduler:
         ]
         for inst in leftovers:
             inst.origin, inst.note = Origin.MIGD, "incomplete: an interrupted create or destroy"
-        return self._outcome(self._teardown(gpu, leftovers))
+        return self._outcome(self.teardown(gpu, leftovers))
 
     def reset(self, gpu_index: int) -> Outcome:
         """Destroy every idle instance of a GPU (``migctl reset``); busy ones stay."""
         gpu = self.gpus[gpu_index]
-        return self._outcome(self._teardown(gpu, [i for i in gpu.instances if not i.busy]))
+        return self._outcome(self.teardown(gpu, [i for i in gpu.instances if not i.busy]))
 
-    def _teardown(self, gpu: ManagedGpu, instances: Sequence[ManagedInstance]) -> list[Work]:
+    def teardown(self, gpu: ManagedGpu, instances: Sequence[ManagedInstance]) -> list[Work]:
+        """Destroy idle instances of a MIG GPU: they are ``DESTROYING`` in the books at
+        once, and the work is pending until done."""
         if not instances:
             return []
         for inst in instances:
@@ -1574,21 +957,7 @@ class NodeScheduler:
             gpus = self._candidate_gpus(lease.request)
         except InvalidRequest as exc:
             return [{"why": exc.message}]
-        out: list[dict[str, Any]] = []
-        for g in gpus:
-            if g.mode is GpuMode.MIG and g.space is not None:
-                why = (
-                    "draining"
-                    if g.draining
-                    else (str(g.health) if not g.health.available else "busy instances in the way")
-                )
-                try:
-                    state = describe(g.space, g.view().key)
-                except MigdError:  # a layout the state machine cannot describe (health says)
-                    state = "not understood"
-                out.append({"gpu": g.index, "state": state, "why": why})
-            else:
-                out.append({"gpu": g.index, "mode": g.mode.value, "why": "full or in use"})
+        out = [self.mode_ops(g).why_not(g) for g in gpus]
         if len(self.queue) > 1:
             out.append({"why": f"{len(self.queue) - 1} queued request(s) go first"})
         return out
@@ -1605,14 +974,6 @@ class NodeScheduler:
         """Drop one ended lease from memory, with what the queue kept for it."""
         self.leases.pop(lease_id, None)
         self._placed_items.pop(lease_id, None)
-
-
-def _partition_request(request: LeaseRequest) -> PartitionRequest:
-    return PartitionRequest(
-        memory_mib=request.memory_mib,
-        min_compute=request.min_compute,
-        profile=request.profile,
-    )
 
 
 def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from migd import __version__
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
-from migd.core.scheduler import GpuMode, ManagedGpu, NodeScheduler
+from migd.core.scheduler import ManagedGpu, NodeScheduler
 from migd.core.states import EMPTY
 from migd.daemon.config import MigdConfig
 from migd.ports import GpuInfo
@@ -51,17 +51,7 @@ def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily
 def allocated_mib(sched: NodeScheduler, gpu: ManagedGpu) -> int:
     """GPU memory promised to leases: leased MIG instances whole, MPS shares' pinned
     limits, a whole GPU for an exclusive lease (HAMi's "allocated", not what is used)."""
-    total = 0
-    if gpu.mode is GpuMode.EXCLUSIVE:
-        return gpu.memory_total_mib if gpu.exclusive_lease else 0
-    if gpu.mode is GpuMode.MPS and gpu.mps_pool is not None:
-        total += gpu.mps_pool.used_mib
-    for inst in gpu.instances:
-        if inst.lease_id is not None:
-            total += inst.memory_mib
-        elif inst.mps_pool is not None:
-            total += inst.mps_pool.used_mib
-    return total
+    return sched.mode_ops(gpu).allocated_mib(gpu)
 
 
 class StateCollector(Collector):
@@ -212,7 +202,7 @@ class StateCollector(Collector):
             g_alloc.add_metric([g], allocated_mib(sched, gpu) * MIB)
             if gpu.used_mib is not None:
                 g_used.add_metric([g], gpu.used_mib * MIB)
-            if gpu.space is not None and gpu.mode is GpuMode.MIG:
+            if gpu.space is not None:  # a MIG GPU with a state machine
                 with contextlib.suppress(Exception):  # a layout the state space lacks
                     g_reach.add_metric([g], gpu.space.reachability(gpu.view().key))
                 g_reach_max.add_metric([g], gpu.space.reachability(EMPTY))
@@ -241,7 +231,7 @@ class StateCollector(Collector):
                     i_used.add_metric(key, inst.used_mib * MIB)
                 i_busy.add_metric(key, 1.0 if inst.busy else 0.0)
             pools: list[MpsPool] = [i.mps_pool for i in gpu.instances if i.mps_pool is not None]
-            if gpu.mode is GpuMode.MPS and gpu.mps_pool is not None:
+            if gpu.mps_pool is not None:  # an MPS GPU's own pool
                 pools.append(gpu.mps_pool)
             for pool in pools:
                 key = [g, pool.device_uuid]

@@ -89,12 +89,13 @@ class MpsSupervisor:
             if mps_in_mig and gpu.mode is GpuMode.MIG:
                 log.warning("mps.not_offered", gpu=info.index, reason=weak)
             return
-        if not mps_in_mig or gpu.mode is not GpuMode.MIG:
+        mig = gpu.mig
+        if not mps_in_mig or mig is None:
             return
-        gpu.mps_in_mig = True
-        if mps_profile and gpu.space is not None:
+        mig.mps_in_mig = True
+        if mps_profile and mig.space is not None:
             try:
-                gpu.mps_profile = gpu.space.member(mps_profile).name
+                mig.mps_profile = mig.space.member(mps_profile).name
             except MigdError as exc:
                 reason = f"mps_profile {mps_profile!r}: {exc.message}"
                 gpu.health.raise_("startup", reason, self.ctx.clock.now())

@@ -15,7 +15,15 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from migd.core.geometry import Profile
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu, Origin
+from migd.core.scheduler import (
+    GpuMode,
+    InstanceStatus,
+    Lease,
+    ManagedGpu,
+    OffState,
+    Origin,
+    mode_state,
+)
 from migd.core.states import StateSpace, state_space
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
@@ -59,7 +67,7 @@ class Reconciler:
                 model=info.model or info.name,
                 name=info.name,
                 memory_total_mib=info.memory_total_mib,
-                mode=GpuMode.OFF,
+                state=OffState(),
             )
             unknown.health.raise_(
                 "startup",
@@ -127,8 +135,7 @@ class Reconciler:
             model=name,
             name=info.name,
             memory_total_mib=info.memory_total_mib,
-            mode=mode,
-            space=space,
+            state=mode_state(mode, space),
         )
         if health:
             gpu.health.raise_("startup", health, now)
@@ -281,7 +288,9 @@ class Reconciler:
             observed.append((profile, inst.start, inst.gi_id, inst.uuid, inst.memory_total_mib))
         # The state machine must describe what is there; a GPU with a profile outside the
         # policy is unavailable meanwhile, so nothing of that profile is ever placed.
-        gpu.space = (
+        mig = gpu.mig
+        assert mig is not None
+        mig.space = (
             state_space(configured.geometry, [p.name for p in (*configured.profiles, *foreign)])
             if foreign
             else configured

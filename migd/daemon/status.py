@@ -7,15 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 from migd import __version__
-from migd.core.capacity import placeable_mib
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
-from migd.core.planner import plan_on_gpu
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.mps_supervisor import mps_compute_mode_warning
-from migd.errors import MigdError
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
@@ -25,23 +22,8 @@ STATUS_QUEUE_SHOWN = 20
 
 def largest_placeable(daemon: DaemonContext, gpu: ManagedGpu) -> dict[str, Any] | None:
     """The biggest partition a new job could get on this GPU now (idle instances count)."""
-    if not gpu.available:
-        return None
-    if gpu.mode is GpuMode.MIG and gpu.space is not None:
-        policy = daemon.sched.policy.planner
-        view = gpu.view()
-        for profile in sorted(gpu.space.profiles, key=lambda p: -p.memory_mib):
-            if plan_on_gpu(view, profile, policy) is not None:
-                return {"profile": profile.name, "memory_mib": profile.memory_mib}
-        return None
-    if gpu.mode is GpuMode.MPS:
-        pool = daemon.sched.mps_pool(gpu)
-        if pool.clients >= pool.max_clients or pool.free_mib <= 0:
-            return None
-        return {"profile": "mps", "memory_mib": pool.free_mib}
-    if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
-        return {"profile": "whole-gpu", "memory_mib": gpu.memory_total_mib}
-    return None
+    found = daemon.sched.mode_ops(gpu).largest_placeable(gpu) if gpu.available else None
+    return None if found is None else {"profile": found[0], "memory_mib": found[1]}
 
 
 def gpu_warnings(info: GpuInfo, gpu: ManagedGpu) -> list[str]:
@@ -62,24 +44,7 @@ def gpu_warnings(info: GpuInfo, gpu: ManagedGpu) -> list[str]:
 def placeable(daemon: DaemonContext, gpu: ManagedGpu) -> int:
     """GPU memory new leases could still get on this GPU, in total (MiB); see
     :mod:`migd.core.capacity`. 0 when the GPU takes no work."""
-    if not gpu.available:
-        return 0
-    if gpu.mode is GpuMode.MIG and gpu.space is not None:
-        busy = [
-            (i.profile, i.start)
-            for i in gpu.instances
-            if i.busy and i.status is not InstanceStatus.DESTROYING
-        ]
-        try:
-            return placeable_mib(gpu.space, busy)
-        except MigdError:  # a layout the state machine does not know: promise nothing
-            return 0
-    if gpu.mode is GpuMode.MPS:
-        pool = daemon.sched.mps_pool(gpu)
-        return max(0, pool.free_mib) if pool.clients < pool.max_clients else 0
-    if gpu.mode is GpuMode.EXCLUSIVE and gpu.exclusive_lease is None:
-        return gpu.memory_total_mib
-    return 0
+    return daemon.sched.mode_ops(gpu).placeable_mib(gpu) if gpu.available else 0
 
 
 def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from migd.core.scheduler import (
     ManagedInstance,
     NodeScheduler,
     Work,
+    mode_state,
 )
 from migd.core.scheduler import (
     Outcome as SchedOutcome,
@@ -377,17 +378,20 @@ class Simulation:
                 model=self.geo.model,
                 name=self.geo.display_name,
                 memory_total_mib=self.geo.memory_mib,
-                mode=mode,
-                space=self.space if mode is GpuMode.MIG else None,
-                mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
+                state=mode_state(
+                    mode,
+                    self.space if mode is GpuMode.MIG else None,
+                    mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
+                ),
             )
             if self.policy.static_layout is not None:
-                if mode is not GpuMode.MIG:
+                mig = gpu.mig
+                if mig is None:
                     raise InvalidRequest("a static layout needs GpuMode.MIG")
                 for name, start in self.policy.static_layout:
                     prof = self.space.member(name)
                     n = next(self._gi)
-                    gpu.instances.append(
+                    mig.instances.append(
                         ManagedInstance(
                             profile=prof,
                             start=start,
@@ -617,13 +621,10 @@ class Simulation:
         best = 0
         for gpu in sched.gpus.values():
             if gpu.mode is GpuMode.MIG and gpu.space is not None:
+                # memoised per layout (the sim asks after every event), unlike mode_ops
                 best = max(best, self._mig_advert(gpu, sched.policy.planner))
-            if gpu.mode is GpuMode.MPS and gpu.available:
-                pool = sched.mps_pool(gpu)
-                if pool.clients < pool.max_clients:
-                    best = max(best, pool.free_mib)
-            elif gpu.mode is GpuMode.EXCLUSIVE and gpu.available and gpu.exclusive_lease is None:
-                best = max(best, gpu.memory_total_mib)
+            elif gpu.available and (found := sched.mode_ops(gpu).largest_placeable(gpu)):
+                best = max(best, found[1])
         node.capacity = best
         return best
 

@@ -7,7 +7,15 @@ from typing import Any
 
 from migd.core import catalog
 from migd.core.planner import CreateOp
-from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu, NodeScheduler, Work
+from migd.core.scheduler import (
+    GpuMode,
+    Lease,
+    LeaseRequest,
+    ManagedGpu,
+    NodeScheduler,
+    Work,
+    mode_state,
+)
 from migd.core.states import state_space
 
 _ids = itertools.count()
@@ -22,10 +30,8 @@ def gpu(index: int, model: str = "A100-40GB", mode: GpuMode = GpuMode.MIG, **kw:
         model,
         model,
         geo.memory_mib,
-        mode,
-        space,
+        mode_state(mode, space, **kw),
         compute_slices=geo.compute_slices,
-        **kw,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from migd.core.scheduler import GpuMode, ManagedGpu, NodeScheduler
+from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
 from migd.daemon.metrics import build_registry
 from migd.daemon.metrics_http import render
 from migd.daemon.metrics_recorder import MetricsRecorder
@@ -30,7 +30,7 @@ SUFFIXES = {
 
 def exported() -> tuple[set[str], set[str]]:
     """(family names, series names) of a node with every kind of GPU and instance."""
-    v100 = ManagedGpu(1, "GPU-0001", "V100-32GB", "Tesla V100", 32768, GpuMode.MPS)
+    v100 = ManagedGpu(1, "GPU-0001", "V100-32GB", "Tesla V100", 32768, MpsState())
     node = NodeScheduler([gpu(0), v100])
     for memory, uuid in ((9000, "GPU-0000"), (2000, "GPU-0001")):
         out = node.submit(lease(memory, gpu_uuids=(uuid,)), 1.0, 1.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, ManagedGpu, NodeScheduler
+from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
 from migd.daemon.config import validate_config
 from migd.daemon.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics import MetricsService
@@ -18,7 +18,7 @@ def files(directory: Path) -> dict[str, str]:
 
 
 def test_mig_leases_map_to_gpu_dot_gi_and_mps_shares_list_every_job() -> None:
-    v100 = ManagedGpu(1, "GPU-0001", "V100-32GB", "Tesla V100", 32768, GpuMode.MPS)
+    v100 = ManagedGpu(1, "GPU-0001", "V100-32GB", "Tesla V100", 32768, MpsState())
     node = NodeScheduler([gpu(0), v100])
     mig = node.submit(lease(9000, gpu_uuids=("GPU-0000",)), 1.0, 1.0)
     finish(node, mig.work, 2.0)

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, ManagedGpu, NodeScheduler
+from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.metrics import build_registry
 from migd.daemon.metrics_collector import MIB
@@ -121,7 +121,7 @@ def test_an_unhealthy_gpu_and_a_stuck_daemon_show() -> None:
 
 
 def test_mps_devices_count_shares_pinned_memory_and_listed_processes() -> None:
-    v100 = ManagedGpu(0, "GPU-0000", "V100-32GB", "Tesla V100", 32768, GpuMode.MPS)
+    v100 = ManagedGpu(0, "GPU-0000", "V100-32GB", "Tesla V100", 32768, MpsState())
     node = NodeScheduler([v100])
     out = node.submit(lease(4000), 1000.0, 1.0)
     finish(node, out.work, 1000.0)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-from migd.core.scheduler import GpuMode, ManagedGpu
+from migd.core.scheduler import ManagedGpu, MigState, MpsState
 from migd.daemon.config import MigdConfig
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.status import gpu_warnings
@@ -31,7 +31,7 @@ INFO = GpuInfo(
 
 
 def mps_gpu() -> ManagedGpu:
-    return ManagedGpu(0, INFO.uuid, "H100-80GB", INFO.name, 81559, GpuMode.MPS)
+    return ManagedGpu(0, INFO.uuid, "H100-80GB", INFO.name, 81559, MpsState())
 
 
 def configure(info: GpuInfo, *, require: bool) -> ManagedGpu:
@@ -55,7 +55,7 @@ def test_persistence_off_and_a_default_compute_mode_are_warned_about() -> None:
 
 
 def test_the_compute_mode_matters_only_where_mps_is_offered() -> None:
-    mig = ManagedGpu(0, INFO.uuid, "H100-80GB", INFO.name, 81559, GpuMode.MIG)
+    mig = ManagedGpu(0, INFO.uuid, "H100-80GB", INFO.name, 81559, MigState())
     assert gpu_warnings(replace(INFO, compute_mode="DEFAULT"), mig) == []
 
 

@@ -14,11 +14,12 @@ from migd.core import catalog
 from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import (
-    GpuMode,
     InstanceStatus,
     Lease,
     LeaseRequest,
     ManagedGpu,
+    MigState,
+    MpsState,
     NodeScheduler,
     Origin,
     SchedulerPolicy,
@@ -36,10 +37,8 @@ def mig_gpu(index: int = 0, model: str = "A100-40GB", **kw: object) -> ManagedGp
         model,
         model,
         geo.memory_mib,
-        GpuMode.MIG,
-        state_space(geo),
+        MigState(state_space(geo), **kw),  # type: ignore[arg-type]
         compute_slices=geo.compute_slices,
-        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -200,7 +199,7 @@ def test_thread_percentage_is_explicit_or_min_compute_of_the_device(
 
 
 def test_mps_fields_reach_the_share_the_env_and_the_accounting() -> None:
-    gpu = ManagedGpu(0, "GPU-v100", "V100-32GB", "V100", 32768, GpuMode.MPS)
+    gpu = ManagedGpu(0, "GPU-v100", "V100-32GB", "V100", 32768, MpsState())
     node = NodeScheduler([gpu], SchedulerPolicy(mps_reserve_mib=768))
     job = lease("j", 4096, mps_clients=3, min_compute=2)
     node.submit(job, 0.0, 0.0)

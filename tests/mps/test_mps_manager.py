@@ -412,7 +412,7 @@ def test_too_long_socket_path_is_refused_before_starting(env: Env, tmp_path: Pat
 
 
 def test_daemon_facing_methods_work_with_the_schedulers_lease_and_gpu(env: Env) -> None:
-    from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
+    from migd.core.scheduler import Lease, LeaseRequest, ManagedGpu, MpsState
 
     gpu = ManagedGpu(
         index=0,
@@ -420,7 +420,7 @@ def test_daemon_facing_methods_work_with_the_schedulers_lease_and_gpu(env: Env) 
         model="H100-80GB",
         name="H100",
         memory_total_mib=81559,
-        mode=GpuMode.MPS,
+        state=MpsState(),
     )
     lease = Lease(
         lease_id="L1",

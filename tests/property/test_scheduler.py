@@ -13,11 +13,11 @@ from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import (
-    GpuMode,
     InstanceStatus,
     Lease,
     LeaseRequest,
     ManagedGpu,
+    MigState,
     NodeScheduler,
     Origin,
     SchedulerPolicy,
@@ -34,9 +34,7 @@ def make_node(models: list[str], policy: SchedulerPolicy) -> NodeScheduler:
     for n, model in enumerate(models):
         geo = catalog.geometry(model)
         gpus.append(
-            ManagedGpu(
-                n, f"GPU-{n:04d}", model, model, geo.memory_mib, GpuMode.MIG, state_space(geo)
-            )
+            ManagedGpu(n, f"GPU-{n:04d}", model, model, geo.memory_mib, MigState(state_space(geo)))
         )
     return NodeScheduler(gpus, policy)
 

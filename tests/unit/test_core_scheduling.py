@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from migd.core import catalog
-from migd.core import scheduler as scheduler_module
+from migd.core import mig_mode as mig_mode_module
 from migd.core.leases import LeaseState
 from migd.core.planner import PlacementRule
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import (
+    ExclusiveState,
     GpuMode,
     Lease,
     LeaseRequest,
@@ -20,6 +21,7 @@ from migd.core.scheduler import (
     ManagedInstance,
     NodeScheduler,
     SchedulerPolicy,
+    mode_state,
 )
 from migd.core.states import state_space
 from migd.errors import NoCapacity, RequestTooLarge, UnknownProfile
@@ -30,14 +32,16 @@ _ids = itertools.count()
 def gpu(index: int, model: str, mode: GpuMode = GpuMode.MIG) -> ManagedGpu:
     geo = catalog.geometry(model)
     space = state_space(geo) if mode is GpuMode.MIG else None
-    return ManagedGpu(index, f"GPU-{index:04d}", model, model, geo.memory_mib, mode, space)
+    return ManagedGpu(
+        index, f"GPU-{index:04d}", model, model, geo.memory_mib, mode_state(mode, space)
+    )
 
 
 def busy(g: ManagedGpu, name: str, start: int) -> None:
     """A running job's instance (held by a lease nobody will release in the test)."""
-    assert g.space is not None
-    profile = g.space.member(name)
-    g.instances.append(ManagedInstance(profile, start, profile.memory_mib, lease_id="other"))
+    assert g.mig is not None and g.mig.space is not None
+    profile = g.mig.space.member(name)
+    g.mig.instances.append(ManagedInstance(profile, start, profile.memory_mib, lease_id="other"))
 
 
 def lease(memory_mib: int, wait_s: float | None = 60.0, **kw: Any) -> Lease:
@@ -132,13 +136,13 @@ def test_a_deep_queue_plans_once_per_partition_size(monkeypatch: pytest.MonkeyPa
     for n in range(40):  # 40 different MiB figures, all 1g.10gb or 3g.20gb
         node.submit(lease(5000 + 97 * n if n % 2 else 10000 + 211 * n), 1.0, 1.0)
     calls = []
-    real = scheduler_module.plan_on_node
+    real = mig_mode_module.plan_on_node
 
     def counting(*args: Any, **kw: Any) -> Any:
         calls.append(args[1])
         return real(*args, **kw)
 
-    monkeypatch.setattr(scheduler_module, "plan_on_node", counting)
+    monkeypatch.setattr(mig_mode_module, "plan_on_node", counting)
     assert node.schedule(2.0, 2.0).work == []
     assert len(calls) == 1  # fifo: the head blocks the pass
     node.set_policy(SchedulerPolicy(queue=QueuePolicy.SIZE))
@@ -154,11 +158,11 @@ def test_the_failure_cache_does_not_hide_a_free_whole_gpu() -> None:
     exclusive = gpu(1, "A30-24GB", GpuMode.EXCLUSIVE)
     node = NodeScheduler([gpu(0, "A100-40GB"), exclusive], SchedulerPolicy(queue=QueuePolicy.SIZE))
     busy(node.gpus[0], "7g.40gb", 0)
-    exclusive.exclusive_lease = "someone"
+    exclusive.state = ExclusiveState(lease_id="someone")
     first = node.submit(lease(30000), 1.0, 1.0)
     second = node.submit(lease(23000), 1.0, 1.0)
     assert first.lease.state is second.lease.state is LeaseState.QUEUED
-    exclusive.exclusive_lease = None
+    exclusive.state = ExclusiveState()
     node.schedule(2.0, 2.0)
     assert second.lease.state is LeaseState.ACTIVE and second.lease.mode == "exclusive"
     assert first.lease.state is LeaseState.QUEUED

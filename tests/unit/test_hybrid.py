@@ -9,11 +9,11 @@ from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import (
-    GpuMode,
     InstanceStatus,
     Lease,
     LeaseRequest,
     ManagedGpu,
+    MigState,
     NodeScheduler,
     SchedulerPolicy,
     Work,
@@ -85,10 +85,8 @@ def _gpu() -> ManagedGpu:
         GEO.model,
         GEO.model,
         GEO.memory_mib,
-        GpuMode.MIG,
-        state_space(GEO),
+        MigState(state_space(GEO), mps_in_mig=True),
         compute_slices=GEO.compute_slices,
-        mps_in_mig=True,
     )
 
 

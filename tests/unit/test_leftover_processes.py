@@ -10,10 +10,10 @@ from migd.core import catalog
 from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import (
-    GpuMode,
     Lease,
     LeaseRequest,
     ManagedGpu,
+    MigState,
     NodeScheduler,
     Origin,
     SchedulerPolicy,
@@ -26,9 +26,7 @@ _gi = itertools.count(1)
 
 def _node(idle_policy: str = "keep") -> NodeScheduler:
     geo = catalog.geometry("A100-40GB")
-    gpu = ManagedGpu(
-        0, "GPU-0000", "A100-40GB", "A100", geo.memory_mib, GpuMode.MIG, state_space(geo)
-    )
+    gpu = ManagedGpu(0, "GPU-0000", "A100-40GB", "A100", geo.memory_mib, MigState(state_space(geo)))
     return NodeScheduler([gpu], SchedulerPolicy(idle_policy=idle_policy, idle_timeout_s=5))  # type: ignore[arg-type]
 
 

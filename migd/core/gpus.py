@@ -1,0 +1,289 @@
+"""A GPU as the scheduler books it: what every GPU has, and the state of its mode.
+
+Every GPU runs in one :class:`GpuMode`, and holds exactly that mode's state as a
+value (:class:`MigState`, :class:`MpsState`, :class:`ExclusiveState`,
+:class:`OffState`), so a MIG-only field cannot be set or read on an MPS GPU by
+mistake. What the scheduler *does* per mode lives in :mod:`migd.core.gpu_modes`.
+
+:data:`RequestMode` is a different thing: what a job asks for (``mig``, ``mps`` or
+``auto``), which several GPU modes may serve (an ``mps`` request runs on an MPS GPU
+or inside a MIG instance that hosts MPS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, Literal
+
+from migd.core.geometry import Profile
+from migd.core.health import GpuHealth
+from migd.core.mps import MpsPool
+from migd.core.planner import Decision, DestroyOp, GpuView, Instance
+from migd.core.states import StateSpace
+
+
+class GpuMode(StrEnum):
+    """What a GPU runs (configured per GPU); each has its own state and mode driver."""
+
+    MIG = "mig"  # migd creates and destroys MIG instances
+    MPS = "mps"  # the whole GPU is shared through one MPS daemon
+    EXCLUSIVE = "exclusive"  # the whole GPU goes to one job (no MIG, no MPS)
+    OFF = "off"  # not managed by migd
+
+
+#: What a job asks for, as opposed to what a GPU runs (:class:`GpuMode`): ``mig`` a MIG
+#: instance of its own, ``mps`` an MPS share (on an MPS GPU or inside a MIG instance),
+#: ``auto`` whatever fits.
+RequestMode = Literal["mig", "mps", "auto"]
+
+
+class InstanceStatus(StrEnum):
+    READY = "ready"
+    CREATING = "creating"
+    DESTROYING = "destroying"
+
+
+class Origin(StrEnum):
+    MIGD = "migd"  # created by migd (this run or before a restart)
+    ADOPTED = "adopted"  # found at start-up, explainable, now managed
+    UNEXPLAINED = "unexplained"  # processes without a lease, or not a state of the model
+
+
+@dataclass
+class ManagedInstance:
+    """A MIG instance migd tracks on one GPU."""
+
+    profile: Profile
+    start: int
+    memory_mib: int
+    gi_id: int | None = None
+    uuid: str | None = None
+    status: InstanceStatus = InstanceStatus.READY
+    origin: Origin = Origin.MIGD
+    lease_id: str | None = None
+    idle_since_s: float | None = None
+    used_mib: int | None = None
+    note: str = ""
+    # MPS inside MIG: the instance hosts an MPS daemon whose shares are these (no
+    # lease_id then: many leases share it).
+    mps_pool: MpsPool | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Planner view: anything but an idle, ready, explained instance is untouchable."""
+        return (
+            self.lease_id is not None
+            or self.status is not InstanceStatus.READY
+            or self.origin is Origin.UNEXPLAINED
+            or (self.mps_pool is not None and bool(self.mps_pool.shares))
+        )
+
+    @property
+    def lease_ids(self) -> list[str]:
+        """The leases the instance serves: its own, or the shares of an MPS host."""
+        ids = [self.lease_id] if self.lease_id else []
+        if self.mps_pool is not None:
+            ids += [s.share_id for s in self.mps_pool.shares]
+        return ids
+
+    def __str__(self) -> str:
+        return f"{self.profile.name}@{self.start}"
+
+
+@dataclass
+class MigState:
+    """A MIG GPU's books: its state machine, its instances and MPS inside MIG."""
+
+    mode: ClassVar[GpuMode] = GpuMode.MIG
+    #: None when migd could not build the model's state machine (the GPU is unhealthy).
+    space: StateSpace | None = None
+    instances: list[ManagedInstance] = field(default_factory=list)
+    # Small and mode=mps requests get an MPS share inside an instance of mps_profile
+    # (default: the smallest profile) that migd creates for MPS.
+    mps_in_mig: bool = False
+    mps_profile: str | None = None
+
+    def take(self, decision: Decision, owner: str | None) -> ManagedInstance:
+        """Carry ``decision`` out in the books: the idle instances it destroys are being
+        destroyed, and the instance it grants is reused or being created for ``owner``
+        (None: an MPS host, which belongs to no lease)."""
+        for op in decision.ops:
+            if isinstance(op, DestroyOp):
+                victim = _find(self.instances, op.start, InstanceStatus.READY)
+                assert victim is not None and not victim.busy, "planner chose a busy instance"
+                victim.status = InstanceStatus.DESTROYING
+        if decision.action == "reuse":
+            inst = _find(self.instances, decision.start, InstanceStatus.READY)
+            assert inst is not None
+            return inst
+        inst = ManagedInstance(
+            profile=decision.profile,
+            start=decision.start,
+            memory_mib=decision.profile.memory_mib,
+            status=InstanceStatus.CREATING,
+            lease_id=owner,
+        )
+        self.instances.append(inst)
+        return inst
+
+
+@dataclass
+class MpsState:
+    """An MPS GPU's books: one pool for the whole GPU."""
+
+    mode: ClassVar[GpuMode] = GpuMode.MPS
+    #: Created on first use from the scheduler's policy (reserve, client cap, users).
+    pool: MpsPool | None = None
+
+
+@dataclass
+class ExclusiveState:
+    """An EXCLUSIVE GPU's books: the one lease that holds it."""
+
+    mode: ClassVar[GpuMode] = GpuMode.EXCLUSIVE
+    lease_id: str | None = None
+
+
+@dataclass
+class OffState:
+    """A GPU migd does not manage: nothing to book."""
+
+    mode: ClassVar[GpuMode] = GpuMode.OFF
+
+
+ModeState = MigState | MpsState | ExclusiveState | OffState
+
+
+def mode_state(
+    mode: GpuMode, space: StateSpace | None = None, *, mps_in_mig: bool = False
+) -> ModeState:
+    """The empty books of a GPU in ``mode`` (``space`` and ``mps_in_mig``: MIG only)."""
+    if mode is GpuMode.MIG:
+        return MigState(space=space, mps_in_mig=mps_in_mig)
+    if space is not None or mps_in_mig:
+        raise ValueError(f"a state space and MPS inside MIG are for MIG GPUs, not {mode}")
+    if mode is GpuMode.MPS:
+        return MpsState()
+    if mode is GpuMode.EXCLUSIVE:
+        return ExclusiveState()
+    return OffState()
+
+
+@dataclass
+class ManagedGpu:
+    """One GPU as the scheduler sees it: what every GPU has, and its mode's state.
+
+    The read-only accessors below (``space``, ``instances``, ``mps_in_mig``,
+    ``mps_pool``, ``exclusive_lease``) are for status, metrics and the daemon; each
+    reads one mode's state and gives an empty value (``None``, ``()``, ``False``) on a
+    GPU in another mode. Code that changes a mode's books takes its state
+    (``gpu.mig``, ``gpu.mps``, ``gpu.exclusive``), which is ``None`` in other modes.
+    """
+
+    index: int
+    uuid: str
+    model: str
+    name: str
+    memory_total_mib: int
+    state: ModeState
+    draining: bool = False
+    #: Conditions that keep new work off the GPU, each owned by its source (core.health).
+    health: GpuHealth = field(default_factory=GpuHealth)
+    used_mib: int | None = None
+    # Compute slices of the whole GPU (MIG geometry, also known for MPS-mode GPUs of MIG
+    # models); None when the model has none. min_compute is read against it.
+    compute_slices: int | None = None
+
+    @property
+    def mode(self) -> GpuMode:
+        return self.state.mode
+
+    @property
+    def mig(self) -> MigState | None:
+        return self.state if isinstance(self.state, MigState) else None
+
+    @property
+    def mps(self) -> MpsState | None:
+        return self.state if isinstance(self.state, MpsState) else None
+
+    @property
+    def exclusive(self) -> ExclusiveState | None:
+        return self.state if isinstance(self.state, ExclusiveState) else None
+
+    @property
+    def space(self) -> StateSpace | None:
+        """MIG: the state machine (None if it could not be built); None in other modes."""
+        return self.state.space if isinstance(self.state, MigState) else None
+
+    @property
+    def instances(self) -> Sequence[ManagedInstance]:
+        """MIG: the instances migd tracks; empty in other modes."""
+        return self.state.instances if isinstance(self.state, MigState) else ()
+
+    @property
+    def mps_in_mig(self) -> bool:
+        """Whether the GPU hosts MPS inside MIG instances (False unless MIG)."""
+        return isinstance(self.state, MigState) and self.state.mps_in_mig
+
+    @property
+    def mps_pool(self) -> MpsPool | None:
+        """MPS mode: the whole GPU's pool (None before first use); None in other modes."""
+        return self.state.pool if isinstance(self.state, MpsState) else None
+
+    @property
+    def exclusive_lease(self) -> str | None:
+        """EXCLUSIVE mode: the lease that holds the GPU; None when free or in other modes."""
+        return self.state.lease_id if isinstance(self.state, ExclusiveState) else None
+
+    @property
+    def available(self) -> bool:
+        return not self.draining and self.health.available
+
+    def instance_at(
+        self, start: int, status: InstanceStatus | None = None
+    ) -> ManagedInstance | None:
+        """The instance at ``start`` (with ``status``, if given).
+
+        During a repartition an instance being destroyed and its replacement being
+        created can share a start, so callers that act on one of them name its status.
+        """
+        return _find(self.instances, start, status)
+
+    def instance_of(self, lease_id: str) -> ManagedInstance | None:
+        for inst in self.instances:
+            if inst.lease_id == lease_id:
+                return inst
+        return None
+
+    def view(self) -> GpuView:
+        """The planner's view of a MIG GPU with a state machine."""
+        assert self.space is not None, f"GPU {self.index} has no MIG state machine"
+        reason = (
+            "draining" if self.draining else ("" if self.health.available else str(self.health))
+        )
+        return GpuView(
+            index=self.index,
+            space=self.space,
+            # Instances being destroyed are already gone from the intended layout: work on a
+            # GPU runs in order, so a later plan may reuse their slices.
+            # An MPS host (even with no share now) is kept for MPS: plain MIG requests
+            # neither reuse nor repartition it; idle teardown still removes it.
+            instances=tuple(
+                Instance(i.profile, i.start, i.busy or i.mps_pool is not None, f"gi:{i.gi_id}")
+                for i in self.instances
+                if i.status is not InstanceStatus.DESTROYING
+            ),
+            available=self.available,
+            unavailable_reason=reason,
+        )
+
+
+def _find(
+    instances: Sequence[ManagedInstance], start: int, status: InstanceStatus | None
+) -> ManagedInstance | None:
+    for inst in instances:
+        if inst.start == start and (status is None or inst.status is status):
+            return inst
+    return None
