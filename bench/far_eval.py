@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from migd.core.catalog import geometry
-from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.engine import PolicySimConfig, simulate
 from migd.policysim.far import lower_bound, plan_batch
 from migd.policysim.metrics import compute_metrics
 from migd.policysim.policies import named_policy
@@ -206,7 +206,7 @@ def online(runs: int) -> str:
                 from migd.core.queueing import QueuePolicy
 
                 policy = named_policy("migd", QueuePolicy(queue))
-                m = compute_metrics(simulate(far_jobs(tasks), policy, SimConfig()))
+                m = compute_metrics(simulate(far_jobs(tasks), policy, PolicySimConfig()))
                 sink.append(m.makespan_s / bound)
         lines.append(
             f"| {NAMES[scaling]}, n=20 | {statistics.mean(far_r):.3f} "

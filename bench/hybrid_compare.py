@@ -20,9 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from migd.policysim.compare import compare
-from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.engine import PolicySimConfig, simulate
 from migd.policysim.interference import fit_kit
-from migd.policysim.jobs import SimJob
+from migd.policysim.jobs import WorkloadJob
 from migd.policysim.metrics import Metrics, area_bounds, compute_metrics
 from migd.policysim.policies import named_policy
 from migd.policysim.workloads import WORKLOADS
@@ -39,7 +39,7 @@ LABELS = {
 HEADLINE = ("kit", "ht1", "ht2", "ht3")
 
 
-def users(jobs: Sequence[SimJob], n: int) -> list[SimJob]:
+def users(jobs: Sequence[WorkloadJob], n: int) -> list[WorkloadJob]:
     """The same jobs owned by ``n`` users in turn (UID 1000, 1001, ...)."""
     return [replace(j, uid=1000 + i % n) for i, j in enumerate(jobs)]
 
@@ -49,7 +49,9 @@ def mean(values: Sequence[float]) -> float:
     return statistics.fmean(finite) if finite else math.nan
 
 
-def run_mix(name: str, jobs_by_seed: list[list[SimJob]], config: SimConfig) -> dict[str, object]:
+def run_mix(
+    name: str, jobs_by_seed: list[list[WorkloadJob]], config: PolicySimConfig
+) -> dict[str, object]:
     rows: dict[str, list[Metrics]] = {}
     for jobs in jobs_by_seed:
         c = compare(jobs, workload=name, policies=POLICIES, queue="size", config=config,
@@ -61,13 +63,15 @@ def run_mix(name: str, jobs_by_seed: list[list[SimJob]], config: SimConfig) -> d
     return {"rows": rows, "bounds": bounds}
 
 
-def _geo(config: SimConfig):  # type: ignore[no-untyped-def]
+def _geo(config: PolicySimConfig):  # type: ignore[no-untyped-def]
     from migd.core.catalog import geometry
 
     return geometry(config.model)
 
 
-def multi_user_rows(name: str, jobs: list[SimJob], config: SimConfig) -> list[tuple[str, Metrics]]:
+def multi_user_rows(
+    name: str, jobs: list[WorkloadJob], config: PolicySimConfig
+) -> list[tuple[str, Metrics]]:
     out = []
     for label, spec in (
         ("exclusive", named_policy("exclusive")),
@@ -139,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     detail: list[str] = []
     for name in names:
         spec = WORKLOADS[name]
-        config = SimConfig(model=spec.model, gpus=spec.gpus, nodes=spec.nodes)
+        config = PolicySimConfig(model=spec.model, gpus=spec.gpus, nodes=spec.nodes)
         jobs_by_seed = [spec.build(s) for s in range(1, args.seeds + 1)]
         res = run_mix(name, jobs_by_seed, config)
         rows: dict[str, list[Metrics]] = res["rows"]  # type: ignore[assignment]
@@ -215,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name not in names:
             continue
         spec = WORKLOADS[name]
-        config = SimConfig(model=spec.model, gpus=spec.gpus, nodes=spec.nodes)
+        config = PolicySimConfig(model=spec.model, gpus=spec.gpus, nodes=spec.nodes)
         rows4 = multi_user_rows(name, users(spec.build(1), 4), config)
         b = rows4[0][1].throughput_per_h
         for label, m in rows4:

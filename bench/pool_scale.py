@@ -25,7 +25,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 CHILD = """
 import json, resource, sys, time
-from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.engine import PolicySimConfig, simulate
 from migd.policysim.metrics import compute_metrics
 from migd.policysim.policies import named_policy
 from migd.policysim.workloads import pool_stream
@@ -33,7 +33,7 @@ nodes, policy = int(sys.argv[1]), sys.argv[2]
 t0 = time.perf_counter()
 jobs = pool_stream(nodes, 8)
 t1 = time.perf_counter()
-result = simulate(jobs, named_policy(policy), SimConfig(gpus=8, nodes=nodes))
+result = simulate(jobs, named_policy(policy), PolicySimConfig(gpus=8, nodes=nodes))
 t2 = time.perf_counter()
 m = compute_metrics(result)
 print(json.dumps({

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from migd.policysim.compare import Comparison, compare
-from migd.policysim.engine import SimConfig
+from migd.policysim.engine import PolicySimConfig
 from migd.policysim.progress import ProgressBar
 from migd.policysim.report import (
     comparison_table,
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_runs: dict[str, list[Comparison]] = {}
     for case in cases:
         spec = WORKLOADS[case.workload]
-        config = SimConfig(model=spec.model, gpus=spec.gpus, nodes=spec.nodes)
+        config = PolicySimConfig(model=spec.model, gpus=spec.gpus, nodes=spec.nodes)
         for seed in range(1, seeds + 1):
             comparison = compare(
                 spec.build(seed),

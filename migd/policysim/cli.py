@@ -24,9 +24,9 @@ from pathlib import Path
 from migd.core.catalog import geometry, model_names
 from migd.errors import InvalidRequest, MigdError
 from migd.policysim.compare import DEFAULT_POLICIES, compare, count_runs
-from migd.policysim.engine import SimConfig
+from migd.policysim.engine import PolicySimConfig
 from migd.policysim.far import lower_bound, plan_batch
-from migd.policysim.jobs import SimJob
+from migd.policysim.jobs import WorkloadJob
 from migd.policysim.policies import POLICY_NAMES
 from migd.policysim.progress import ProgressBar
 from migd.policysim.report import INCOMPLETE, fmt_duration, write_report
@@ -125,7 +125,7 @@ def _cmd_list() -> int:
 
 
 def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    jobs: list[SimJob]
+    jobs: list[WorkloadJob]
     if args.trace is not None:
         jobs = load_trace(args.trace)
         name, desc, assumptions = args.trace.name, f"trace {args.trace}", "as given in the trace"
@@ -143,7 +143,7 @@ def _cmd_compare(args: argparse.Namespace, argv: Sequence[str]) -> int:
         gpus, nodes = spec.gpus, spec.nodes
         if model != spec.model:
             desc += f" (rebuilt for {model})"
-    config = SimConfig(
+    config = PolicySimConfig(
         model=model,
         gpus=args.gpus or gpus,
         nodes=args.nodes or nodes,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from migd.core.catalog import geometry
 from migd.core.queueing import QueuePolicy
 from migd.errors import InvalidRequest
-from migd.policysim.engine import SimConfig, SimResult, simulate
-from migd.policysim.jobs import SimJob
+from migd.policysim.engine import PolicySimConfig, PolicySimResult, simulate
+from migd.policysim.jobs import WorkloadJob
 from migd.policysim.metrics import Metrics, compute_metrics
 from migd.policysim.policies import POLICY_NAMES, PolicySpec, named_policy, static_policies
 
@@ -39,7 +39,7 @@ class Row:
     label: str
     description: str
     metrics: Metrics
-    result: SimResult | None = None
+    result: PolicySimResult | None = None
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Comparison:
     workload: str
     description: str
     assumptions: str
-    config: SimConfig
+    config: PolicySimConfig
     jobs: int
     rows: list[Row] = field(default_factory=list)
     static_all: list[Row] = field(default_factory=list)
@@ -124,14 +124,14 @@ def expand_policies(
 
 
 def compare(
-    jobs: Sequence[SimJob],
+    jobs: Sequence[WorkloadJob],
     *,
     workload: str = "custom",
     description: str = "",
     assumptions: str = "",
     policies: Sequence[str] = DEFAULT_POLICIES,
     queue: str = "both",
-    config: SimConfig | None = None,
+    config: PolicySimConfig | None = None,
     keep_results: Callable[[PolicySpec], bool] | None = None,
     on_progress: Callable[[str], None] | None = None,
     on_step: Callable[[str, float], None] | None = None,
@@ -153,7 +153,7 @@ def compare(
     Raises:
         InvalidRequest: unknown policy or queue scheme.
     """
-    config = config or SimConfig()
+    config = config or PolicySimConfig()
     specs = expand_policies(policies, _queues(queue), config.model)
     keep = keep_results or (lambda spec: spec.static_layout is None)
     comparison = Comparison(workload, description, assumptions, config, len(jobs))

@@ -22,14 +22,14 @@ resubmitted with :func:`migd.core.restart.restart_size`, the wrapper's own rule;
 the forecast on,
 :class:`migd.core.forecast.Forecaster` is fed one sample per iteration and the
 job restarts as soon as it fires. The forecast's horizon is what the wrapper would
-pass: the job's declared ``MigdHorizon`` (:attr:`SimJob.horizon`), or none.
+pass: the job's declared ``MigdHorizon`` (:attr:`WorkloadJob.horizon`), or none.
 
 Nothing here decides placement, queue order or MPS admission: the scheduler
 does. The matcher only ranks nodes by what they advertise (largest profile the
 planner could place now, free MPS memory, a free whole GPU) and, for static
 layouts, names the smallest idle instance a job fits in, as HTCondor matching a
 job to a statically partitioned slot would. As in the real pool, memory a node frees
-reaches the matcher ``SimConfig.ad_latency_s`` late, except for the same user's next
+reaches the matcher ``PolicySimConfig.ad_latency_s`` late, except for the same user's next
 job that fits the ended job's partition (claim reuse); docs/simulator.md, "The
 matcher against the real pool".
 """
@@ -74,7 +74,7 @@ from migd.core.scheduler import (
 from migd.core.states import StateSpace, state_space
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
 from migd.policysim.interference import CALIBRATED, MpsInterference
-from migd.policysim.jobs import PowerModel, SimJob, busy_fraction, demand_of, runtime_at
+from migd.policysim.jobs import PowerModel, WorkloadJob, busy_fraction, demand_of, runtime_at
 from migd.policysim.policies import PolicySpec
 
 Outcome = Literal["completed", "rejected", "failed", "unfinished"]
@@ -84,7 +84,7 @@ MAX_NODES = 4096
 
 
 @dataclass(frozen=True)
-class SimConfig:
+class PolicySimConfig:
     """The simulated hardware and the knobs of the simulation itself.
 
     Attributes:
@@ -138,7 +138,7 @@ class SimConfig:
 class Attempt:
     """One submission of a job (the first, or a restart after OOM)."""
 
-    job: SimJob
+    job: WorkloadJob
     number: int
     memory_mib: int
     min_compute: int
@@ -154,7 +154,7 @@ class Attempt:
 class JobRecord:
     """What happened to one job, over all its attempts."""
 
-    job: SimJob
+    job: WorkloadJob
     attempts: int = 0
     first_start_s: float | None = None
     end_s: float | None = None
@@ -249,11 +249,11 @@ class ReconfigStats:
 
 
 @dataclass
-class SimResult:
+class PolicySimResult:
     """Raw output of one run; :mod:`migd.policysim.metrics` turns it into numbers."""
 
     policy: PolicySpec
-    config: SimConfig
+    config: PolicySimConfig
     geometry: Geometry
     records: list[JobRecord]
     end_s: float
@@ -302,13 +302,13 @@ class Simulation:
 
     def __init__(
         self,
-        jobs: Sequence[SimJob],
+        jobs: Sequence[WorkloadJob],
         policy: PolicySpec,
-        config: SimConfig | None = None,
+        config: PolicySimConfig | None = None,
         *,
         progress: Callable[[float, int, int], None] | None = None,
     ) -> None:
-        self.config = config or SimConfig()
+        self.config = config or PolicySimConfig()
         self.policy = policy
         self.geo = geometry(self.config.model)
         if policy.start_order == "index":
@@ -411,7 +411,7 @@ class Simulation:
     def _push(self, when: float, kind: str, payload: Any) -> None:
         heapq.heappush(self._heap, (when, next(self._seq), kind, payload))
 
-    def run(self) -> SimResult:
+    def run(self) -> PolicySimResult:
         """Run to completion (or ``max_time_s``) and return the raw result."""
         for job in self.jobs:
             attempt = Attempt(job, 0, job.memory_mib, job.min_compute, job.submit_s, job.wait_s)
@@ -862,7 +862,7 @@ class Simulation:
             self._schedule_end(lease.lease_id, run)
         self._sample(node.index, gpu.index)
 
-    def _stop_point(self, job: SimJob, limit_mib: int) -> tuple[int | None, str, int]:
+    def _stop_point(self, job: WorkloadJob, limit_mib: int) -> tuple[int | None, str, int]:
         """Where a run with ``limit_mib`` ends early: (iteration, why, MiB the forecast wants)."""
         growth = job.growth
         if growth is None:
@@ -1107,7 +1107,7 @@ class Simulation:
                     assert pinned <= cap, f"GPU {gpu.index}: {pinned} MiB pinned of {cap}"
                     assert sum(r.share for _, r in runs) <= 1.0 + 1e-9
 
-    def _result(self) -> SimResult:
+    def _result(self) -> PolicySimResult:
         for (node_index, gpu_index, start), (name, units, since) in self._open_instances.items():
             self.spans.append(
                 Span(node_index, gpu_index, name, start, units, since, self.now, "instance", "open")
@@ -1115,7 +1115,7 @@ class Simulation:
         self._open_instances.clear()
         for lease_id, run in self.runs.items():
             self.spans.append(run.span(lease_id, self.now, "unfinished"))
-        return SimResult(
+        return PolicySimResult(
             policy=self.policy,
             config=self.config,
             geometry=self.geo,
@@ -1133,12 +1133,12 @@ class Simulation:
 
 
 def simulate(
-    jobs: Sequence[SimJob],
+    jobs: Sequence[WorkloadJob],
     policy: PolicySpec,
-    config: SimConfig | None = None,
+    config: PolicySimConfig | None = None,
     *,
     progress: Callable[[float, int, int], None] | None = None,
-) -> SimResult:
+) -> PolicySimResult:
     """Run one policy on one workload (see :class:`Simulation`)."""
     return Simulation(jobs, policy, config, progress=progress).run()
 
@@ -1146,9 +1146,9 @@ def simulate(
 __all__ = [
     "Attempt",
     "JobRecord",
+    "PolicySimConfig",
+    "PolicySimResult",
     "ReconfigStats",
-    "SimConfig",
-    "SimResult",
     "Simulation",
     "Span",
     "simulate",

@@ -4,7 +4,7 @@ One model for every MPS device the simulator knows: a whole GPU in MPS mode and 
 MPS server inside a MIG instance ([Voigtlaender] §3: "both MIG and MPS can be used
 together"). A device offers ``capacity`` of a whole GPU's compute (1 for a GPU, ``c/C``
 for an instance of ``c`` of ``C`` compute slices). Its ``n`` clients keep ``d_i`` of a
-whole GPU busy each (:attr:`migd.policysim.jobs.SimJob.compute_demand`), ``D = sum d_i``.
+whole GPU busy each (:attr:`migd.policysim.jobs.WorkloadJob.compute_demand`), ``D = sum d_i``.
 Client ``i`` gets the share
 
     share_i = d_i * min(1, capacity / D) / (contention * overload)

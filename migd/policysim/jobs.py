@@ -1,6 +1,6 @@
 """Simulated jobs and the runtime model the simulator charges them (pure).
 
-A :class:`SimJob` is what a user submits: when, how much GPU memory it asks for,
+A :class:`WorkloadJob` is what a user submits: when, how much GPU memory it asks for,
 and how long it runs alone on a whole GPU. How long it runs on *less* than a
 whole GPU is the model's central assumption, stated once here:
 
@@ -92,7 +92,7 @@ class Growth:
 
 
 @dataclass(frozen=True)
-class SimJob:
+class WorkloadJob:
     """One submitted job.
 
     Attributes:
@@ -155,7 +155,7 @@ class SimJob:
             )
 
 
-def demand_of(job: SimJob, compute_slices: int) -> float:
+def demand_of(job: WorkloadJob, compute_slices: int) -> float:
     """The job's compute demand as a GPU fraction.
 
     For moldable jobs: the smallest size whose time is within 5 % of its best time,
@@ -168,7 +168,7 @@ def demand_of(job: SimJob, compute_slices: int) -> float:
     return min(1.0, size / compute_slices)
 
 
-def runtime_at(job: SimJob, share: float, compute_slices: int) -> float:
+def runtime_at(job: WorkloadJob, share: float, compute_slices: int) -> float:
     """Seconds the job takes with ``share`` (0 < share <= 1) of a GPU of ``compute_slices``."""
     if share <= 0:
         raise ValueError("share must be positive")
@@ -188,7 +188,7 @@ def runtime_at(job: SimJob, share: float, compute_slices: int) -> float:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def busy_fraction(job: SimJob, share: float, compute_slices: int) -> float:
+def busy_fraction(job: WorkloadJob, share: float, compute_slices: int) -> float:
     """Fraction of the GPU the job keeps busy with ``share`` of it: ``min(share, d)``."""
     return min(share, demand_of(job, compute_slices))
 

@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from migd.core.geometry import Geometry
-from migd.policysim.engine import SimResult
-from migd.policysim.jobs import SimJob, runtime_at
+from migd.policysim.engine import PolicySimResult
+from migd.policysim.jobs import WorkloadJob, runtime_at
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -114,7 +114,7 @@ def _integrate(
     return total
 
 
-def compute_metrics(result: SimResult) -> Metrics:
+def compute_metrics(result: PolicySimResult) -> Metrics:
     """Summarise a run."""
     records = result.records
     done = [r for r in records if r.outcome == "completed"]
@@ -182,7 +182,9 @@ def _slice_hours(runtime_s: float, slice_times: Mapping[int, float] | None, comp
     return compute * runtime_s / 3600.0
 
 
-def area_bounds(jobs: Sequence[SimJob], geo: Geometry, gpus: int, reserve_mib: int) -> AreaBounds:
+def area_bounds(
+    jobs: Sequence[WorkloadJob], geo: Geometry, gpus: int, reserve_mib: int
+) -> AreaBounds:
     """Throughput no schedule can beat (jobs per hour), from the slice area jobs need.
 
     * ``mig``: every job on the MIG profile (of the ``classic`` set) that holds its memory

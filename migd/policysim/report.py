@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from migd.policysim.compare import Comparison, Row
-from migd.policysim.engine import SimResult
+from migd.policysim.engine import PolicySimResult
 from migd.policysim.metrics import Metrics
 
 # -- formatting ---------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _hours(seconds: float) -> float:
     return seconds / 3600.0
 
 
-def plot_utilisation(result: SimResult, path: Path, title: str = "") -> bool:
+def plot_utilisation(result: PolicySimResult, path: Path, title: str = "") -> bool:
     """Busy compute slices over time, one line per GPU. ``False`` without matplotlib."""
     plt = pyplot()
     if plt is None:
@@ -185,7 +185,7 @@ def plot_utilisation(result: SimResult, path: Path, title: str = "") -> bool:
 
 
 def plot_slice_map(
-    result: SimResult, path: Path, node: int = 0, gpu: int = 0, title: str = ""
+    result: PolicySimResult, path: Path, node: int = 0, gpu: int = 0, title: str = ""
 ) -> bool:
     """Which job held which memory slices of one GPU over time. ``False`` without matplotlib."""
     plt = pyplot()

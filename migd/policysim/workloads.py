@@ -37,7 +37,7 @@ from migd.core.catalog import geometry
 from migd.core.geometry import Geometry, Profile
 from migd.errors import ConfigError, InvalidRequest, MigdError
 from migd.policysim.interference import fit_kit
-from migd.policysim.jobs import Growth, SimJob
+from migd.policysim.jobs import Growth, WorkloadJob
 
 # -- [MIG-HT] -------------------------------------------------------------------------------
 
@@ -91,10 +91,10 @@ def _bucket_job(
     runtime_s: float | None = None,
     demand: float | None = None,
     spec: Mapping[str, BucketSpec] = DEFAULT_BUCKETS,
-) -> SimJob:
+) -> WorkloadJob:
     low, high = bucket_memory_range(geo, bucket)
     s = spec[bucket]
-    return SimJob(
+    return WorkloadJob(
         job_id=job_id,
         submit_s=0.0,
         memory_mib=rng.randint(low, high),
@@ -104,7 +104,7 @@ def _bucket_job(
     )
 
 
-def seed002_mix(name: str, seed: int = 1, model: str = "A100-40GB") -> list[SimJob]:
+def seed002_mix(name: str, seed: int = 1, model: str = "A100-40GB") -> list[WorkloadJob]:
     """One of [MIG-HT]'s Rodinia mixes (appendix Table 1), submitted at t=0.
 
     * ``hm1`` particle filter x50 (small). Demand 0.32: [MIG-HT] Table 3, 1.17 s on
@@ -132,7 +132,7 @@ def seed002_mix(name: str, seed: int = 1, model: str = "A100-40GB") -> list[SimJ
         "hm3": (100, 0.16, "small"),
         "hm4": (50, 0.59, "large"),
     }
-    jobs: list[SimJob] = []
+    jobs: list[WorkloadJob] = []
     if name in homogeneous:
         count, demand, bucket = homogeneous[name]
         for i in range(count):
@@ -203,7 +203,7 @@ def alibaba_mix(
     mean_lifetime_s: float = 3600.0,
     mix: Mapping[str, float] = ALIBABA_PROFILE_MIX,
     wait_s: float | None = 0.0,
-) -> list[SimJob]:
+) -> list[WorkloadJob]:
     """[Siavashi]-shaped online workload: one MIG profile per request, Poisson arrivals.
 
     The arrival rate makes the offered load (compute slices asked for x mean lifetime)
@@ -232,7 +232,7 @@ def alibaba_mix(
         if prof.compute_slices == geo.compute_slices:
             memory = min(memory, prof.memory_mib - 2048)  # an MPS share keeps a reserve
         jobs.append(
-            SimJob(
+            WorkloadJob(
                 job_id=f"vm-{i:05d}",
                 submit_s=round(t, 3),
                 memory_mib=memory,
@@ -362,7 +362,7 @@ def far_tasks(
     return [MoldableTask(f"t{i:03d}", task.times) for i, task in enumerate(tasks)]
 
 
-def far_jobs(tasks: Iterable[MoldableTask], model: str = "A100-40GB") -> list[SimJob]:
+def far_jobs(tasks: Iterable[MoldableTask], model: str = "A100-40GB") -> list[WorkloadJob]:
     """Moldable tasks as online jobs: each asks for its fastest-area size, all at t=0."""
     geo = geometry(model)
     by_compute = _profile_by_compute(geo)
@@ -370,7 +370,7 @@ def far_jobs(tasks: Iterable[MoldableTask], model: str = "A100-40GB") -> list[Si
     for task in tasks:
         prof = by_compute[task.best_size]
         jobs.append(
-            SimJob(
+            WorkloadJob(
                 job_id=task.name,
                 submit_s=0.0,
                 memory_mib=prof.memory_mib
@@ -420,14 +420,14 @@ def llm_mix(
     noise_frac: float = 0.01,
     repeat: int = 1,
     horizon_share: float = 0.0,
-) -> list[SimJob]:
+) -> list[WorkloadJob]:
     """[MIG-HT]'s dynamic-memory LLM jobs, all at t=0, each asking for its start memory.
 
     ``repeat`` multiplies the batch (the paper ran each mix separately; one batch of
     12 jobs on one A100 is the default). Noise is Gaussian with ``noise_frac`` of
     the start memory as standard deviation. ``horizon_share`` of the jobs (rounded,
     picked at random) declare their total iterations as ``MigdHorizon``
-    (:attr:`SimJob.horizon`); by default none do, as a job that sets nothing.
+    (:attr:`WorkloadJob.horizon`); by default none do, as a job that sets nothing.
 
     Raises:
         InvalidRequest: ``horizon_share`` outside [0, 1].
@@ -448,7 +448,7 @@ def llm_mix(
                     seed=rng.randrange(1 << 30),
                 )
                 jobs.append(
-                    SimJob(
+                    WorkloadJob(
                         job_id=f"{kind}-{r}-{i}",
                         submit_s=0.0,
                         memory_mib=spec.start_mib,
@@ -478,7 +478,7 @@ def llm_mix(
 KIT_DEMAND = fit_kit().demand
 
 
-def kit_mix(n_jobs: int = 414, seed: int = 1) -> list[SimJob]:
+def kit_mix(n_jobs: int = 414, seed: int = 1) -> list[WorkloadJob]:
     """[Voigtlaender]'s HTCondor benchmark: 414 small TensorFlow trainings, at t=0.
 
     10.56 min alone on an A100 ([Voigtlaender] Table 1, "Default"). The compute demand
@@ -490,7 +490,7 @@ def kit_mix(n_jobs: int = 414, seed: int = 1) -> list[SimJob]:
     """
     rng = random.Random(f"kit-{seed}")
     return [
-        SimJob(
+        WorkloadJob(
             job_id=f"kit-{i:03d}",
             submit_s=0.0,
             memory_mib=rng.randint(2800, 3200),
@@ -515,7 +515,7 @@ def pool_stream(
     users: int = 20,
     seed: int = 1,
     model: str = "A100-40GB",
-) -> list[SimJob]:
+) -> list[WorkloadJob]:
     """A day of a [MIG-HT]/004-shaped stream for a pool of ``nodes`` x ``gpus``.
 
     Half the jobs are [Voigtlaender]'s small trainings (:func:`kit_mix`'s memory and
@@ -560,7 +560,7 @@ def pool_stream(
         footprint += prof.compute_slices / geo.compute_slices * runtime
     scale = load * n_gpus * span_s / footprint
     return [
-        SimJob(
+        WorkloadJob(
             job_id=f"pool-{i}",
             submit_s=round(t, 3),
             memory_mib=mib,
@@ -610,7 +610,7 @@ def _number(row: Mapping[str, Any], key: str, where: str, default: float | None)
     return number
 
 
-def _job_from_row(row: Mapping[str, Any], where: str, index: int) -> SimJob:
+def _job_from_row(row: Mapping[str, Any], where: str, index: int) -> WorkloadJob:
     submit = _number(row, "submit_s", where, None)
     memory = _number(row, "memory_mib", where, None)
     runtime = _number(row, "runtime_s", where, None)
@@ -629,7 +629,7 @@ def _job_from_row(row: Mapping[str, Any], where: str, index: int) -> SimJob:
         growth = (
             Growth(int(memory), int(peak), int(iterations), seed=index) if peak > memory else None
         )
-        return SimJob(
+        return WorkloadJob(
             job_id=job_id,
             submit_s=submit,
             memory_mib=math.ceil(memory),
@@ -646,7 +646,7 @@ def _job_from_row(row: Mapping[str, Any], where: str, index: int) -> SimJob:
         raise ConfigError(exc.message, where=where, hint=exc.hint) from exc
 
 
-def load_trace(path: str | Path) -> list[SimJob]:
+def load_trace(path: str | Path) -> list[WorkloadJob]:
     """Read a job trace: CSV with a header row, or JSON (a list of objects, or ``{"jobs": [...]}``).
 
     Columns (keys) are :data:`TRACE_COLUMNS`; ``submit_s``, ``memory_mib`` and
@@ -665,7 +665,7 @@ def load_trace(path: str | Path) -> list[SimJob]:
             where=str(p),
             hint="give the path of a CSV or JSON trace",
         ) from exc
-    jobs: list[SimJob] = []
+    jobs: list[WorkloadJob] = []
     if p.suffix.lower() == ".json" or text.lstrip().startswith(("[", "{")):
         try:
             data = json.loads(text)
@@ -705,7 +705,7 @@ class WorkloadSpec:
     """
 
     name: str
-    builder: Callable[[int, str], list[SimJob]]
+    builder: Callable[[int, str], list[WorkloadJob]]
     description: str
     assumptions: str
     model: str = "A100-40GB"
@@ -713,7 +713,7 @@ class WorkloadSpec:
     nodes: int = 1
     online: bool = False  # arrivals over time (acceptance matters more than makespan)
 
-    def build(self, seed: int = 1, model: str | None = None) -> list[SimJob]:
+    def build(self, seed: int = 1, model: str | None = None) -> list[WorkloadJob]:
         """The jobs for ``seed`` on ``model`` (default: the workload's own model).
 
         Raises:
@@ -722,7 +722,7 @@ class WorkloadSpec:
         return self.builder(seed, geometry(model).model if model else self.model)
 
 
-def _far_build(scaling: str, times: str, seed: int, model: str) -> list[SimJob]:
+def _far_build(scaling: str, times: str, seed: int, model: str) -> list[WorkloadJob]:
     sizes = classic_sizes(geometry(model))
     # p_sup = 0.5 (Figure 11): with no memory-bound tasks every task's fastest-area
     # size is 1 slice, and the online mix would be all 1g requests
@@ -828,7 +828,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 }
 
 
-def workload(name: str, seed: int = 1, model: str | None = None) -> list[SimJob]:
+def workload(name: str, seed: int = 1, model: str | None = None) -> list[WorkloadJob]:
     """Build a named workload (for ``model``; default the workload's own).
 
     Raises:

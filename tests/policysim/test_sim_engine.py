@@ -17,8 +17,8 @@ from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
 from migd.errors import InvalidRequest
 from migd.policysim import engine
-from migd.policysim.engine import SimConfig, SimResult, Simulation, simulate
-from migd.policysim.jobs import Growth, SimJob, runtime_at
+from migd.policysim.engine import PolicySimConfig, PolicySimResult, Simulation, simulate
+from migd.policysim.jobs import Growth, WorkloadJob, runtime_at
 from migd.policysim.metrics import compute_metrics
 from migd.policysim.policies import POLICY_NAMES, PolicySpec, named_policy, static_policies
 
@@ -26,18 +26,20 @@ A100 = geometry("A100-40GB")
 TABLE1 = CostModel.for_model("A100-40GB")
 
 
-def small(i: int, runtime_s: float = 100.0, demand: float = 0.1, submit_s: float = 0.0) -> SimJob:
-    return SimJob(f"s{i}", submit_s, 4000, runtime_s, compute_demand=demand, kind="small")
+def small(
+    i: int, runtime_s: float = 100.0, demand: float = 0.1, submit_s: float = 0.0
+) -> WorkloadJob:
+    return WorkloadJob(f"s{i}", submit_s, 4000, runtime_s, compute_demand=demand, kind="small")
 
 
-def job_spans(result: SimResult) -> list:  # type: ignore[type-arg]
+def job_spans(result: PolicySimResult) -> list:  # type: ignore[type-arg]
     return [s for s in result.spans if s.kind == "job"]
 
 
 def test_seven_small_jobs_finish_in_one_wave() -> None:
     # 7 x 1g.5gb fill an A100; creations are serialised (0.16 s each, [Villarrubia] Table 1),
     # then every job runs 100 s (its demand 0.1 fits in 1/7 of the GPU).
-    result = simulate([small(i) for i in range(7)], named_policy("migd"), SimConfig())
+    result = simulate([small(i) for i in range(7)], named_policy("migd"), PolicySimConfig())
     m = compute_metrics(result)
     assert m.completed == 7
     assert m.creates == 7
@@ -53,7 +55,7 @@ def test_seven_small_jobs_finish_in_one_wave() -> None:
 
 
 def test_eighth_small_job_waits_for_the_first_to_finish() -> None:
-    result = simulate([small(i) for i in range(8)], named_policy("migd"), SimConfig())
+    result = simulate([small(i) for i in range(8)], named_policy("migd"), PolicySimConfig())
     last = max(result.records, key=lambda r: r.first_start_s or 0)
     first_end = min(r.end_s or math.inf for r in result.records)
     # it reuses the freed 1g.5gb instance: no new creation, starts as the first job ends
@@ -63,7 +65,7 @@ def test_eighth_small_job_waits_for_the_first_to_finish() -> None:
 
 def test_exclusive_runs_one_job_per_gpu_at_a_time() -> None:
     jobs = [small(i, runtime_s=50.0 + i) for i in range(5)]
-    result = simulate(jobs, named_policy("exclusive", QueuePolicy.FIFO), SimConfig())
+    result = simulate(jobs, named_policy("exclusive", QueuePolicy.FIFO), PolicySimConfig())
     spans = sorted(job_spans(result), key=lambda s: s.start_s)
     for a, b in itertools.pairwise(spans):
         assert b.start_s >= a.end_s - 1e-9
@@ -72,15 +74,15 @@ def test_exclusive_runs_one_job_per_gpu_at_a_time() -> None:
 
 def test_exclusive_pool_uses_both_nodes() -> None:
     jobs = [small(0), small(1)]
-    result = simulate(jobs, named_policy("exclusive"), SimConfig(nodes=2))
+    result = simulate(jobs, named_policy("exclusive"), PolicySimConfig(nodes=2))
     assert {s.node for s in job_spans(result)} == {0, 1}
     assert compute_metrics(result).makespan_s == pytest.approx(100.0)
 
 
 def test_mps_processor_sharing() -> None:
     # two clients of demand 0.6 share one GPU: together 1.2, so each runs 1.2x slower
-    jobs = [SimJob(f"m{i}", 0.0, 8000, 100.0, compute_demand=0.6) for i in range(2)]
-    result = simulate(jobs, named_policy("mps"), SimConfig())
+    jobs = [WorkloadJob(f"m{i}", 0.0, 8000, 100.0, compute_demand=0.6) for i in range(2)]
+    result = simulate(jobs, named_policy("mps"), PolicySimConfig())
     assert [r.end_s for r in result.records] == pytest.approx([120.0, 120.0])
     m = compute_metrics(result)
     assert m.compute_util == pytest.approx(1.0)
@@ -88,8 +90,8 @@ def test_mps_processor_sharing() -> None:
 
 def test_mps_refuses_more_than_its_memory() -> None:
     # 39 GiB usable (1 GiB reserve): two 25 GB jobs cannot share, they run one after another
-    jobs = [SimJob(f"m{i}", 0.0, 25000, 100.0, compute_demand=0.3) for i in range(2)]
-    result = simulate(jobs, named_policy("mps"), SimConfig(check_invariants=True))
+    jobs = [WorkloadJob(f"m{i}", 0.0, 25000, 100.0, compute_demand=0.3) for i in range(2)]
+    result = simulate(jobs, named_policy("mps"), PolicySimConfig(check_invariants=True))
     ends = sorted(r.end_s or 0 for r in result.records)
     assert ends == pytest.approx([100.0, 200.0])
 
@@ -100,8 +102,8 @@ def test_static_layout_refuses_what_no_instance_holds() -> None:
         for p in static_policies(A100)
         if "1g.5gb@6" in p.description and "2g" not in p.description and "3g" not in p.description
     )
-    jobs = [small(0), SimJob("big", 0.0, 15000, 50.0)]
-    result = simulate(jobs, seven_small, SimConfig())
+    jobs = [small(0), WorkloadJob("big", 0.0, 15000, 50.0)]
+    result = simulate(jobs, seven_small, PolicySimConfig())
     outcome = {r.job.job_id: r.outcome for r in result.records}
     assert outcome == {"s0": "completed", "big": "rejected"}
     assert compute_metrics(result).creates == 0
@@ -113,7 +115,7 @@ def test_static_layout_offers_the_smallest_idle_instance_that_fits() -> None:
         for p in static_policies(A100)
         if "2g.10gb" in p.description and "3g" not in p.description and "4g" not in p.description
     )
-    result = simulate([small(0)], layout, SimConfig())
+    result = simulate([small(0)], layout, PolicySimConfig())
     assert result.records[0].profiles == ["1g.5gb"]
 
 
@@ -127,14 +129,14 @@ def test_static_scheme_b_is_fifo_and_a_backfills() -> None:
         if "4g.20gb" in p.description and p.description.count("1g.5gb") == 3
     )
     jobs = [
-        SimJob("big1", 0.0, 15000, 100.0),
-        SimJob("big2", 0.5, 15000, 100.0),
-        SimJob("small", 1.0, 4000, 10.0),
+        WorkloadJob("big1", 0.0, 15000, 100.0),
+        WorkloadJob("big2", 0.5, 15000, 100.0),
+        WorkloadJob("small", 1.0, 4000, 10.0),
     ]
     starts = {}
     for queue in (QueuePolicy.SIZE, QueuePolicy.FIFO):
         spec = layout.with_queue(queue)
-        records = simulate(jobs, spec, SimConfig(check_invariants=True)).records
+        records = simulate(jobs, spec, PolicySimConfig(check_invariants=True)).records
         starts[queue] = {r.job.job_id: r.first_start_s for r in records}
     big1_end = runtime_at(jobs[0], 4 / 7, 7)  # 175 s on the 4g
     assert starts[QueuePolicy.SIZE]["small"] == pytest.approx(1.0)
@@ -146,12 +148,15 @@ def test_pool_refuses_what_no_node_can_ever_hold_by_the_schedulers_own_check() -
     # MPS keeps a reserve: a job that fits the GPU's memory but not the MPS pool is
     # refused at the matcher, for the reason submit() itself would give
     cap = named_policy("mps").scheduler.mps_reserve_mib
-    jobs = [SimJob("fits", 0.0, 4000, 10.0), SimJob("over", 0.0, A100.memory_mib - cap + 1, 10.0)]
-    result = simulate(jobs, named_policy("mps"), SimConfig(nodes=2, check_invariants=True))
+    jobs = [
+        WorkloadJob("fits", 0.0, 4000, 10.0),
+        WorkloadJob("over", 0.0, A100.memory_mib - cap + 1, 10.0),
+    ]
+    result = simulate(jobs, named_policy("mps"), PolicySimConfig(nodes=2, check_invariants=True))
     outcome = {r.job.job_id: (r.outcome, r.reason) for r in result.records}
     assert outcome["fits"][0] == "completed"
     assert outcome["over"] == ("rejected", "no partition on any node can ever hold it")
-    direct = simulate([jobs[1]], named_policy("mps"), SimConfig()).records[0]
+    direct = simulate([jobs[1]], named_policy("mps"), PolicySimConfig()).records[0]
     assert direct.outcome == "rejected" and "can ever hold the request: 39425 MiB" in direct.reason
 
 
@@ -173,7 +178,7 @@ def test_the_queue_is_scheduled_after_every_finished_work_item(
 
     monkeypatch.setattr(NodeScheduler, "work_done", done)
     monkeypatch.setattr(NodeScheduler, "_schedule", schedule)
-    simulate([small(i) for i in range(9)], named_policy("migd"), SimConfig())
+    simulate([small(i) for i in range(9)], named_policy("migd"), PolicySimConfig())
     assert calls.count("work_done") >= 7
     for i, call in enumerate(calls):
         if call == "work_done":
@@ -182,7 +187,7 @@ def test_the_queue_is_scheduled_after_every_finished_work_item(
 
 def test_ended_leases_leave_the_scheduler() -> None:
     # as the daemon does once they are persisted: memory does not grow with history
-    sim = Simulation([small(i) for i in range(12)], named_policy("migd"), SimConfig())
+    sim = Simulation([small(i) for i in range(12)], named_policy("migd"), PolicySimConfig())
     seen: list[int] = []
     real = sim._settle
 
@@ -199,35 +204,35 @@ def test_ended_leases_leave_the_scheduler() -> None:
 
 def test_seed001_first_fit_takes_the_lowest_start_and_the_first_node() -> None:
     # the driver's own order puts a lone 1g.5gb at start 6; [Siavashi]'s sequential FF at 0
-    driver = simulate([small(0)], named_policy("first-fit"), SimConfig())
-    seq = simulate([small(0)], named_policy("first-fit-seq"), SimConfig())
+    driver = simulate([small(0)], named_policy("first-fit"), PolicySimConfig())
+    seq = simulate([small(0)], named_policy("first-fit-seq"), PolicySimConfig())
     assert [s.unit_start for s in job_spans(driver)] == [6]
     assert [s.unit_start for s in job_spans(seq)] == [0]
     assert A100.by_id(19).default_order[0] == 6  # the catalog is left alone
     # in a pool it fills node 0 before node 1; the best-fit matcher packs the
     # partly used node too, but offers a whole-GPU job the emptier one
-    jobs = [SimJob("a", 0.0, 4000, 100.0), SimJob("b", 1.0, 4000, 100.0)]
-    pool = SimConfig(nodes=2, check_invariants=True)
+    jobs = [WorkloadJob("a", 0.0, 4000, 100.0), WorkloadJob("b", 1.0, 4000, 100.0)]
+    pool = PolicySimConfig(nodes=2, check_invariants=True)
     assert {s.node for s in job_spans(simulate(jobs, named_policy("first-fit-seq"), pool))} == {0}
 
 
 def test_refused_at_once_when_wait_is_zero() -> None:
-    jobs = [SimJob(f"v{i}", 0.0, 30000, 100.0, wait_s=0.0) for i in range(2)]
-    result = simulate(jobs, named_policy("migd"), SimConfig())
+    jobs = [WorkloadJob(f"v{i}", 0.0, 30000, 100.0, wait_s=0.0) for i in range(2)]
+    result = simulate(jobs, named_policy("migd"), PolicySimConfig())
     assert sorted(r.outcome for r in result.records) == ["completed", "rejected"]
     assert compute_metrics(result).acceptance == pytest.approx(0.5)
 
 
 def test_deadline_expires_a_queued_job() -> None:
-    jobs = [SimJob("a", 0.0, 30000, 100.0), SimJob("b", 0.0, 30000, 10.0, wait_s=50.0)]
-    result = simulate(jobs, named_policy("migd"), SimConfig())
+    jobs = [WorkloadJob("a", 0.0, 30000, 100.0), WorkloadJob("b", 0.0, 30000, 10.0, wait_s=50.0)]
+    result = simulate(jobs, named_policy("migd"), PolicySimConfig())
     outcome = {r.job.job_id: r.outcome for r in result.records}
     assert outcome == {"a": "completed", "b": "rejected"}
 
 
-def growing(noise: float = 0.0) -> SimJob:
+def growing(noise: float = 0.0) -> WorkloadJob:
     # 4000 -> 8000 MiB over 100 iterations: exceeds 1g.5gb (4864 MiB) in iteration 22
-    return SimJob(
+    return WorkloadJob(
         "llm",
         0.0,
         4000,
@@ -238,7 +243,7 @@ def growing(noise: float = 0.0) -> SimJob:
 
 
 def test_oom_kills_on_the_next_larger_profile() -> None:
-    result = simulate([growing()], named_policy("migd"), SimConfig())
+    result = simulate([growing()], named_policy("migd"), PolicySimConfig())
     record = result.records[0]
     assert record.outcome == "completed"
     assert record.profiles == ["1g.5gb", "2g.10gb"]
@@ -250,8 +255,8 @@ def test_oom_kills_on_the_next_larger_profile() -> None:
 
 def test_forecast_with_a_declared_horizon_kills_earlier_than_the_oom() -> None:
     job = replace(growing(noise=20.0), horizon=100.0)  # the job sets MigdHorizon = 100
-    oom = simulate([job], named_policy("migd"), SimConfig()).records[0]
-    early = simulate([job], named_policy("migd+forecast"), SimConfig()).records[0]
+    oom = simulate([job], named_policy("migd"), PolicySimConfig()).records[0]
+    early = simulate([job], named_policy("migd+forecast"), PolicySimConfig()).records[0]
     assert early.outcome == "completed"
     assert early.forecast_kills == 1 and early.oom_kills == 0
     assert early.profiles == ["1g.5gb", "2g.10gb"]
@@ -263,8 +268,10 @@ def test_forecast_without_a_horizon_looks_only_as_far_as_it_has_seen() -> None:
     # what the wrapper does for a job without MigdHorizon: the forecast still restarts
     # the job before its OOM, but later, and sized for a nearer peak: here 1g -> 2g is
     # not enough and it restarts again (4g), losing more than the OOM would have
-    oom = simulate([growing(noise=20.0)], named_policy("migd"), SimConfig()).records[0]
-    early = simulate([growing(noise=20.0)], named_policy("migd+forecast"), SimConfig()).records[0]
+    oom = simulate([growing(noise=20.0)], named_policy("migd"), PolicySimConfig()).records[0]
+    early = simulate(
+        [growing(noise=20.0)], named_policy("migd+forecast"), PolicySimConfig()
+    ).records[0]
     assert early.outcome == "completed" and early.oom_kills == 0
     assert early.forecast_kills == 2
     assert early.profiles == ["1g.5gb", "2g.10gb", "4g.20gb"]
@@ -280,28 +287,28 @@ def test_the_forecaster_gets_the_jobs_declared_horizon(monkeypatch: pytest.Monke
         return real(self, limit_mib, horizon)
 
     monkeypatch.setattr(engine.Forecaster, "verdict", spy)
-    simulate([growing()], named_policy("migd+forecast"), SimConfig())
+    simulate([growing()], named_policy("migd+forecast"), PolicySimConfig())
     assert seen and set(seen) == {None}
     seen.clear()
-    simulate([replace(growing(), horizon=99.0)], named_policy("migd+forecast"), SimConfig())
+    simulate([replace(growing(), horizon=99.0)], named_policy("migd+forecast"), PolicySimConfig())
     assert seen and set(seen) == {99.0}
 
 
 def test_oom_on_the_whole_gpu_fails_the_job() -> None:
-    job = SimJob("huge", 0.0, 30000, 100.0, growth=Growth(30000, 45000, 10))
-    record = simulate([job], named_policy("exclusive"), SimConfig()).records[0]
+    job = WorkloadJob("huge", 0.0, 30000, 100.0, growth=Growth(30000, 45000, 10))
+    record = simulate([job], named_policy("exclusive"), PolicySimConfig()).records[0]
     assert record.outcome == "failed"
     assert "largest" in record.reason
 
 
 def test_reconfiguration_accounting_adds_up() -> None:
     jobs = [
-        SimJob(
+        WorkloadJob(
             f"j{i}", 40.0 * i, [4000, 9000, 18000, 30000][i % 4], 60.0 + 13 * i, compute_demand=0.3
         )
         for i in range(16)
     ]
-    result = simulate(jobs, named_policy("migd", QueuePolicy.FIFO), SimConfig(gpus=2))
+    result = simulate(jobs, named_policy("migd", QueuePolicy.FIFO), PolicySimConfig(gpus=2))
     m = compute_metrics(result)
     instances = [s for s in result.spans if s.kind == "instance"]
     # every instance span is one creation; those that ended before the end were destroyed
@@ -316,10 +323,10 @@ def test_reconfiguration_accounting_adds_up() -> None:
 
 def test_runs_take_the_modelled_time() -> None:
     jobs = [
-        SimJob(f"j{i}", 0.0, [4000, 9000, 18000][i % 3], 100.0, compute_demand=0.5)
+        WorkloadJob(f"j{i}", 0.0, [4000, 9000, 18000][i % 3], 100.0, compute_demand=0.5)
         for i in range(9)
     ]
-    result = simulate(jobs, named_policy("migd"), SimConfig())
+    result = simulate(jobs, named_policy("migd"), PolicySimConfig())
     by_id = {j.job_id: j for j in jobs}
     profiles = {p.name: p for p in A100.profiles}
     spans = job_spans(result)
@@ -333,8 +340,8 @@ def test_runs_take_the_modelled_time() -> None:
 def test_same_seed_same_result() -> None:
     from migd.policysim.workloads import workload
 
-    a = compute_metrics(simulate(workload("ht2", 3), named_policy("migd"), SimConfig()))
-    b = compute_metrics(simulate(workload("ht2", 3), named_policy("migd"), SimConfig()))
+    a = compute_metrics(simulate(workload("ht2", 3), named_policy("migd"), PolicySimConfig()))
+    b = compute_metrics(simulate(workload("ht2", 3), named_policy("migd"), PolicySimConfig()))
     assert a == b
 
 
@@ -342,8 +349,10 @@ def test_a_refused_request_does_not_lose_the_work_it_started_for_others() -> Non
     # FIFO: j4 (too big for now) blocks j3 until j4's deadline at 306 s; nothing re-runs
     # the queue then (nor in the daemon). At 307 s j0 (wait_s=0) arrives: its submit()
     # schedules j3, then refuses j0 and the work creating j3's instance is lost.
-    def job(name: str, submit_s: float, memory: int, runtime: float, wait: float | None) -> SimJob:
-        return SimJob(name, submit_s, memory, runtime, compute_demand=0.05, wait_s=wait)
+    def job(
+        name: str, submit_s: float, memory: int, runtime: float, wait: float | None
+    ) -> WorkloadJob:
+        return WorkloadJob(name, submit_s, memory, runtime, compute_demand=0.05, wait_s=wait)
 
     jobs = [
         job("j0", 307.0, 15000, 5.0, 0.0),
@@ -353,7 +362,7 @@ def test_a_refused_request_does_not_lose_the_work_it_started_for_others() -> Non
         job("j4", 186.0, 30000, 5.0, 120.0),
         job("j5", 0.0, 9000, 307.0, None),
     ]
-    result = simulate(jobs, named_policy("first-fit", QueuePolicy.FIFO), SimConfig())
+    result = simulate(jobs, named_policy("first-fit", QueuePolicy.FIFO), PolicySimConfig())
     outcome = {r.job.job_id: r.outcome for r in result.records}
     assert outcome["j3"] == "completed"
 
@@ -362,7 +371,7 @@ def test_a_refused_request_does_not_lose_the_work_it_started_for_others() -> Non
 
 
 @st.composite
-def workloads(draw: st.DrawFn) -> list[SimJob]:
+def workloads(draw: st.DrawFn) -> list[WorkloadJob]:
     n = draw(st.integers(1, 10))
     jobs = []
     for i in range(n):
@@ -372,7 +381,7 @@ def workloads(draw: st.DrawFn) -> list[SimJob]:
             peak = draw(st.integers(memory, memory + 12000))
             growth = Growth(memory, peak, draw(st.integers(2, 40)), noise_mib=50.0, seed=i)
         jobs.append(
-            SimJob(
+            WorkloadJob(
                 f"j{i}",
                 float(draw(st.integers(0, 600))),
                 memory,
@@ -400,11 +409,11 @@ def policies() -> st.SearchStrategy[PolicySpec]:
 @given(jobs=workloads(), policy=policies(), gpus=st.integers(1, 2), nodes=st.integers(1, 2))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_jobs_are_conserved_and_capacity_is_never_exceeded(
-    jobs: list[SimJob], policy: PolicySpec, gpus: int, nodes: int
+    jobs: list[WorkloadJob], policy: PolicySpec, gpus: int, nodes: int
 ) -> None:
     # check_invariants asserts after every event: valid layouts, no overlapping or
     # over-committed instances, one job per exclusive GPU, MPS memory within capacity
-    result = simulate(jobs, policy, SimConfig(gpus=gpus, nodes=nodes, check_invariants=True))
+    result = simulate(jobs, policy, PolicySimConfig(gpus=gpus, nodes=nodes, check_invariants=True))
     assert len(result.records) == len(jobs)
     for record in result.records:
         assert record.outcome in ("completed", "rejected", "failed"), record
@@ -430,11 +439,11 @@ def _whole_gpu_wave(ad_latency_s: float, c_uid: int = 2000) -> dict[str, float]:
     the matcher for the first (user 1000) to end. Returns (job id -> first start) and
     the first job's end."""
     jobs = [
-        SimJob("a", 0.0, 40000, 100.0, compute_demand=1.0, kind="full", uid=1000),
-        SimJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full", uid=1000),
-        SimJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full", uid=c_uid),
+        WorkloadJob("a", 0.0, 40000, 100.0, compute_demand=1.0, kind="full", uid=1000),
+        WorkloadJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full", uid=1000),
+        WorkloadJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full", uid=c_uid),
     ]
-    config = SimConfig(nodes=2, ad_latency_s=ad_latency_s, check_invariants=True)
+    config = PolicySimConfig(nodes=2, ad_latency_s=ad_latency_s, check_invariants=True)
     result = simulate(jobs, named_policy("migd"), config)
     out = {r.job.job_id: r.first_start_s or math.nan for r in result.records}
     [a] = [r for r in result.records if r.job.job_id == "a"]
@@ -463,11 +472,11 @@ def test_the_same_users_next_job_reuses_the_claim_without_waiting_for_the_ad() -
     # another user's job does
     def half_then_full(c_uid: int) -> float:
         jobs = [
-            SimJob("a", 0.0, 20000, 100.0, compute_demand=0.5, kind="half", uid=1000),
-            SimJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full", uid=1000),
-            SimJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full", uid=c_uid),
+            WorkloadJob("a", 0.0, 20000, 100.0, compute_demand=0.5, kind="half", uid=1000),
+            WorkloadJob("b", 0.0, 40000, 200.0, compute_demand=1.0, kind="full", uid=1000),
+            WorkloadJob("c", 10.0, 40000, 50.0, compute_demand=1.0, kind="full", uid=c_uid),
         ]
-        config = SimConfig(nodes=2, ad_latency_s=1.4, check_invariants=True)
+        config = PolicySimConfig(nodes=2, ad_latency_s=1.4, check_invariants=True)
         records = {r.job.job_id: r for r in simulate(jobs, named_policy("migd"), config).records}
         start, a_end = records["c"].first_start_s, records["a"].end_s
         assert start is not None and a_end is not None
@@ -478,6 +487,6 @@ def test_the_same_users_next_job_reuses_the_claim_without_waiting_for_the_ad() -
 
 
 def test_default_ad_latency_is_the_pools_measured_median() -> None:
-    assert SimConfig().ad_latency_s == 1.4
+    assert PolicySimConfig().ad_latency_s == 1.4
     with pytest.raises(InvalidRequest):
-        SimConfig(ad_latency_s=-1.0)
+        PolicySimConfig(ad_latency_s=-1.0)

@@ -8,9 +8,9 @@ import pytest
 
 from migd.core.catalog import geometry
 from migd.errors import InvalidRequest
-from migd.policysim.engine import SimConfig, simulate
+from migd.policysim.engine import PolicySimConfig, simulate
 from migd.policysim.interference import CALIBRATED, MpsInterference, fit_kit
-from migd.policysim.jobs import SimJob
+from migd.policysim.jobs import WorkloadJob
 from migd.policysim.metrics import area_bounds, compute_metrics
 from migd.policysim.policies import named_policy
 from migd.policysim.workloads import kit_mix, pool_stream, workload
@@ -56,7 +56,7 @@ def test_the_fit_reproduces_the_published_points_it_uses() -> None:
 
 def test_kit_steady_ratios_are_within_ten_percent_of_table_2() -> None:
     jobs = kit_mix(160)
-    config = SimConfig(gpus=2)
+    config = PolicySimConfig(gpus=2)
     base = compute_metrics(simulate(jobs, named_policy("exclusive"), config))
     mps = compute_metrics(simulate(jobs, named_policy("mps"), config))
     ratio = mps.steady_throughput_per_h / base.steady_throughput_per_h
@@ -65,7 +65,7 @@ def test_kit_steady_ratios_are_within_ten_percent_of_table_2() -> None:
 
 def test_hybrid_shares_inside_instances_and_never_mixes_users() -> None:
     jobs = [replace(j, uid=1000 + i % 3) for i, j in enumerate(workload("ht3"))]
-    result = simulate(jobs, named_policy("hybrid"), SimConfig(check_invariants=True))
+    result = simulate(jobs, named_policy("hybrid"), PolicySimConfig(check_invariants=True))
     metrics = compute_metrics(result)
     assert metrics.complete and metrics.isolation_breaches == 0
     assert any(p.startswith("mps@") for r in result.records for p in r.profiles)
@@ -73,22 +73,22 @@ def test_hybrid_shares_inside_instances_and_never_mixes_users() -> None:
 
 def test_a_multi_user_server_is_counted_as_a_breach() -> None:
     jobs = [
-        SimJob(f"j{i}", 0.0, 2000, runtime_s=100.0, compute_demand=0.1, uid=1000 + i % 2)
+        WorkloadJob(f"j{i}", 0.0, 2000, runtime_s=100.0, compute_demand=0.1, uid=1000 + i % 2)
         for i in range(4)
     ]
     spec = named_policy("mps")
     spec = replace(spec, scheduler=replace(spec.scheduler, mps_multi_user=True))
-    assert simulate(jobs, spec, SimConfig()).isolation_breaches > 0
-    assert simulate(jobs, named_policy("mps"), SimConfig()).isolation_breaches == 0
+    assert simulate(jobs, spec, PolicySimConfig()).isolation_breaches > 0
+    assert simulate(jobs, named_policy("mps"), PolicySimConfig()).isolation_breaches == 0
 
 
 def test_area_bounds_hold_for_every_policy() -> None:
     jobs = workload("ht1")
     bounds = area_bounds(jobs, geometry("A100-40GB"), 1, 1024)
     for name in ("migd", "mps", "hybrid"):
-        m = compute_metrics(simulate(jobs, named_policy(name), SimConfig()))
+        m = compute_metrics(simulate(jobs, named_policy(name), PolicySimConfig()))
         assert m.throughput_per_h <= max(bounds.mig_per_h, bounds.shared_per_h) * 1.0001
-    migd = compute_metrics(simulate(jobs, named_policy("migd"), SimConfig()))
+    migd = compute_metrics(simulate(jobs, named_policy("migd"), PolicySimConfig()))
     assert migd.throughput_per_h <= bounds.mig_per_h * 1.0001
 
 
@@ -102,7 +102,7 @@ def test_pool_stream_is_a_day_at_the_offered_load() -> None:
 
 def test_a_hybrid_pool_matches_jobs_to_their_users_servers() -> None:
     jobs = pool_stream(3, 2, hours=6.0, jobs_per_gpu_day=40)
-    config = SimConfig(gpus=2, nodes=3, check_invariants=True)
+    config = PolicySimConfig(gpus=2, nodes=3, check_invariants=True)
     result = simulate(jobs, named_policy("hybrid"), config)
     metrics = compute_metrics(result)
     assert metrics.complete and metrics.isolation_breaches == 0

@@ -12,7 +12,7 @@ import pytest
 from migd.core.catalog import geometry
 from migd.core.planner import right_size
 from migd.errors import ConfigError, InvalidRequest, UnknownModel
-from migd.policysim.jobs import Growth, SimJob, runtime_at
+from migd.policysim.jobs import Growth, WorkloadJob, runtime_at
 from migd.policysim.workloads import (
     ALIBABA_PROFILE_MIX,
     WORKLOADS,
@@ -154,7 +154,7 @@ def test_growth_validation() -> None:
     with pytest.raises(InvalidRequest):
         Growth(1000, 2000, 1)
     with pytest.raises(InvalidRequest, match="compute_demand"):
-        SimJob("x", 0.0, 100, 10.0, compute_demand=1.5)
+        WorkloadJob("x", 0.0, 100, 10.0, compute_demand=1.5)
 
 
 def test_load_csv_trace(tmp_path: Path) -> None:

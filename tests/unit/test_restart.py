@@ -97,24 +97,24 @@ def test_properties(
 
 
 def test_simulator_restarts_an_mps_job_as_the_wrapper_would() -> None:
-    from migd.policysim.engine import SimConfig, simulate
-    from migd.policysim.jobs import Growth, SimJob
+    from migd.policysim.engine import PolicySimConfig, simulate
+    from migd.policysim.jobs import Growth, WorkloadJob
     from migd.policysim.policies import named_policy
 
     # 10000 -> 25000 MiB: the wrapper doubles an MPS share (20000, still too small),
     # then asks for 40000 and gets the node's largest share.
-    job = SimJob("g", 0.0, 10000, 100.0, compute_demand=0.5, growth=Growth(10000, 25000, 10))
-    record = simulate([job], named_policy("mps"), SimConfig()).records[0]
+    job = WorkloadJob("g", 0.0, 10000, 100.0, compute_demand=0.5, growth=Growth(10000, 25000, 10))
+    record = simulate([job], named_policy("mps"), PolicySimConfig()).records[0]
     assert record.outcome == "completed", record.reason
     assert record.oom_kills == 2
 
 
 def test_simulator_gives_up_only_when_nothing_bigger_exists() -> None:
-    from migd.policysim.engine import SimConfig, simulate
-    from migd.policysim.jobs import Growth, SimJob
+    from migd.policysim.engine import PolicySimConfig, simulate
+    from migd.policysim.jobs import Growth, WorkloadJob
     from migd.policysim.policies import named_policy
 
-    job = SimJob("huge", 0.0, 30000, 100.0, growth=Growth(30000, 45000, 10))
-    record = simulate([job], named_policy("migd"), SimConfig()).records[0]
+    job = WorkloadJob("huge", 0.0, 30000, 100.0, growth=Growth(30000, 45000, 10))
+    record = simulate([job], named_policy("migd"), PolicySimConfig()).records[0]
     assert record.profiles == ["7g.40gb"] and record.outcome == "failed"
     assert "largest" in record.reason
