@@ -4,8 +4,8 @@
 its outcomes; for anything that depends on a GPU's mode it asks that mode's driver
 (:class:`GpuModeOps`), picked once by ``gpu.mode``:
 
-* :class:`~migd.core.mig_mode.MigOps` - MIG instances planned by :mod:`migd.core.planner`, and MPS shares
-  inside MIG instances (:class:`migd.core.mig_mode.MpsHosts`);
+* :class:`~migd.core.mig_mode.MigOps` - MIG instances planned by :mod:`migd.core.planner`,
+  and MPS shares inside MIG instances (:class:`migd.core.mig_mode.MpsHosts`);
 * :class:`MpsOps` - one MPS pool for the whole GPU;
 * :class:`ExclusiveOps` - the whole GPU to one lease;
 * :class:`OffOps` - a GPU migd does not manage (never a candidate).
