@@ -44,37 +44,52 @@ if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest "$@"
 fi
 # The whole suite waits on processes, sockets and HTCondor far more than it computes, so
-# it runs as two overlapping pytest runs: the chroot tiers (the HTCondor pools and the
-# packages share one Debian chroot, its mounts and its pool lock) in one process, in
-# order, and everything else on pytest-xdist workers beside it. The chroot tiers are the
-# longest part, so they start first, while the lint and type checks run.
-chroot_log=$(mktemp) rest_log=$(mktemp)
-chroot_pid=
+# it runs as three overlapping pytest runs: the chroot tiers (the HTCondor pools and the
+# packages) in two processes, each with a Debian chroot of its own (a chroot runs one pool
+# at a time; the second is restored from the first one's cache), and everything else on
+# pytest-xdist workers beside them. The chroot tiers are the longest part, so they start
+# first, while the lint and type checks run.
+root=${MIGD_CONDOR_ROOT:-/var/tmp/migd-condor-chroot}
+lane_a=(tests/integration/test_condor_pool.py tests/integration/test_condor_gpu_language.py
+    tests/packaging)
+lane_b=(tests/integration --ignore=tests/integration/test_condor_pool.py
+    --ignore=tests/integration/test_condor_gpu_language.py)
+log_a=$(mktemp) log_b=$(mktemp) rest_log=$(mktemp)
+pids=()
 cleanup() {
-    if [ -n "$chroot_pid" ] && kill -0 "$chroot_pid" 2>/dev/null; then
-        # SIGTERM: tests/conftest.py turns it into pytest's Ctrl-C, whose teardown unmounts the
-        # chroot (a background job of a script ignores SIGINT itself).
-        kill -TERM "$chroot_pid" 2>/dev/null || true
-        wait "$chroot_pid" 2>/dev/null || true
-    fi
-    rm -f "$chroot_log" "$rest_log"
+    for pid in "${pids[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then
+            # SIGTERM: tests/conftest.py turns it into pytest's Ctrl-C, whose teardown unmounts
+            # the chroot (a background job of a script ignores SIGINT itself).
+            kill -TERM "$pid" 2>/dev/null || true
+            wait "$pid" 2>/dev/null || true
+        fi
+    done
+    rm -f "$log_a" "$log_b" "$rest_log"
 }
 trap cleanup EXIT
-.venv/bin/python -m pytest -p no:cacheprovider tests/integration tests/packaging \
-    >"$chroot_log" 2>&1 &
-chroot_pid=$!
+MIGD_CONDOR_ROOT=$root .venv/bin/python -m pytest -p no:cacheprovider "${lane_a[@]}" \
+    >"$log_a" 2>&1 &
+pids+=($!)
+MIGD_CONDOR_ROOT=$root-2 .venv/bin/python -m pytest -p no:cacheprovider "${lane_b[@]}" \
+    >"$log_b" 2>&1 &
+pids+=($!)
 lint
 echo "== pytest"
 rest=0
 .venv/bin/python -m pytest -p no:cacheprovider -n 3 \
     --ignore=tests/integration --ignore=tests/packaging 2>&1 | tee "$rest_log" || rest=$?
 chroot=0
-wait "$chroot_pid" || chroot=$?
-chroot_pid=
-echo "== pytest: the chroot tiers (tests/integration, tests/packaging)"
-cat "$chroot_log"
-# One closing line for both runs, in pytest's words ("N passed, N failed, N skipped").
-.venv/bin/python - "$rest_log" "$chroot_log" <<'PY'
+for pid in "${pids[@]}"; do
+    wait "$pid" || chroot=1
+done
+pids=()
+echo "== pytest: the chroot tiers (in $root: ${lane_a[*]})"
+cat "$log_a"
+echo "== pytest: the chroot tiers (in $root-2: tests/integration, the other files)"
+cat "$log_b"
+# One closing line for all runs, in pytest's words ("N passed, N failed, N skipped").
+.venv/bin/python - "$rest_log" "$log_a" "$log_b" <<'PY'
 import re
 import sys
 

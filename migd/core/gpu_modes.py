@@ -220,13 +220,26 @@ def elsewhere(gpu: ManagedGpu, lease: Lease) -> str:
     return f"its GPU runs in {gpu.mode.value} mode now"
 
 
-class MpsOps:
-    """MPS: one pool for the whole GPU, shares admitted per user."""
+class _WholeGpuOps:
+    """What the two whole-GPU drivers share: a grant needs no NVML operation, so it is
+    active at once, and a GPU that cannot take a lease is simply full or in use."""
 
-    mode = GpuMode.MPS
+    mode: GpuMode
 
     def __init__(self, books: ModeBooks) -> None:
         self.books = books
+
+    def work_done(self, gpu: ManagedGpu, work: Work, created: Created, now_s: float) -> None:
+        return  # the grant's work carries no NVML operation
+
+    def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
+        return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "full or in use"}
+
+
+class MpsOps(_WholeGpuOps):
+    """MPS: one pool for the whole GPU, shares admitted per user."""
+
+    mode = GpuMode.MPS
 
     def pool(self, gpu: ManagedGpu) -> MpsPool:
         """The GPU's MPS accounting, created on first use from the policy."""
@@ -332,12 +345,6 @@ class MpsOps:
         self._state(gpu).pool = replace(pool, shares=(*pool.shares, restored_share(lease)))
         return ""
 
-    def work_done(self, gpu: ManagedGpu, work: Work, created: Created, now_s: float) -> None:
-        return  # an MPS grant is active at once: its work has no NVML operations
-
-    def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
-        return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "full or in use"}
-
     def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
         pool = self.pool(gpu)
         if pool.clients >= pool.max_clients or pool.free_mib <= 0:
@@ -353,13 +360,10 @@ class MpsOps:
         return pool.used_mib if pool is not None else 0
 
 
-class ExclusiveOps:
+class ExclusiveOps(_WholeGpuOps):
     """EXCLUSIVE: the whole GPU to one lease, no MIG and no MPS."""
 
     mode = GpuMode.EXCLUSIVE
-
-    def __init__(self, books: ModeBooks) -> None:
-        self.books = books
 
     def serves(self, gpu: ManagedGpu, request_mode: RequestMode) -> bool:
         return request_mode == "auto"
@@ -412,12 +416,6 @@ class ExclusiveOps:
             return elsewhere(gpu, lease)
         state.lease_id = lease.lease_id
         return ""
-
-    def work_done(self, gpu: ManagedGpu, work: Work, created: Created, now_s: float) -> None:
-        return  # an exclusive grant is active at once: its work has no NVML operations
-
-    def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
-        return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "full or in use"}
 
     def largest_placeable(self, gpu: ManagedGpu) -> tuple[str, int] | None:
         return None if gpu.exclusive_lease else ("whole-gpu", gpu.memory_total_mib)

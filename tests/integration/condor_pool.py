@@ -108,6 +108,11 @@ LOCK = $(LOCAL_DIR)/lock
 RUN = $(LOCAL_DIR)/run
 COLLECTOR_ADDRESS_FILE = $(LOG)/.collector_address
 
+# No shared port daemon: it would listen on the fixed port 9618, so a pool would depend on
+# that port being free on the host, and two chroots could not each run a pool at once. Every
+# daemon takes a free port; tools find the collector through COLLECTOR_ADDRESS_FILE.
+USE_SHARED_PORT = False
+
 # Sandbox: no bind mounts under the scratch dir, no PID namespaces, no cgroups.
 MOUNT_UNDER_SCRATCH =
 USE_PID_NAMESPACES = False
@@ -417,20 +422,23 @@ class CondorChroot:
         with _flock(self.lock_path):
             if not force and self.is_built():
                 return "present"
-            if use_cache and not force and self._cache_valid(cache):
+            # Two chroots made at once (scripts/test.sh runs two) share the cache: the second
+            # waits for the first to build and save it, then restores instead of building.
+            with _flock(cache.with_name(cache.name + ".lock")):
+                if use_cache and not force and self._cache_valid(cache):
+                    t0 = time.monotonic()
+                    self._restore(cache)
+                    _log(f"restored {self.root} from {cache} in {time.monotonic() - t0:.1f}s")
+                    return "restored"
                 t0 = time.monotonic()
-                self._restore(cache)
-                _log(f"restored {self.root} from {cache} in {time.monotonic() - t0:.1f}s")
-                return "restored"
-            t0 = time.monotonic()
-            self._build()
-            _log(f"built {self.root} in {time.monotonic() - t0:.1f}s")
-            if use_cache:
-                try:
-                    self._save(cache)
-                except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-                    _log(f"warning: could not write cache {cache}: {exc}")
-            return "built"
+                self._build()
+                _log(f"built {self.root} in {time.monotonic() - t0:.1f}s")
+                if use_cache:
+                    try:
+                        self._save(cache)
+                    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+                        _log(f"warning: could not write cache {cache}: {exc}")
+                return "built"
 
     @staticmethod
     def _recipe_file(cache: Path) -> Path:
