@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from migd.core.demand import DemandModel
 from migd.core.geometry import Profile
@@ -29,8 +29,9 @@ from migd.core.gpus import (
     ManagedInstance,
     MpsState,
     RequestMode,
+    Work,
 )
-from migd.core.leases import LeaseEvent
+from migd.core.leases import Lease, LeaseEvent, LeaseRequest
 from migd.core.mps import MpsPool, MpsRequest, UserPolicy, can_admit, clear_waiting, mark_waiting
 from migd.core.mps import admit as mps_admit
 from migd.core.mps import release as mps_release
@@ -39,12 +40,10 @@ from migd.core.planner import (
     PartitionRequest,
     Sizing,
 )
+from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import QueuedRequest
 from migd.core.states import StateSpace
 from migd.errors import RequestTooLarge
-
-if TYPE_CHECKING:  # the scheduler imports this module: its types only for annotations
-    from migd.core.scheduler import Lease, LeaseRequest, SchedulerPolicy, Work
 
 #: Compute slices of a GPU without a MIG geometry, for reading ``min_compute`` as an MPS
 #: thread percentage: sevenths, the slice of A100/H100-class GPUs.

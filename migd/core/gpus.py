@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 from migd.core.geometry import Profile
 from migd.core.health import GpuHealth
 from migd.core.mps import MpsPool
-from migd.core.planner import Decision, DestroyOp, GpuView, Instance
+from migd.core.planner import Decision, DestroyOp, GpuView, Instance, Op
 from migd.core.states import StateSpace
 
 
@@ -287,3 +287,14 @@ def _find(
         if inst.start == start and (status is None or inst.status is status):
             return inst
     return None
+
+
+@dataclass(frozen=True)
+class Work:
+    """NVML work the caller must execute, in order, on one GPU."""
+
+    gpu: int
+    ops: tuple[Op, ...]
+    lease_id: str | None = None  # lease that becomes ACTIVE when the work is done
+    kind: Literal["grant", "teardown"] = "grant"
+    work_id: int = 0

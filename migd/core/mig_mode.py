@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from migd.core.capacity import placeable_mib
 from migd.core.geometry import Profile
@@ -25,9 +25,17 @@ from migd.core.gpu_modes import (
     partition_request,
     restored_share,
 )
-from migd.core.gpus import GpuMode, InstanceStatus, ManagedGpu, ManagedInstance, Origin, RequestMode
+from migd.core.gpus import (
+    GpuMode,
+    InstanceStatus,
+    ManagedGpu,
+    ManagedInstance,
+    Origin,
+    RequestMode,
+    Work,
+)
 from migd.core.hybrid import Route
-from migd.core.leases import LeaseEvent, LeaseState
+from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mps import (
     DeviceKind,
     MpsPool,
@@ -52,9 +60,6 @@ from migd.core.planner import (
 )
 from migd.core.states import describe
 from migd.errors import MigdError, NoCapacity, RequestTooLarge, UnknownProfile
-
-if TYPE_CHECKING:  # the scheduler imports this module: its types only for annotations
-    from migd.core.scheduler import Lease, LeaseRequest, Work
 
 
 class MigOps:

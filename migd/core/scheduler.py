@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from migd.core.demand import DemandKey, DemandModel
+from migd.core.demand import DemandModel
 from migd.core.geometry import Profile
 from migd.core.gpu_modes import (
     Created,
@@ -55,25 +55,26 @@ from migd.core.gpus import (
     OffState,
     Origin,
     RequestMode,
+    Work,
     mode_state,
 )
-from migd.core.hybrid import HybridPolicy
-from migd.core.leases import LeaseEvent, LeaseState, next_state
+from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
 from migd.core.mps import MpsPool, client_environment
 from migd.core.planner import (
     CreateOp,
     DestroyOp,
     Op,
-    PlannerPolicy,
     Sizing,
     never_fits_error,
 )
-from migd.core.queueing import QueuedRequest, QueuePolicy, RequestQueue
+from migd.core.policy import SchedulerPolicy
+from migd.core.queueing import QueuedRequest, RequestQueue
 from migd.core.states import StateSpace
 from migd.errors import InvalidRequest, NoCapacity
 
-# The GPU model and mode types live in migd.core.gpus; callers keep importing them here.
+# The lease (migd.core.leases), GPU and work (migd.core.gpus) and policy (migd.core.policy)
+# types live beside the scheduler; callers keep importing them here.
 __all__ = [
     "ExclusiveState",
     "GpuMode",
@@ -95,163 +96,6 @@ __all__ = [
     "default_mps_env",
     "mode_state",
 ]
-
-
-@dataclass(frozen=True)
-class LeaseRequest:
-    """A validated lease request (the API layer builds it)."""
-
-    job_id: str
-    memory_mib: int
-    slot: str = ""
-    min_compute: int = 0
-    profile: str | None = None
-    mode: RequestMode = "auto"
-    gpu_uuids: tuple[str, ...] | None = None  # restrict to these GPUs (prefix match)
-    wait_s: float | None = 0.0  # 0: do not queue; None: wait forever
-    # MPS: CUDA client processes the job runs (each gets the pinned limit; accounted as
-    # memory x clients), and an explicit CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1-100; else
-    # derived from min_compute, see NodeScheduler.mps_thread_percentage).
-    mps_clients: int = 1
-    mps_thread_percentage: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.memory_mib <= 0 and not self.profile:
-            raise InvalidRequest(
-                "a lease needs gpu_memory_mib > 0 or a profile",
-                hint="ask for the GPU memory the job needs, e.g. request_VRAM = 10240",
-            )
-        if self.min_compute < 0:
-            raise InvalidRequest("min_compute must not be negative")
-        if self.wait_s is not None and self.wait_s < 0:
-            raise InvalidRequest("wait_s must not be negative")
-        if self.mps_clients < 1:
-            raise InvalidRequest(
-                f"mps_clients must be at least 1, got {self.mps_clients}",
-                hint="declare how many CUDA processes the job runs (default 1)",
-            )
-        if self.mps_thread_percentage is not None and not 1 <= self.mps_thread_percentage <= 100:
-            raise InvalidRequest(
-                f"mps_thread_percentage must be 1-100, got {self.mps_thread_percentage}"
-            )
-
-
-@dataclass
-class Lease:
-    """One job's claim on a partition, from request to release."""
-
-    lease_id: str
-    request: LeaseRequest
-    owner_uid: int
-    owner_pid: int
-    created_s: float
-    owner_start_s: float | None = None
-    state: LeaseState = LeaseState.QUEUED
-    updated_s: float = 0.0
-    gpu: int | None = None
-    gpu_uuid: str | None = None
-    mode: GpuMode | None = None  # granted: MIG, MPS or EXCLUSIVE (never OFF)
-    profile: str | None = None
-    start: int | None = None
-    mig_uuid: str | None = None
-    memory_limit_mib: int | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    decision: dict[str, Any] | None = None
-    reason: str = ""
-    heartbeat_s: float | None = None
-    deadline_s: float | None = None  # wall clock, for display
-    version: int = 0  # bumped on every change, so callers persist only what changed
-    # MPS: the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE granted (explicit or from min_compute).
-    mps_thread_percentage: int | None = None
-    # Something that hit the lease while it was active and that its job should know
-    # (e.g. its MPS server was restarted, so its CUDA clients died); shown by migctl.
-    warning: str = ""
-    warning_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode is not None:  # the state db and JSON give the value
-            self.mode = GpuMode(self.mode)
-
-    @property
-    def mps_device_uuid(self) -> str | None:
-        """The MPS device an ``mps`` lease runs on: its MIG instance (MPS inside MIG) or
-        its whole GPU."""
-        if self.mode is not GpuMode.MPS:
-            return None
-        return self.mig_uuid or self.gpu_uuid
-
-    def warn(self, message: str, now_s: float) -> None:
-        """Flag the lease (kept while it lives and in its record)."""
-        self.warning, self.warning_s = message, now_s
-        self.version += 1
-
-    def event(self, event: LeaseEvent, now_s: float, reason: str = "") -> None:
-        self.state = next_state(self.state, event)
-        self.updated_s = now_s
-        self.version += 1
-        if reason:
-            self.reason = reason
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "lease_id": self.lease_id,
-            "job_id": self.request.job_id,
-            "slot": self.request.slot,
-            "state": self.state.value,
-            "owner_uid": self.owner_uid,
-            "owner_pid": self.owner_pid,
-            "requested_mib": self.request.memory_mib,
-            "min_compute": self.request.min_compute,
-            "requested_mode": self.request.mode,
-            "mode": self.mode,
-            "gpu": self.gpu,
-            "gpu_uuid": self.gpu_uuid,
-            "profile": self.profile,
-            "start": self.start,
-            "mig_uuid": self.mig_uuid,
-            "memory_limit_mib": self.memory_limit_mib,
-            "mps_clients": self.request.mps_clients,
-            "mps_thread_percentage": self.mps_thread_percentage,
-            "warning": self.warning,
-            "warning_s": self.warning_s,
-            "env": dict(self.env),
-            "created_s": self.created_s,
-            "updated_s": self.updated_s,
-            "deadline_s": self.deadline_s,
-            "reason": self.reason,
-            "decision": self.decision,
-        }
-
-
-@dataclass(frozen=True)
-class Work:
-    """NVML work the caller must execute, in order, on one GPU."""
-
-    gpu: int
-    ops: tuple[Op, ...]
-    lease_id: str | None = None  # lease that becomes ACTIVE when the work is done
-    kind: Literal["grant", "teardown"] = "grant"
-    work_id: int = 0
-
-
-@dataclass
-class SchedulerPolicy:
-    planner: PlannerPolicy = field(default_factory=PlannerPolicy)
-    queue: QueuePolicy = QueuePolicy.FIFO
-    aging_s: float = 600.0
-    starvation_s: float = 1800.0
-    backfill: bool | None = None
-    idle_policy: Literal["keep", "destroy", "timeout"] = "timeout"
-    idle_timeout_s: float = 300.0
-    demand_weighting: bool = False
-    demand_prior: Mapping[DemandKey, float] = field(default_factory=dict)  # (model, ID)
-    demand_half_life_s: float = 24 * 3600.0
-    mps_reserve_mib: int = 1024
-    mps_max_clients: int = 48
-    mps_multi_user: bool = False
-    # GPUs with mps_in_mig: the hybrid policy decides per request whether it shares and
-    # sizes new MPS hosts (migd.core.hybrid); None: the fixed mps_profile rule.
-    hybrid: HybridPolicy | None = None
 
 
 @dataclass(frozen=True)
