@@ -79,7 +79,11 @@ class GpuExecutor:
         worker = self.workers[gpu]
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(worker.executor, fn, *args)
-        return await asyncio.wait_for(fut, timeout_s or self.ctx.config.daemon.work_timeout_s)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when the
+        # call finishes just as its task is cancelled, swallowing the cancellation, and a
+        # loop around it (the sampler) then never stops: SIGTERM hung until SIGKILL.
+        async with asyncio.timeout(timeout_s or self.ctx.config.daemon.work_timeout_s):
+            return await fut
 
     def submit(self, gpu: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` in the GPU's thread without waiting for it."""

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("migd")
 
+#: How long a cancelled periodic loop may take to stop at shutdown (each of two tries).
+TASK_STOP_S = 2.0
+
 
 def scheduler_policy(config: MigdConfig) -> SchedulerPolicy:
     p = config.policy
@@ -320,14 +323,33 @@ class Daemon:
         await self.close()
         log.info("daemon.stopped")
 
+    async def _stop_tasks(self) -> None:
+        """Cancel the loops and wait for them, but never for ever: a loop that lost its
+        cancellation (a library swallowing it) is cancelled once more, then left behind
+        with a warning, and the shutdown goes on (systemd would SIGKILL a hung stop)."""
+        pending = {task for task in self._tasks if not task.done()}
+        for round_ in range(2):
+            if not pending:
+                break
+            if round_:
+                log.warning("daemon.task_recancelled", tasks=sorted(t.get_name() for t in pending))
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=TASK_STOP_S)
+        for task in pending:
+            log.warning(
+                "daemon.task_stuck",
+                task=task.get_name(),
+                hint="a periodic loop did not stop when cancelled; report it",
+            )
+        for task in self._tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.error("daemon.task_failed", task=task.get_name(), error=str(task.exception()))
+
     async def close(self) -> None:
         await self.metrics.close()
         self.health.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._stop_tasks()
         await self.api.close()
         self.executor.close()
         with contextlib.suppress(Exception):

@@ -207,6 +207,13 @@ def test_wait_deadline_expires(daemon: DaemonProcess) -> None:
         client.lease(job_id=f"{n}.0", gpu_memory_mib=40000, wait_s=5)
     with pytest.raises(LeaseTimeout):
         client.lease(job_id="late.0", gpu_memory_mib=1000, wait_s=1.5)
+    # and SIGTERM still stops it, at once: the sampler loop used to lose its cancellation
+    # (Python 3.11's wait_for) and the daemon hung until SIGKILL
+    began = time.monotonic()
+    assert daemon.stop() == 0
+    assert time.monotonic() - began < 10
+    stuck = {"daemon.task_recancelled", "daemon.task_stuck"}
+    assert not [e for e in daemon.log_events() if e.get("event") in stuck]
 
 
 def test_sighup_reloads_and_keeps_old_config_on_error(daemon: DaemonProcess) -> None:
