@@ -41,6 +41,9 @@ class DaemonProcess:
     proc: subprocess.Popen[bytes] | None = None
     notify: socket.socket | None = None
     notifications: list[str] = field(default_factory=list)
+    # Every test ends with SIGTERM; a daemon that did not stop then (systemd would SIGKILL
+    # it at TimeoutStopSec) fails its test in the fixtures' teardown.
+    hung_on_sigterm: bool = False
 
     @property
     def socket_path(self) -> Path:
@@ -126,6 +129,7 @@ class DaemonProcess:
         try:
             return self.proc.wait(20)
         except subprocess.TimeoutExpired:
+            self.hung_on_sigterm = True
             self.proc.kill()
             return self.proc.wait(5)
 
@@ -195,6 +199,8 @@ def started_daemon(
         if proc.notify is not None:
             proc.notify.close()
         subprocess.run(["rm", "-rf", str(root)], check=False)
+        if proc.hung_on_sigterm:
+            pytest.fail("migd did not stop within 20 s of SIGTERM (it was SIGKILLed)")
 
 
 @pytest.fixture
@@ -216,3 +222,5 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
         if proc.log_path.exists() and os.environ.get("MIGD_TEST_SHOW_LOGS"):
             print(proc.log_path.read_text())
         subprocess.run(["rm", "-rf", str(root)], check=False)
+        if proc.hung_on_sigterm:
+            pytest.fail("migd did not stop within 20 s of SIGTERM (it was SIGKILLed)")
