@@ -1,0 +1,91 @@
+"""What ``migctl status`` shows of each MPS control daemon, and how it is read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from migd.core.mps import MPS_CLIENT_DEVICE_INDEX, parse_limit_mib
+from migd.errors import MpsError
+from migd.ports import Clock
+
+from .commands import DaemonCommands
+from .procs import parse_pids
+from .records import Daemon
+
+
+@dataclass(frozen=True)
+class MpsDaemonStatus:
+    """One control daemon as ``migctl status`` shows it."""
+
+    device_uuid: str
+    pid: int
+    uid: int
+    serves_uid: int
+    multi_user: bool
+    pipe_dir: str
+    log_dir: str
+    servers: tuple[int, ...]
+    clients: tuple[int, ...]
+    default_limit_mib: int | None
+    shares: int
+    healthy: bool
+    last_error: str
+    started_at: float
+    idle_for_s: float | None
+    scope_unit: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["servers"] = list(self.servers)
+        data["clients"] = list(self.clients)
+        return data
+
+
+def recorded_status(daemon: Daemon) -> MpsDaemonStatus:
+    """The daemon as migd's own record has it, without asking it (no clients)."""
+    record = daemon.record
+    return MpsDaemonStatus(
+        device_uuid=record.device_uuid,
+        pid=record.pid,
+        uid=record.uid,
+        serves_uid=record.serves_uid,
+        multi_user=record.multi_user,
+        pipe_dir=record.pipe_dir,
+        log_dir=record.log_dir,
+        servers=tuple(sorted(daemon.known_servers)),
+        clients=(),
+        default_limit_mib=record.default_limit_mib or None,
+        shares=len(daemon.shares),
+        healthy=daemon.healthy,
+        last_error=daemon.last_error,
+        started_at=record.started_at,
+        idle_for_s=None,
+        scope_unit=record.scope_unit,
+    )
+
+
+def status_of(daemon: Daemon, cmds: DaemonCommands, clock: Clock) -> MpsDaemonStatus:
+    """The daemon as it answers now (every server it lists, live or not)."""
+    servers: tuple[int, ...] = ()
+    clients: list[int] = []
+    limit: int | None = None
+    healthy, error = daemon.healthy, daemon.last_error
+    try:
+        servers = tuple(parse_pids(cmds.command(daemon, "get_server_list")))
+        clients.extend(cmds.clients(daemon, servers))
+        limit = parse_limit_mib(
+            cmds.command(daemon, f"get_default_device_pinned_mem_limit {MPS_CLIENT_DEVICE_INDEX}")
+        )
+    except MpsError as exc:
+        healthy, error = False, str(exc)
+    idle = daemon.idle_since
+    return replace(
+        recorded_status(daemon),
+        servers=servers,
+        clients=tuple(sorted(clients)),
+        default_limit_mib=limit,
+        healthy=healthy,
+        last_error=error,
+        idle_for_s=None if idle is None else clock.monotonic() - idle,
+    )
