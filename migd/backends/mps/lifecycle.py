@@ -15,6 +15,7 @@ import secrets
 import shutil
 import signal
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from migd.core.mps import MpsShare
@@ -23,10 +24,11 @@ from migd.ports import Clock
 
 from .commands import DaemonCommands
 from .config import MpsManagerConfig
-from .errors import MpsDaemonStartFailed
+from .errors import MpsDaemonStartFailed, MpsServerStillRunning
 from .health import skip_old_log
 from .procs import (
     POLL_S,
+    live_pids,
     looks_like_mps,
     parse_pids,
     pid_alive,
@@ -239,3 +241,44 @@ class DaemonLauncher:
                         os.kill(pid, sig)
             if all(wait_gone(pid, 2.0) for pid in pids if pid > 0):
                 return
+
+    def wait_servers_gone(
+        self, device_uuid: str, servers: Collection[int], device_pids: Callable[[], Collection[int]]
+    ) -> None:
+        """Wait until none of ``servers`` is among ``device_pids()`` (the device's NVML
+        compute processes), for at most ``config.server_exit_timeout_s``: a server exits
+        a moment after its daemon's ``quit`` returns.
+
+        Raises:
+            MpsServerStillRunning: a server still shows on the device after the timeout.
+        """
+        timeout = self.config.server_exit_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            left = sorted(set(servers).intersection(device_pids()))
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise MpsServerStillRunning(
+                    f"MPS server(s) {', '.join(map(str, left))} still run on {device_uuid} "
+                    f"{timeout:g} s after its control daemon quit; not destroying the instance",
+                    device_uuid=device_uuid,
+                    servers=left,
+                )
+            time.sleep(POLL_S)
+
+    def take_over(self, record: DaemonRecord, pid: int) -> Daemon | None:
+        """The live control daemon ``pid`` found in our directory, if it answers.
+
+        One that does not is ours (it is in our directory) and wedged: it is killed and
+        ``None`` returned. The logs written before are not news to the health check.
+        """
+        record.pid = pid
+        daemon = Daemon(record=record, idle_since=self.clock.monotonic())
+        answered = self.cmds.try_command(daemon, "get_server_list")
+        if answered is None:
+            self.kill(daemon)
+            return None
+        daemon.known_servers = set(live_pids(answered))
+        skip_old_log(daemon)
+        return daemon

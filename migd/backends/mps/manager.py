@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,11 +22,11 @@ from migd.ports import Clock, SystemClock
 
 from .commands import DaemonCommands
 from .config import MpsManagerConfig
-from .errors import MpsDeviceBusy, MpsServerStillRunning
-from .health import HealthEvent, HealthReport, diagnose, skip_old_log
+from .errors import MpsDeviceBusy
+from .health import HealthEvent, HealthReport, diagnose
 from .lifecycle import DaemonLauncher
 from .limits import apply_limits, ensure_server
-from .procs import POLL_S, live_pids, looks_like_mps_control, pid_alive, read_pid
+from .procs import live_pids, looks_like_mps_control, pid_alive, read_pid
 from .records import (
     PID_FILE_NAME,
     AdoptionReport,
@@ -39,7 +38,7 @@ from .records import (
     write_record,
 )
 from .runner import CommandRunner, SubprocessRunner
-from .status import MpsDaemonStatus, recorded_status, status_of
+from .status import MpsDaemonStatus, cached_status, status_of
 
 if TYPE_CHECKING:
     from migd.core.scheduler import Lease
@@ -129,19 +128,13 @@ class MpsManager:
                     )
                     if record is None:
                         continue
-                record.pid = pid
-                daemon = Daemon(record=record, idle_since=self._clock.monotonic())
-                answered = self._commands.try_command(daemon, "get_server_list")
-                if answered is not None:
-                    daemon.known_servers = set(live_pids(answered))
-                    skip_old_log(daemon)
+                daemon = self._launcher.take_over(record, pid)
+                if daemon is not None:
                     with self._registry_lock:
                         self._daemons[record.device_uuid] = daemon
                     write_record(record)
                     adopted.append(record.device_uuid)
                     continue
-                # Alive but mute: ours (it is in our directory) and wedged.
-                self._launcher.kill(daemon)
             if recorded is not None:
                 lost.append(recorded)
             remove_stale(device_dir)
@@ -303,20 +296,7 @@ class MpsManager:
                     )
                 servers.update(listed)
             self._stop(daemon)
-        timeout = self.config.server_exit_timeout_s
-        deadline = time.monotonic() + timeout
-        while True:
-            left = sorted(servers.intersection(device_pids()))
-            if not left:
-                return
-            if time.monotonic() >= deadline:
-                raise MpsServerStillRunning(
-                    f"MPS server(s) {', '.join(map(str, left))} still run on {device_uuid} "
-                    f"{timeout:g} s after its control daemon quit; not destroying the instance",
-                    device_uuid=device_uuid,
-                    servers=left,
-                )
-            time.sleep(POLL_S)
+        self._launcher.wait_servers_gone(device_uuid, servers, device_pids)
 
     def shutdown(self, keep: Collection[str] = ()) -> None:
         """Stop every daemon this manager started or adopted, and nothing else.
@@ -403,18 +383,7 @@ class MpsManager:
             cached = self._status_cache.get(device_uuid)
         if daemon is None:
             return []
-        if cached is not None and cached[0].get("pid") == daemon.record.pid:
-            data = dict(cached[0])
-            data["age_s"] = round(max(0.0, self._clock.monotonic() - cached[1]), 3)
-        else:
-            data = recorded_status(daemon).to_dict()
-            data["age_s"] = None
-        # Shares and health change under migd's own hand: always current.
-        data["shares"] = len(daemon.shares)
-        data["healthy"] = daemon.healthy and bool(data.get("healthy", True))
-        if daemon.last_error:
-            data["last_error"] = daemon.last_error
-        return [data]
+        return [cached_status(daemon, cached, self._clock.monotonic())]
 
     def manages(self, device_uuid: str) -> bool:
         """True if a daemon of this manager serves the device."""

@@ -89,3 +89,23 @@ def status_of(daemon: Daemon, cmds: DaemonCommands, clock: Clock) -> MpsDaemonSt
         last_error=error,
         idle_for_s=None if idle is None else clock.monotonic() - idle,
     )
+
+
+def cached_status(
+    daemon: Daemon, cached: tuple[dict[str, Any], float] | None, now: float
+) -> dict[str, Any]:
+    """The daemon's status from ``cached`` (its dict and the monotonic time it was read),
+    with ``age_s``; from migd's own record (``age_s`` ``None``) if the cache has none for
+    this daemon's pid (started since the last refresh)."""
+    if cached is not None and cached[0].get("pid") == daemon.record.pid:
+        data = dict(cached[0])
+        data["age_s"] = round(max(0.0, now - cached[1]), 3)
+    else:
+        data = recorded_status(daemon).to_dict()
+        data["age_s"] = None
+    # Shares and health change under migd's own hand: always current.
+    data["shares"] = len(daemon.shares)
+    data["healthy"] = daemon.healthy and bool(data.get("healthy", True))
+    if daemon.last_error:
+        data["last_error"] = daemon.last_error
+    return data
