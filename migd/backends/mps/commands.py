@@ -50,7 +50,7 @@ class DaemonCommands:
         """Send one command (or several, one a line) through the front end; return stdout.
 
         Raises:
-            MpsCommandTimeout, MpsBinaryNotFound: see :class:`SubprocessRunner`.
+            MpsCommandTimeout, MpsBinaryNotFound: see :class:`.runner.SubprocessRunner`.
             MpsCommandFailed: non-zero exit: no daemon, or the link to it broke.
         """
         record = daemon.record

@@ -71,12 +71,20 @@ class DaemonLauncher:
         return RunAs(share.uid, gid), share.uid, gid
 
     def start(self, device_uuid: str, share: MpsShare) -> Daemon:
+        """Start the device's control daemon for ``share``'s user and wait until it answers.
+
+        Writes its record; the caller registers it. A daemon of ours left in the pipe
+        directory (a start that timed out earlier) is killed first; a failed systemd
+        scope falls back to a plain start (noted as the daemon's last error).
+
+        Raises:
+            MpsDaemonStartFailed: ``-d`` failed or the daemon never answered.
+            MpsError: the directories could not be prepared, or the command not run.
+        """
         run_as, uid, gid = self.run_as_for(share)
         serves_uid = self.config.serves_uid(share.uid)
-        pipe_dir, log_dir = (
-            self.layout.pipe_dir(device_uuid),
-            self.layout.log_dir(device_uuid, serves_uid),
-        )
+        pipe_dir = self.layout.pipe_dir(device_uuid)
+        log_dir = self.layout.log_dir(device_uuid, serves_uid)
         socket_path = str(pipe_dir / CONTROL_SOCKET_NAME)
         if len(socket_path.encode()) > SOCKET_PATH_MAX_BYTES:
             raise MpsDaemonStartFailed(

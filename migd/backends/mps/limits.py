@@ -141,7 +141,8 @@ def ensure_server(cmds: DaemonCommands, daemon: Daemon, servers: list[int] | Non
     """Start the daemon's server unless one runs; True if it had to start one.
 
     Whether ``start_server`` worked is read from ``get_server_list`` afterwards, not
-    from its output (which may be informational).
+    from its output (which may be informational). Updates ``daemon.known_servers``; the
+    manager tells its server watchers.
     """
     if servers is None:
         servers = live_pids(cmds.command(daemon, "get_server_list"))

@@ -507,6 +507,8 @@ class MpsManager:
     # -- internals: health
 
     def _check_one(self, daemon: Daemon) -> list[HealthEvent]:
+        """Check one daemon (:func:`.health.diagnose`) and bring it back: a crashed server
+        is started again; a gone, mute or refusing daemon is replaced."""
         uuid = daemon.record.device_uuid
         seen = set(daemon.known_servers)
         found = diagnose(daemon, self._commands)
