@@ -479,12 +479,12 @@ def test_a_server_that_exits_normally_is_not_a_crash(env: Env) -> None:
 
 
 def test_an_empty_command_line_is_not_an_mps_daemon() -> None:
-    from migd.backends.mps import _looks_like_mps, _looks_like_mps_control
+    from migd.backends.mps.procs import looks_like_mps, looks_like_mps_control
 
     child = subprocess.Popen(["true"])
     wait_for(lambda: Path(f"/proc/{child.pid}/cmdline").read_bytes() == b"", what="a zombie")
     try:
-        assert not _looks_like_mps_control(child.pid) and not _looks_like_mps(child.pid)
+        assert not looks_like_mps_control(child.pid) and not looks_like_mps(child.pid)
     finally:
         child.wait()
 

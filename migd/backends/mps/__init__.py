@@ -69,7 +69,6 @@ from .health import (
 )
 from .lifecycle import ALREADY_RUNNING_MESSAGE
 from .manager import MpsManager
-from .procs import looks_like_mps, looks_like_mps_control, pid_alive
 from .records import (
     CONTROL_SOCKET_NAME,
     PID_FILE_NAME,
@@ -80,12 +79,6 @@ from .records import (
 )
 from .runner import CommandResult, CommandRunner, RunAs, SubprocessRunner
 from .status import MpsDaemonStatus
-
-# The /proc helpers' names before the package split (the simulated control program and
-# tests import them from here).
-_pid_alive = pid_alive
-_looks_like_mps = looks_like_mps
-_looks_like_mps_control = looks_like_mps_control
 
 __all__ = [
     "ALREADY_RUNNING_MESSAGE",
@@ -115,7 +108,4 @@ __all__ = [
     "MpsServerStillRunning",
     "RunAs",
     "SubprocessRunner",
-    "_looks_like_mps",
-    "_looks_like_mps_control",
-    "_pid_alive",
 ]

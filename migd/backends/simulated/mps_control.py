@@ -277,10 +277,10 @@ class _Daemon:
     def prune_clients(self) -> None:
         """A client whose process has exited has left its server (CUDA tears it down)."""
         # Imported here, in the daemon: the front end (a process per command) stays light.
-        from migd.backends.mps import _pid_alive
+        from migd.backends.mps.procs import pid_alive
 
         for server in self.servers.values():
-            for pid in [p for p in server.clients if not _pid_alive(p)]:
+            for pid in [p for p in server.clients if not pid_alive(p)]:
                 self._drop_client(server, pid)
 
     def _drop_client(self, server: _Server, pid: int) -> None:
