@@ -95,20 +95,25 @@ def test_functions_have_pynvmls_signatures(fake: FakePynvml) -> None:
 
 
 def _names_backend_uses() -> set[str]:
-    """Every ``nvml.<name>`` the backend module reads (functions, constants, types), plus
+    """Every ``nvml.<name>`` the backend package reads (functions, constants, types), plus
     function names it looks up with ``getattr`` (string literals ``"nvml..."``, and the
-    ``_v2`` variants it falls back to)."""
-    tree = ast.parse(Path(nvml_backend_module.__file__).read_text())
+    ``_v2`` variants it falls back to), over all of the package's modules."""
+    package = Path(nvml_backend_module.__file__).parent
+    nodes = [
+        node
+        for module in sorted(package.glob("*.py"))
+        for node in ast.walk(ast.parse(module.read_text()))
+    ]
     names = {
         node.attr
-        for node in ast.walk(tree)
+        for node in nodes
         if isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
         and node.value.id == "nvml"
     }
     looked_up = {
         node.value
-        for node in ast.walk(tree)
+        for node in nodes
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
         and re.fullmatch(r"nvml[A-Z]\w*", node.value)

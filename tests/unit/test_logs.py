@@ -37,7 +37,7 @@ def test_a_backend_record_is_a_structured_line_with_its_level() -> None:
     out = io.StringIO()
     configure_logging("json", "info", stream=out)
     structlog.get_logger("migd").info("daemon.starting", version="x")
-    # what migd/backends/nvml.py writes when a GPU has fallen off the bus
+    # what migd/backends/nvml/ writes when a GPU has fallen off the bus
     logging.getLogger("migd.backends.nvml").error("GPU %d left out of discovery: %s", 3, "lost")
     first, second = lines(out)
     assert first["event"] == "daemon.starting" and first["level"] == "info"

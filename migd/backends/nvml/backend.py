@@ -1,4 +1,4 @@
-"""The NVML GPU backend: the only module in migd that talks to ``pynvml``.
+"""The NVML GPU backend: the boundary class, the only object in migd that talks to ``pynvml``.
 
 :class:`NvmlBackend` implements :class:`migd.ports.GpuBackend` over a
 ``pynvml``-compatible module: the real ``pynvml`` (``nvidia-ml-py``, imported
@@ -23,9 +23,10 @@ documented in ``nvml.h`` as the *parent* device, so its UUID is the GPU's; it is
 used only after ``nvmlDeviceIsMigDeviceHandle`` and the ids confirm that a driver
 put the MIG device there.
 
-Every NVML error is translated here, once, into :mod:`migd.errors`
-(:func:`nvml_errors`). Reads that only add detail degrade to ``None``/empty and
-log once; reads the daemon decides on (instances, processes) and all writes raise.
+Every NVML error is translated once, into :mod:`migd.errors`, by
+:func:`~migd.backends.nvml.errors.nvml_errors`. Reads that only add detail degrade to
+``None``/empty and log once; reads the daemon decides on (instances, processes) and all
+writes raise.
 """
 
 from __future__ import annotations
@@ -34,29 +35,22 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
+from migd.backends.nvml.errors import (
+    MigModeReader,
+    is_library_mismatch,
+    nvml_error_code,
+    nvml_errors,
+    versioned_info,
+)
 from migd.backends.nvml_codes import (
-    NVML_ERROR_DRIVER_NOT_LOADED,
-    NVML_ERROR_FUNCTION_NOT_FOUND,
-    NVML_ERROR_GPU_IS_LOST,
-    NVML_ERROR_GPU_NOT_FOUND,
-    NVML_ERROR_IN_USE,
-    NVML_ERROR_INSUFFICIENT_RESOURCES,
     NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-    NVML_ERROR_LIBRARY_NOT_FOUND,
-    NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
-    NVML_ERROR_RESET_REQUIRED,
-    NVML_ERROR_TIMEOUT,
-    NVML_ERROR_UNINITIALIZED,
-    error_name,
 )
 from migd.core import catalog
 from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
@@ -78,7 +72,8 @@ from migd.errors import (
 )
 from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInstance
 
-_log = logging.getLogger(__name__)
+# The package's name, as before the split: log filters and docs name this logger.
+_log = logging.getLogger("migd.backends.nvml")
 
 MIB = 1024 * 1024
 
@@ -106,185 +101,6 @@ _SHARED_ENGINES = ("dec", "enc", "jpeg", "ofa")
 _EMPTY_SLOT = frozenset({NVML_ERROR_NOT_FOUND, NVML_ERROR_INVALID_ARGUMENT})
 
 MigIds = tuple[int, int]  # (GPU instance id, compute instance id)
-
-MigModeReader = Callable[[], tuple[bool | None, bool | None]]
-
-
-# -- error translation ------------------------------------------------------------------------
-
-
-def nvml_error_code(exc: BaseException) -> int | None:
-    """The NVML return code of a ``pynvml.NVMLError`` (real or simulated), else ``None``."""
-    value = getattr(exc, "value", None)
-    if isinstance(value, int) and any(c.__name__ == "NVMLError" for c in type(exc).__mro__):
-        return value
-    return None
-
-
-def translate_nvml_error(
-    code: int,
-    *,
-    op: str,
-    gpu: int | None = None,
-    mig_mode: MigModeReader | None = None,
-    not_found: type[MigdError] = GpuNotFound,
-    invalid_argument: type[MigdError] = GpuError,
-    **details: Any,
-) -> MigdError:
-    """Map one NVML return code to the migd error a caller can act on.
-
-    Args:
-        code: the NVML return code.
-        op: what was being done, e.g. ``"create 3g.20gb at unit 4"``.
-        gpu: GPU index, for the message and details.
-        mig_mode: reads (current, pending) MIG mode; used to tell "MIG disabled" or
-            "pending a reset" from "not supported" when NVML says NOT_SUPPORTED.
-        not_found: the error for NVML_ERROR_NOT_FOUND (e.g. ``InstanceNotFound``
-            when looking up a GPU instance by id).
-        invalid_argument: the error for NVML_ERROR_INVALID_ARGUMENT (e.g.
-            ``InvalidStart`` for a placement start the profile does not allow).
-        **details: structured context for the error.
-    """
-    name = error_name(code)
-    where = f" on GPU {gpu}" if gpu is not None else ""
-    message = f"{op}{where} failed: {name}"
-    info: dict[str, Any] = {"op": op, "nvml_error": name, **details}
-    if gpu is not None:
-        info["gpu"] = gpu
-    if code == NVML_ERROR_NO_PERMISSION:
-        return GpuPermissionDenied(message, **info)
-    if code == NVML_ERROR_INSUFFICIENT_RESOURCES:
-        return InsufficientResources(message, **info)
-    if code == NVML_ERROR_IN_USE:
-        return GpuBusy(message, **info)
-    if code == NVML_ERROR_TIMEOUT:
-        return GpuBusy(
-            message, hint="the driver timed out; retry, and check `dmesg` if it persists", **info
-        )
-    if code == NVML_ERROR_RESET_REQUIRED:
-        return MigModeError(
-            message,
-            hint="reset the GPU (`nvidia-smi -r -i N`, idle GPU "
-            "only) or reboot to apply the pending MIG mode",
-            **info,
-        )
-    if code == NVML_ERROR_NOT_SUPPORTED:
-        return _not_supported(message, mig_mode, info)
-    if code in (
-        NVML_ERROR_LIBRARY_NOT_FOUND,
-        NVML_ERROR_DRIVER_NOT_LOADED,
-        NVML_ERROR_UNINITIALIZED,
-    ):
-        return DriverUnavailable(message, **info)
-    if code == NVML_ERROR_LIB_RM_VERSION_MISMATCH:
-        return DriverUnavailable(
-            message,
-            hint="the NVIDIA library and kernel module differ "
-            "(driver upgraded without reboot): reboot the node",
-            **info,
-        )
-    if code == NVML_ERROR_FUNCTION_NOT_FOUND:
-        return GpuUnsupported(
-            message,
-            hint="the NVIDIA driver is older than this NVML call; upgrade the driver",
-            **info,
-        )
-    if code in (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_GPU_NOT_FOUND):
-        return GpuNotFound(message, **info)
-    if code == NVML_ERROR_NOT_FOUND:
-        return not_found(message, **info)
-    if code == NVML_ERROR_INVALID_ARGUMENT:
-        return invalid_argument(message, **info)
-    return GpuError(message, hint="`nvidia-smi -q -i N` and `dmesg` may say more", **info)
-
-
-def _not_supported(message: str, mig_mode: MigModeReader | None, info: dict[str, Any]) -> MigdError:
-    current: bool | None = True
-    pending: bool | None = True
-    if mig_mode is not None:
-        try:
-            current, pending = mig_mode()
-        except MigdError:  # the mode cannot be read either: say what we know
-            current = pending = True
-    if current is None:
-        return GpuUnsupported(
-            f"{message} (this GPU has no MIG)",
-            hint="use the GPU whole (MPS only), or leave it out of migd.toml",
-            **info,
-        )
-    if not current and pending:
-        return MigModeError(
-            f"{message} (MIG enabling is pending a GPU reset)",
-            hint="reset the GPU (`nvidia-smi -r -i N`) or reboot the node",
-            **info,
-        )
-    if not current:
-        return MigModeError(f"{message} (MIG is disabled)", **info)
-    return GpuUnsupported(
-        f"{message} (not supported by this GPU or driver)",
-        hint="`nvidia-smi mig -lgip` lists what the driver supports",
-        **info,
-    )
-
-
-@contextmanager
-def nvml_errors(
-    op: str,
-    *,
-    gpu: int | None = None,
-    mig_mode: MigModeReader | None = None,
-    not_found: type[MigdError] = GpuNotFound,
-    invalid_argument: type[MigdError] = GpuError,
-    **details: Any,
-) -> Iterator[None]:
-    """Translate NVML errors raised in the block (see :func:`translate_nvml_error`).
-
-    migd errors and non-NVML exceptions pass through unchanged.
-    """
-    try:
-        yield
-    except MigdError:
-        raise
-    except Exception as exc:
-        code = nvml_error_code(exc)
-        if code is None and _is_library_mismatch(exc):
-            raise GpuUnsupported(
-                f"{op} failed: the NVIDIA driver is older than this pynvml call ({exc})",
-                hint="upgrade the driver, or install the nvidia-ml-py release of its branch",
-                op=op,
-                gpu=gpu,
-            ) from exc
-        if code is None:
-            raise
-        raise translate_nvml_error(
-            code,
-            op=op,
-            gpu=gpu,
-            mig_mode=mig_mode,
-            not_found=not_found,
-            invalid_argument=invalid_argument,
-            **details,
-        ) from exc
-
-
-def _is_library_mismatch(exc: BaseException) -> bool:
-    # pynvml raises NVMLLibraryMismatchError (not an NVMLError) when an unversioned
-    # wrapper meets a driver without the newest versioned function (pynvml.py:1033).
-    return type(exc).__name__ == "NVMLLibraryMismatchError"
-
-
-def _versioned_info(function: Callable[..., Any], *args: Any) -> Any:
-    """A profile-info query as ``version=2`` (with the name), else ``version=1``.
-
-    pynvml's default ``version=2`` needs the driver's ``...ProfileInfoV`` entry point;
-    an older driver answers FUNCTION_NOT_FOUND, and the v1 structure has no name.
-    """
-    try:
-        return function(*args)
-    except Exception as exc:
-        if nvml_error_code(exc) != NVML_ERROR_FUNCTION_NOT_FOUND:
-            raise
-        return function(*args, version=1)
 
 
 def _text(value: Any) -> str:
@@ -773,7 +589,7 @@ class NvmlBackend:
                 mig_mode=self._mig_mode_reader(gpu),
             ):
                 try:
-                    raw = _versioned_info(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
+                    raw = versioned_info(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
                 except Exception as exc:
                     if nvml_error_code(exc) in _ABSENT:
                         continue  # the index is not a profile of this GPU / driver
@@ -997,7 +813,7 @@ class NvmlBackend:
         for index in indices:
             with nvml_errors("read compute instance profile", gpu=gpu, ci_index=index):
                 try:
-                    raw = _versioned_info(
+                    raw = versioned_info(
                         nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo,
                         gi,
                         index,
@@ -1101,7 +917,7 @@ class NvmlBackend:
             with nvml_errors(
                 f"create the compute instance of {profile.name}", gpu=gpu, profile=profile.name
             ):
-                ci_profile = _versioned_info(
+                ci_profile = versioned_info(
                     nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo,
                     gi,
                     ci_index,
@@ -1168,7 +984,7 @@ class NvmlBackend:
                     self._mig_cache.setdefault(gpu, {})[ids] = (uuid, ci_device)
                     return uuid
         except Exception as exc:
-            if nvml_error_code(exc) is None and not _is_library_mismatch(exc):
+            if nvml_error_code(exc) is None and not is_library_mismatch(exc):
                 raise  # not NVML saying no: a bug
         found = self._mig_device(gpu, ids)
         # A new MIG device's handle can appear a moment after the creation returned
@@ -1445,7 +1261,7 @@ class NvmlBackend:
             return list(getattr(nvml, function)(handle))
         except Exception as exc:
             older = getattr(nvml, f"{function}_v2", None)
-            if _is_library_mismatch(exc) and older is not None:
+            if is_library_mismatch(exc) and older is not None:
                 return list(older(handle))
             raise
 
@@ -1483,4 +1299,4 @@ def _import_pynvml() -> ModuleType:
     return module
 
 
-__all__ = ["NvmlBackend", "nvml_error_code", "nvml_errors", "translate_nvml_error"]
+__all__ = ["NvmlBackend"]

@@ -1,0 +1,17 @@
+"""migd's one NVML boundary: :class:`NvmlBackend`, the only object that talks to ``pynvml``.
+
+The package's modules, each with one job:
+
+* :mod:`.backend`: :class:`NvmlBackend`, the boundary the daemon talks to
+  (:class:`migd.ports.GpuBackend`): the NVML session, the handle and MIG device caches,
+  and the calls in the order the daemon needs them;
+* :mod:`.errors`: NVML return codes into :mod:`migd.errors` (:func:`nvml_errors`).
+
+The return-code table is :mod:`migd.backends.nvml_codes`; NVML's event stream is
+:mod:`migd.backends.nvml_events`.
+"""
+
+from migd.backends.nvml.backend import NvmlBackend
+from migd.backends.nvml.errors import nvml_error_code, nvml_errors, translate_nvml_error
+
+__all__ = ["NvmlBackend", "nvml_error_code", "nvml_errors", "translate_nvml_error"]
