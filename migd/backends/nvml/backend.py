@@ -47,6 +47,13 @@ from migd.backends.nvml.errors import (
     nvml_errors,
     versioned_info,
 )
+from migd.backends.nvml.processes import (
+    MIB,
+    instance_ids,
+    list_raw_processes,
+    merge_processes,
+    read_memory,
+)
 from migd.backends.nvml_codes import (
     NVML_ERROR_INVALID_ARGUMENT,
     NVML_ERROR_NOT_FOUND,
@@ -75,8 +82,6 @@ from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInst
 # The package's name, as before the split: log filters and docs name this logger.
 _log = logging.getLogger("migd.backends.nvml")
 
-MIB = 1024 * 1024
-
 # Codes that mean "this profile index does not exist here" when enumerating profiles
 # (nvml.h: enumerate "until the API returns NVML_ERROR_INVALID_ARGUMENT"; NOT_SUPPORTED
 # "if profile isn't supported").
@@ -88,8 +93,6 @@ MIG_HANDLE_RETRIES = 5
 
 # nvmlComputeMode_t (nvml.h): 1, EXCLUSIVE_THREAD, was removed from the driver.
 COMPUTE_MODE_NAMES: dict[int, str] = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
-
-_NOT_AVAILABLE_UINT = 0xFFFFFFFF  # gpuInstanceId of a process outside MIG
 
 # Engines a profile takes from the GPU's shared pool (nvmlGpuInstanceProfileInfo_t);
 # copy engines are the instance's own and are not budgeted.
@@ -108,19 +111,6 @@ def _text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     return str(value)
-
-
-def _instance_ids(proc: Any) -> tuple[int, int] | None:
-    """(GPU instance id, compute instance id) of an NVML process entry; None outside MIG."""
-    gi_id = getattr(proc, "gpuInstanceId", None)
-    ci_id = getattr(proc, "computeInstanceId", None)
-    if not isinstance(gi_id, int) or not isinstance(ci_id, int) or gi_id == _NOT_AVAILABLE_UINT:
-        return None
-    return gi_id, ci_id
-
-
-def _mib_up(byte_count: int) -> int:
-    return -(-byte_count // MIB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1204,11 +1194,8 @@ class NvmlBackend:
         Raises:
             GpuNotFound: no such GPU or MIG device.
         """
-        nvml = self._n()
         handle = self._mig_handle(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
-        with nvml_errors("read memory", gpu=gpu, mig_uuid=mig_uuid):
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        return MemoryInfo(total_mib=int(memory.total) // MIB, used_mib=_mib_up(int(memory.used)))
+        return read_memory(self._n(), handle, gpu, mig_uuid)
 
     def processes(self, gpu: int, mig_uuid: str | None = None) -> list[GpuProcess]:
         """CUDA processes (and MPS clients) on the GPU or one MIG device, by pid.
@@ -1225,49 +1212,21 @@ class NvmlBackend:
 
     def _device_processes(self, gpu: int, handle: Any, mig_uuid: str | None) -> list[GpuProcess]:
         """Compute and MPS client processes on one device handle (a GPU or a MIG device)."""
-        with nvml_errors("list compute processes", gpu=gpu, mig_uuid=mig_uuid):
-            raw = [
-                (proc, False)
-                for proc in self._process_list("nvmlDeviceGetComputeRunningProcesses", handle)
-            ]
-        try:
-            with nvml_errors("list MPS client processes", gpu=gpu, mig_uuid=mig_uuid):
-                raw += [
-                    (proc, True)
-                    for proc in self._process_list(
-                        "nvmlDeviceGetMPSComputeRunningProcesses", handle
-                    )
-                ]
-        except GpuUnsupported as err:  # pre-Volta, or an old driver: no MPS listing
-            self._log_once(f"mps-list:{gpu}", "%s; MPS clients not listed", err, level=logging.INFO)
+        raw = list_raw_processes(
+            self._n(),
+            gpu,
+            handle,
+            mig_uuid,
+            lambda err: self._log_once(
+                f"mps-list:{gpu}", "%s; MPS clients not listed", err, level=logging.INFO
+            ),
+        )
         uuid_of = {} if mig_uuid else self._uuids_by_ids(gpu, [proc for proc, _mps in raw])
-        merged: dict[int, GpuProcess] = {}
-        for proc, listed_as_mps in raw:
-            pid = int(proc.pid)
-            used = getattr(proc, "usedGpuMemory", None)
-            used_mib = None if used is None else _mib_up(int(used))
-            uuid = mig_uuid or uuid_of.get(_instance_ids(proc) or (-1, -1))
-            previous = merged.get(pid)
-            mps = listed_as_mps or (previous is not None and previous.mps)
-            if previous is not None and (previous.used_mib or 0) >= (used_mib or 0):
-                used_mib = previous.used_mib  # listed twice (compute and MPS): the larger
-            merged[pid] = GpuProcess(pid=pid, used_mib=used_mib, gpu=gpu, mig_uuid=uuid, mps=mps)
-        return [merged[pid] for pid in sorted(merged)]
-
-    def _process_list(self, function: str, handle: Any) -> list[Any]:
-        """One pynvml process query; the ``_v2`` variant where the driver predates ``_v3``."""
-        nvml = self._n()
-        try:
-            return list(getattr(nvml, function)(handle))
-        except Exception as exc:
-            older = getattr(nvml, f"{function}_v2", None)
-            if is_library_mismatch(exc) and older is not None:
-                return list(older(handle))
-            raise
+        return merge_processes(gpu, raw, mig_uuid, uuid_of)
 
     def _uuids_by_ids(self, gpu: int, raw: list[Any]) -> dict[tuple[int, int], str]:
         """(GI id, CI id) -> MIG UUID for the processes' instances; one refresh if unknown."""
-        wanted = {ids for ids in map(_instance_ids, raw) if ids is not None}
+        wanted = {ids for ids in map(instance_ids, raw) if ids is not None}
         known = self._mig_cache.get(gpu, {})
         if wanted - known.keys():
             try:
