@@ -6,6 +6,8 @@ The package's modules, each with one job:
   (:class:`migd.ports.GpuBackend`): the NVML session, the handle and MIG device caches,
   and the calls in the order the daemon needs them;
 * :mod:`.errors`: NVML return codes into :mod:`migd.errors` (:func:`nvml_errors`).
+* :mod:`.mig`: MIG profiles and placements, compute instances, creating (the
+  placement passed ``byref``) and rolling back, MIG device handles by GI/CI ids;
 * :mod:`.processes`: process listing and memory sampling on one device handle.
 
 The return-code table is :mod:`migd.backends.nvml_codes`; NVML's event stream is

@@ -36,16 +36,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NoReturn
 
 from migd.backends.nvml.errors import (
     MigModeReader,
-    is_library_mismatch,
-    nvml_error_code,
     nvml_errors,
     versioned_info,
+)
+from migd.backends.nvml.mig import (
+    MIG_HANDLE_RETRIES,
+    SHARED_ENGINES,
+    CiProfile,
+    MigDevice,
+    MigIds,
+    ci_index_for,
+    confirmed_mig_device,
+    create_gpu_instance,
+    explain_refusal,
+    geometry_differences,
+    handle_has_uuid,
+    list_compute_instances,
+    read_ci_profiles,
+    read_possible_placements,
+    read_profile_infos,
+    roll_back,
+    text,
+    walk_mig_devices,
 )
 from migd.backends.nvml.processes import (
     MIB,
@@ -53,11 +70,6 @@ from migd.backends.nvml.processes import (
     list_raw_processes,
     merge_processes,
     read_memory,
-)
-from migd.backends.nvml_codes import (
-    NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_NOT_FOUND,
-    NVML_ERROR_NOT_SUPPORTED,
 )
 from migd.core import catalog
 from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
@@ -68,13 +80,10 @@ from migd.errors import (
     GpuNotFound,
     GpuPermissionDenied,
     GpuUnsupported,
-    IllegalTransition,
     InstanceNotFound,
     InsufficientResources,
-    InvalidStart,
     MigdError,
     MigModeError,
-    PlacementOverlap,
     UnknownModel,
 )
 from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInstance
@@ -82,44 +91,8 @@ from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInst
 # The package's name, as before the split: log filters and docs name this logger.
 _log = logging.getLogger("migd.backends.nvml")
 
-# Codes that mean "this profile index does not exist here" when enumerating profiles
-# (nvml.h: enumerate "until the API returns NVML_ERROR_INVALID_ARGUMENT"; NOT_SUPPORTED
-# "if profile isn't supported").
-_ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
-
-# Looks (after the first) for a new compute instance's MIG device handle: with a 0.2 s
-# back-off doubling each time, about 6 s in all.
-MIG_HANDLE_RETRIES = 5
-
 # nvmlComputeMode_t (nvml.h): 1, EXCLUSIVE_THREAD, was removed from the driver.
 COMPUTE_MODE_NAMES: dict[int, str] = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
-
-# Engines a profile takes from the GPU's shared pool (nvmlGpuInstanceProfileInfo_t);
-# copy engines are the instance's own and are not budgeted.
-_SHARED_ENGINES = ("dec", "enc", "jpeg", "ofa")
-
-# A MIG device handle index with nothing behind it (nvml.h: NOT_FOUND "if no valid MIG
-# device was found at index"; INVALID_ARGUMENT past the end, or for a handle that went
-# stale while being read, as the Kubernetes DRA driver also treats it).
-_EMPTY_SLOT = frozenset({NVML_ERROR_NOT_FOUND, NVML_ERROR_INVALID_ARGUMENT})
-
-MigIds = tuple[int, int]  # (GPU instance id, compute instance id)
-
-
-def _text(value: Any) -> str:
-    """A pynvml string result: ``str`` (pynvml decodes most) or ``bytes`` (raw fields)."""
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return str(value)
-
-
-@dataclass(frozen=True, slots=True)
-class _CiProfile:
-    index: int  # NVML_COMPUTE_INSTANCE_PROFILE_*
-    profile_id: int
-    instance_count: int
-    slices: int
-
 
 # -- the backend ------------------------------------------------------------------------------
 
@@ -160,9 +133,9 @@ class NvmlBackend:
         self._infos: dict[int, GpuInfo] = {}
         self._versions: tuple[str, str] | None = None
         self._geometries: dict[int, Geometry] = {}
-        self._ci_profile_cache: dict[tuple[int, int], list[_CiProfile]] = {}
+        self._ci_profile_cache: dict[tuple[int, int], list[CiProfile]] = {}
         # Per GPU: (GI id, CI id) -> (MIG UUID, the MIG device handle last seen for it).
-        self._mig_cache: dict[int, dict[MigIds, tuple[str, Any]]] = {}
+        self._mig_cache: dict[int, dict[MigIds, MigDevice]] = {}
         self._logged: set[str] = set()
 
     # -- session ----------------------------------------------------------------------------
@@ -250,8 +223,8 @@ class NvmlBackend:
         handle = self._handle(gpu)
         driver, cuda = self._driver_versions()
         with nvml_errors("read GPU identity", gpu=gpu):
-            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            name = _text(nvml.nvmlDeviceGetName(handle))
+            uuid = text(nvml.nvmlDeviceGetUUID(handle))
+            name = text(nvml.nvmlDeviceGetName(handle))
             pci = nvml.nvmlDeviceGetPciInfo(handle)
         total_mib = self._gpu_memory_total(gpu, handle, int(pci.pciDeviceId), name)
         mig_error: str | None = None
@@ -287,7 +260,7 @@ class NvmlBackend:
             index=gpu,
             uuid=uuid,
             name=name,
-            pci_bus_id=_text(pci.busId),
+            pci_bus_id=text(pci.busId),
             pci_device_id=pci_device_id,
             memory_total_mib=total_mib,
             mig_current=mig_current,
@@ -332,7 +305,7 @@ class NvmlBackend:
         if self._versions is None:
             nvml = self._n()
             driver = self._degradable(
-                "read driver version", None, lambda: _text(nvml.nvmlSystemGetDriverVersion())
+                "read driver version", None, lambda: text(nvml.nvmlSystemGetDriverVersion())
             )
             cuda_int = self._degradable(
                 "read CUDA version", None, lambda: int(nvml.nvmlSystemGetCudaDriverVersion())
@@ -431,7 +404,7 @@ class NvmlBackend:
             infos = [info for info, _engines in details]
             # NVML's own engine counts win over the table's; copy engines are not shared.
             engines = {
-                info.profile_id: {k: counts[k] for k in _SHARED_ENGINES if k in counts}
+                info.profile_id: {k: counts[k] for k in SHARED_ENGINES if k in counts}
                 for info, counts in details
             }
             placements = {p.profile_id: self._placements_or_table(gpu, p, builtin) for p in infos}
@@ -507,30 +480,7 @@ class NvmlBackend:
             return None
 
     def _compare_with_builtin(self, gpu: int, nvml_geo: Geometry, builtin: Geometry) -> None:
-        known = {p.profile_id: p for p in builtin.profiles}
-        differences = []
-        engine_differences = []
-        for profile in nvml_geo.profiles:
-            prior = known.get(profile.profile_id)
-            if prior is None:
-                differences.append(f"{profile.name} (id {profile.profile_id}) not in the table")
-                continue
-            if prior.engines is not None and profile.engines is not None:
-                table = {k: prior.engines.get(k, 0) for k in profile.engines}
-                if table != profile.engines:
-                    engine_differences.append(
-                        f"{profile.name}: NVML {profile.engines}, table {table}"
-                    )
-            if (prior.starts, prior.memory_slices, prior.max_instances) != (
-                profile.starts,
-                profile.memory_slices,
-                profile.max_instances,
-            ):
-                differences.append(
-                    f"{profile.name}: NVML starts {profile.starts} size {profile.memory_slices} "
-                    f"max {profile.max_instances}, table {prior.starts} size "
-                    f"{prior.memory_slices} max {prior.max_instances}"
-                )
+        differences, engine_differences = geometry_differences(nvml_geo, builtin)
         if engine_differences:
             self._log_once(
                 f"geo-engines:{gpu}",
@@ -547,16 +497,6 @@ class NvmlBackend:
                 "; ".join(differences),
             )
 
-    def _gi_profile_indices(self) -> list[int]:
-        nvml = self._n()
-        return sorted(
-            {
-                int(getattr(nvml, name))
-                for name in dir(nvml)
-                if name.startswith("NVML_GPU_INSTANCE_PROFILE_") and not name.endswith("_COUNT")
-            }
-        )
-
     def profile_infos(self, gpu: int) -> list[NvmlProfileInfo]:
         """What NVML says about every GPU instance profile of this GPU (``-lgip``).
 
@@ -567,48 +507,7 @@ class NvmlBackend:
 
     def profile_infos_with_engines(self, gpu: int) -> list[tuple[NvmlProfileInfo, dict[str, int]]]:
         """:meth:`profile_infos` plus each profile's engine counts (``ce``, ``dec``, ...)."""
-        nvml = self._n()
-        handle = self._handle(gpu)
-        seen: set[int] = set()
-        out: list[tuple[NvmlProfileInfo, dict[str, int]]] = []
-        for index in self._gi_profile_indices():
-            with nvml_errors(
-                "read MIG profile info",
-                gpu=gpu,
-                nvml_index=index,
-                mig_mode=self._mig_mode_reader(gpu),
-            ):
-                try:
-                    raw = versioned_info(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, index)
-                except Exception as exc:
-                    if nvml_error_code(exc) in _ABSENT:
-                        continue  # the index is not a profile of this GPU / driver
-                    raise
-            profile_id = int(raw.id)
-            if profile_id in seen:
-                continue
-            seen.add(profile_id)
-            out.append(
-                (
-                    NvmlProfileInfo(
-                        nvml_index=index,
-                        profile_id=profile_id,
-                        compute_slices=int(raw.sliceCount),
-                        max_instances=int(raw.instanceCount),
-                        memory_mib=int(raw.memorySizeMB),
-                        name=_text(getattr(raw, "name", "")),
-                        multiprocessor_count=int(raw.multiprocessorCount) or None,
-                    ),
-                    {
-                        "ce": int(raw.copyEngineCount),
-                        "dec": int(raw.decoderCount),
-                        "enc": int(raw.encoderCount),
-                        "jpeg": int(raw.jpegCount),
-                        "ofa": int(raw.ofaCount),
-                    },
-                )
-            )
-        return out
+        return read_profile_infos(self._n(), self._handle(gpu), gpu, self._mig_mode_reader(gpu))
 
     def possible_placements(self, gpu: int, profile_id: int) -> list[tuple[int, int]]:
         """``(start, size)`` of every placement of a profile, free or not (``-lgipp``).
@@ -616,25 +515,9 @@ class NvmlBackend:
         Raises:
             GpuPermissionDenied: NVML requires root for this query.
         """
-        nvml = self._n()
-        handle = self._handle(gpu)
-        count = ctypes.c_uint(0)
-        with nvml_errors(
-            "read possible placements",
-            gpu=gpu,
-            profile_id=profile_id,
-            mig_mode=self._mig_mode_reader(gpu),
-        ):
-            # First call with NULL: nvml.h "Can be NULL to discover number of allowed
-            # placements"; then an array of exactly that size.
-            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(
-                handle, profile_id, None, ctypes.byref(count)
-            )
-            array = (nvml.c_nvmlGpuInstancePlacement_t * max(count.value, 1))()
-            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(
-                handle, profile_id, array, ctypes.byref(count)
-            )
-        return [(int(array[i].start), int(array[i].size)) for i in range(count.value)]
+        return read_possible_placements(
+            self._n(), self._handle(gpu), gpu, profile_id, self._mig_mode_reader(gpu)
+        )
 
     # -- instances ----------------------------------------------------------------------------
 
@@ -683,7 +566,7 @@ class NvmlBackend:
                 ]
                 raw.append((gi, profile, info, cis))
         wanted = {(int(info.id), ci_id) for _gi, _p, info, cis in raw for ci_id, _s in cis}
-        devices: dict[MigIds, tuple[str, Any]] = {}
+        devices: dict[MigIds, MigDevice] = {}
         for ids in wanted:
             cached = self._cached_mig_device(gpu, ids)
             if cached is None:
@@ -715,7 +598,7 @@ class NvmlBackend:
         profile: Profile,
         info: Any,
         cis: list[tuple[int, int]],
-        devices: dict[MigIds, tuple[str, Any]],
+        devices: dict[MigIds, MigDevice],
     ) -> MigInstance:
         gi_id = int(info.id)
         computes = tuple(
@@ -735,35 +618,17 @@ class NvmlBackend:
             compute_instances=computes,
         )
 
-    def _mig_devices(self, gpu: int) -> dict[MigIds, tuple[str, Any]]:
+    def _mig_devices(self, gpu: int) -> dict[MigIds, MigDevice]:
         """Every MIG device of the GPU: (GI id, CI id) -> (MIG UUID, MIG device handle).
 
         Walks ``nvmlDeviceGetMigDeviceHandleByIndex`` over ``nvmlDeviceGetMaxMigDeviceCount``
         slots (an empty slot answers NOT_FOUND) and refreshes the MIG device cache.
         """
-        nvml = self._n()
-        parent = self._handle(gpu)
-        with nvml_errors("count MIG devices", gpu=gpu):
-            slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))
-        found: dict[MigIds, tuple[str, Any]] = {}
-        for index in range(slots):
-            with nvml_errors("read MIG device", gpu=gpu, mig_index=index):
-                try:
-                    device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-                    ids = (
-                        int(nvml.nvmlDeviceGetGpuInstanceId(device)),
-                        int(nvml.nvmlDeviceGetComputeInstanceId(device)),
-                    )
-                    uuid = _text(nvml.nvmlDeviceGetUUID(device))
-                except Exception as exc:
-                    if nvml_error_code(exc) in _EMPTY_SLOT:
-                        continue  # no MIG device here (or it just went away)
-                    raise
-            found[ids] = (uuid, device)
+        found = walk_mig_devices(self._n(), self._handle(gpu), gpu)
         self._mig_cache[gpu] = found
         return found
 
-    def _cached_mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+    def _cached_mig_device(self, gpu: int, ids: MigIds) -> MigDevice | None:
         """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
         handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
         cached = self._mig_cache.get(gpu, {}).get(ids)
@@ -771,70 +636,22 @@ class NvmlBackend:
             return cached
         return None
 
-    def _mig_device(self, gpu: int, ids: MigIds) -> tuple[str, Any] | None:
+    def _mig_device(self, gpu: int, ids: MigIds) -> MigDevice | None:
         """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
         return self._cached_mig_device(gpu, ids) or self._mig_devices(gpu).get(ids)
 
     def _handle_has_uuid(self, gpu: int, handle: Any, uuid: str) -> bool:
-        """Whether a MIG device handle seen before still names ``uuid`` (handles get reused)."""
-        with nvml_errors("open MIG device", gpu=gpu, mig_uuid=uuid):
-            try:
-                return _text(self._n().nvmlDeviceGetUUID(handle)) == uuid
-            except Exception as exc:
-                if nvml_error_code(exc) in _EMPTY_SLOT:
-                    return False  # a stale handle
-                raise
+        return handle_has_uuid(self._n(), gpu, handle, uuid)
 
-    def _ci_profiles(self, gpu: int, gi: Any, gi_profile_id: int) -> list[_CiProfile]:
+    def _ci_profiles(self, gpu: int, gi: Any, gi_profile_id: int) -> list[CiProfile]:
         """Compute instance profiles a GI of this profile supports, largest first (cached)."""
         key = (gpu, gi_profile_id)
         cached = self._ci_profile_cache.get(key)
         if cached is not None:
             return cached
-        nvml = self._n()
-        found: list[_CiProfile] = []
-        indices = sorted(
-            {
-                int(getattr(nvml, name))
-                for name in dir(nvml)
-                if name.startswith("NVML_COMPUTE_INSTANCE_PROFILE_") and not name.endswith("_COUNT")
-            }
-        )
-        for index in indices:
-            with nvml_errors("read compute instance profile", gpu=gpu, ci_index=index):
-                try:
-                    raw = versioned_info(
-                        nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo,
-                        gi,
-                        index,
-                        nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                    )
-                except Exception as exc:
-                    if nvml_error_code(exc) in _ABSENT:
-                        continue
-                    raise
-            profile_id = int(raw.id)
-            if any(c.profile_id == profile_id for c in found):
-                # The same profile under a second index (COMPUTE_INSTANCE_PROFILE_1_SLICE_REV1
-                # answering with the 1-slice profile's id): listing its CIs again would
-                # report each twice, and the second destroy would fail. NVIDIA's DRA driver
-                # skips REV1 for the same reason (k8s-dra-driver-gpu,
-                # cmd/gpu-kubelet-plugin/nvlib.go: "same number of slices").
-                continue
-            found.append(_CiProfile(index, profile_id, int(raw.instanceCount), int(raw.sliceCount)))
-        found.sort(key=lambda c: -c.slices)
+        found = read_ci_profiles(self._n(), gpu, gi)
         self._ci_profile_cache[key] = found
         return found
-
-    def _compute_instances(self, gpu: int, gi: Any, ci_profile: _CiProfile) -> list[Any]:
-        nvml = self._n()
-        count = ctypes.c_uint(0)
-        array = (nvml.c_nvmlComputeInstance_t * max(ci_profile.instance_count, 1))()
-        with nvml_errors("list compute instances", gpu=gpu):
-            nvml.nvmlGpuInstanceGetComputeInstances(
-                gi, ci_profile.profile_id, array, ctypes.byref(count)
-            )
-        return [array[i] for i in range(count.value)]
 
     def _gi_compute_instances(
         self, gpu: int, gi: Any, gi_profile_id: int
@@ -843,7 +660,7 @@ class NvmlBackend:
         nvml = self._n()
         out: list[tuple[Any, int, int]] = []
         for ci_profile in self._ci_profiles(gpu, gi, gi_profile_id):
-            for ci in self._compute_instances(gpu, gi, ci_profile):
+            for ci in list_compute_instances(nvml, gpu, gi, ci_profile):
                 with nvml_errors("read compute instance", gpu=gpu):
                     ci_id = int(nvml.nvmlComputeInstanceGetInfo(ci).id)
                 out.append((ci, ci_id, ci_profile.slices))
@@ -864,37 +681,15 @@ class NvmlBackend:
         """
         geometry = self.geometry(gpu)
         profile = geometry.by_id(profile_id)
-        nvml = self._n()
-        handle = self._handle(gpu)
-        placement = nvml.c_nvmlGpuInstancePlacement_t()
-        placement.start = start
-        placement.size = profile.memory_slices
-        op = f"create {profile.name} at unit {start}"
         try:
-            with nvml_errors(
-                op,
-                gpu=gpu,
-                profile=profile.name,
-                start=start,
-                mig_mode=self._mig_mode_reader(gpu),
-                invalid_argument=(
-                    InsufficientResources if start in profile.starts else InvalidStart
-                ),
-            ):
-                # byref: NVML takes a pointer and pynvml passes the argument through as is
-                # (reference §5.1/§5.2); a by-value struct crashes the process.
-                gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
-                    handle, profile_id, ctypes.byref(placement)
-                )
-        except InvalidStart as err:
-            raise InvalidStart(
-                f"{profile.name} cannot start at unit {start} on GPU {gpu} ({err.message})",
-                hint=f"legal starts of {profile.name}: " + ", ".join(map(str, profile.starts)),
-                **err.details,
-            ) from err.__cause__
+            gi = create_gpu_instance(
+                self._n(), self._handle(gpu), gpu, profile, start, self._mig_mode_reader(gpu)
+            )
         except InsufficientResources as err:
             # Chain to NVML's error itself: the message is refined, not translated twice.
-            raise self._explain_refusal(gpu, geometry, profile, start, err) from err.__cause__
+            raise explain_refusal(
+                gpu, geometry, profile, start, err, lambda: self.list_instances(gpu)
+            ) from err.__cause__
         return self._finish_create(gpu, gi, profile)
 
     def _finish_create(self, gpu: int, gi: Any, profile: Profile) -> MigInstance:
@@ -903,7 +698,7 @@ class NvmlBackend:
         try:
             with nvml_errors("read new GPU instance", gpu=gpu):
                 gi_info = nvml.nvmlGpuInstanceGetInfo(gi)
-            ci_index = self._ci_index_for(profile.compute_slices)
+            ci_index = ci_index_for(nvml, profile.compute_slices)
             with nvml_errors(
                 f"create the compute instance of {profile.name}", gpu=gpu, profile=profile.name
             ):
@@ -919,7 +714,7 @@ class NvmlBackend:
             ids = (int(gi_info.id), int(ci_info.id))
             uuid = self._new_mig_uuid(gpu, ids, ci_info.device)
         except BaseException:
-            self._roll_back(gpu, gi, ci)
+            roll_back(nvml, gpu, gi, ci)
             raise
         cached = self._cached_mig_device(gpu, ids)
         return MigInstance(
@@ -958,24 +753,10 @@ class NvmlBackend:
         parent GPU, whose UUID is the GPU's. It is used only where NVML confirms it is
         this MIG device (some drivers fill it in so); otherwise the MIG devices are walked.
         """
-        nvml = self._n()
-        try:
-            is_mig = nvml.nvmlDeviceIsMigDeviceHandle(ci_device)
-            if (
-                int(getattr(is_mig, "value", is_mig))
-                and (
-                    int(nvml.nvmlDeviceGetGpuInstanceId(ci_device)),
-                    int(nvml.nvmlDeviceGetComputeInstanceId(ci_device)),
-                )
-                == ids
-            ):
-                uuid = _text(nvml.nvmlDeviceGetUUID(ci_device))
-                if uuid.startswith("MIG-"):
-                    self._mig_cache.setdefault(gpu, {})[ids] = (uuid, ci_device)
-                    return uuid
-        except Exception as exc:
-            if nvml_error_code(exc) is None and not is_library_mismatch(exc):
-                raise  # not NVML saying no: a bug
+        confirmed = confirmed_mig_device(self._n(), ids, ci_device)
+        if confirmed is not None:
+            self._mig_cache.setdefault(gpu, {})[ids] = confirmed
+            return confirmed[0]
         found = self._mig_device(gpu, ids)
         # A new MIG device's handle can appear a moment after the creation returned
         # (docs/nvml.md): look again, with the destroy retries' back-off, before giving up.
@@ -994,60 +775,6 @@ class NvmlBackend:
                 ci_id=ids[1],
             )
         return found[0]
-
-    def _ci_index_for(self, compute_slices: int) -> int:
-        index = getattr(self._n(), f"NVML_COMPUTE_INSTANCE_PROFILE_{compute_slices}_SLICE", None)
-        if index is None:
-            raise GpuUnsupported(
-                f"NVML has no compute instance profile with {compute_slices} slices",
-                hint="upgrade nvidia-ml-py and the driver",
-            )
-        return int(index)
-
-    def _roll_back(self, gpu: int, gi: Any, ci: Any) -> None:
-        """Undo a half-made instance; log (never raise) if that fails too."""
-        nvml = self._n()
-        try:
-            if ci is not None:
-                nvml.nvmlComputeInstanceDestroy(ci)
-            nvml.nvmlGpuInstanceDestroy(gi)
-        except Exception as exc:
-            _log.error(
-                "GPU %d: could not remove a half-created GPU instance (%s); it stays "
-                "until destroyed by hand (`nvidia-smi mig -dgi`)",
-                gpu,
-                exc,
-            )
-
-    def _explain_refusal(
-        self, gpu: int, geometry: Geometry, profile: Profile, start: int, err: InsufficientResources
-    ) -> InsufficientResources:
-        """NVML only says INSUFFICIENT_RESOURCES; say which rule (overlap, limit, cap) applies."""
-        from migd.core.states import state_space
-
-        hint: str | None = None
-        try:
-            existing = [(m.profile_id, m.start) for m in self.list_instances(gpu)]
-            space = state_space(geometry, "all")
-            key = space.key_of(existing)
-            space.allocate(key, profile.profile_id, start)
-        except PlacementOverlap as why:
-            reason = why.message
-        except IllegalTransition as why:  # instance limit or a shared engine (e.g. one OFA)
-            reason = why.message
-            hint = "release an instance of the same kind, or use another profile"
-        except MigdError as other:  # cannot look: keep NVML's word
-            reason = f"the current layout could not be read ({other.message})"
-        else:
-            reason = (
-                "migd's placement table allows it, so another NVML client changed the "
-                "GPU or the table is wrong for this driver"
-            )
-        return InsufficientResources(
-            f"cannot create {profile.name} at unit {start} on GPU {gpu}: {reason}",
-            hint=hint,
-            **err.details,
-        )
 
     def destroy_instance(self, gpu: int, gi_id: int) -> None:
         """Destroy the compute instance(s), then the GPU instance (``nvidia-smi mig -dci/-dgi``).
