@@ -6,6 +6,8 @@ The package's modules, each with one job:
   (:class:`migd.ports.GpuBackend`): the NVML session, the handle and MIG device caches,
   and the calls in the order the daemon needs them;
 * :mod:`.errors`: NVML return codes into :mod:`migd.errors` (:func:`nvml_errors`).
+* :mod:`.discovery`: one GPU's identity, MIG/persistence/compute mode and memory
+  into a :class:`~migd.ports.GpuInfo`;
 * :mod:`.mig`: MIG profiles and placements, compute instances, creating (the
   placement passed ``byref``) and rolling back, MIG device handles by GI/CI ids;
 * :mod:`.processes`: process listing and memory sampling on one device handle.

@@ -39,6 +39,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NoReturn
 
+from migd.backends.nvml.discovery import (
+    degradable,
+    read_driver_versions,
+    read_gpu,
+    read_mig_mode,
+)
 from migd.backends.nvml.errors import (
     MigModeReader,
     nvml_errors,
@@ -61,7 +67,6 @@ from migd.backends.nvml.mig import (
     read_possible_placements,
     read_profile_infos,
     roll_back,
-    text,
     walk_mig_devices,
 )
 from migd.backends.nvml.processes import (
@@ -90,9 +95,6 @@ from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInst
 
 # The package's name, as before the split: log filters and docs name this logger.
 _log = logging.getLogger("migd.backends.nvml")
-
-# nvmlComputeMode_t (nvml.h): 1, EXCLUSIVE_THREAD, was removed from the driver.
-COMPUTE_MODE_NAMES: dict[int, str] = {0: "DEFAULT", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
 
 # -- the backend ------------------------------------------------------------------------------
 
@@ -221,112 +223,17 @@ class NvmlBackend:
     def _read_gpu(self, gpu: int) -> GpuInfo:
         nvml = self._n()
         handle = self._handle(gpu)
-        driver, cuda = self._driver_versions()
-        with nvml_errors("read GPU identity", gpu=gpu):
-            uuid = text(nvml.nvmlDeviceGetUUID(handle))
-            name = text(nvml.nvmlDeviceGetName(handle))
-            pci = nvml.nvmlDeviceGetPciInfo(handle)
-        total_mib = self._gpu_memory_total(gpu, handle, int(pci.pciDeviceId), name)
-        mig_error: str | None = None
-        try:
-            mig_current, mig_pending = self._mig_mode(gpu)
-        except (GpuNotFound, DriverUnavailable):
-            raise
-        except GpuError as err:  # unknown is not "no MIG": the daemon gives it no work
-            mig_current = mig_pending = None
-            mig_error = err.message
-        capability = self._degradable(
-            "read compute capability",
-            gpu,
-            lambda: tuple(int(v) for v in nvml.nvmlDeviceGetCudaComputeCapability(handle)),
-        )
-        persistence = self._degradable(
-            "read persistence mode", gpu, lambda: int(nvml.nvmlDeviceGetPersistenceMode(handle))
-        )
-        if persistence == 0:
-            self._log_once(
-                f"persistence:{gpu}",
-                "GPU %d (%s) has persistence mode off: when it goes idle the driver may "
-                "de-initialise it and its MIG instances are lost; enable nvidia-persistenced "
-                "(docs/operations.md)",
-                gpu,
-                uuid,
-            )
-        compute_mode = self._degradable(
-            "read compute mode", gpu, lambda: int(nvml.nvmlDeviceGetComputeMode(handle))
-        )
-        pci_device_id = int(pci.pciDeviceId)
-        info = GpuInfo(
-            index=gpu,
-            uuid=uuid,
-            name=name,
-            pci_bus_id=text(pci.busId),
-            pci_device_id=pci_device_id,
-            memory_total_mib=total_mib,
-            mig_current=mig_current,
-            mig_pending=mig_pending,
-            driver_version=driver,
-            cuda_version=cuda,
-            model=catalog.detect_model(pci_device_id, name, total_mib),
-            compute_capability=(capability[0], capability[1]) if capability else None,
-            mig_mode_error=mig_error,
-            persistence_mode=None if persistence is None else persistence != 0,
-            compute_mode=None if compute_mode is None else COMPUTE_MODE_NAMES.get(compute_mode),
-        )
+        info = read_gpu(nvml, handle, gpu, self._driver_versions(), self._log_once)
         self._infos[gpu] = info
         return info
-
-    def _gpu_memory_total(self, gpu: int, handle: Any, pci_device_id: int, name: str) -> int:
-        """The whole GPU's memory in MiB.
-
-        In MIG mode nvml.h gives the parent's aggregate "only if the caller has
-        appropriate privileges"; without them (a probe run as a normal user) the catalog's
-        size for the model stands in, and 0 where the model is unknown.
-        """
-        try:
-            with nvml_errors("read GPU memory", gpu=gpu):
-                return int(self._n().nvmlDeviceGetMemoryInfo(handle).total) // MIB
-        except GpuPermissionDenied as err:
-            model = catalog.detect_model(pci_device_id, name)
-            known = catalog.builtin_models().get(model or "")
-            self._log_once(
-                f"memory:{gpu}",
-                "%s; using the catalog's size for %s",
-                err,
-                model or "an unknown model (0)",
-                level=logging.INFO,
-            )
-            return known.memory_mib if known is not None else 0
 
     def _info(self, gpu: int) -> GpuInfo:
         return self._infos.get(gpu) or self._read_gpu(gpu)
 
     def _driver_versions(self) -> tuple[str, str]:
         if self._versions is None:
-            nvml = self._n()
-            driver = self._degradable(
-                "read driver version", None, lambda: text(nvml.nvmlSystemGetDriverVersion())
-            )
-            cuda_int = self._degradable(
-                "read CUDA version", None, lambda: int(nvml.nvmlSystemGetCudaDriverVersion())
-            )
-            cuda = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}" if cuda_int else ""
-            self._versions = (driver or "", cuda)
+            self._versions = read_driver_versions(self._n(), self._log_once)
         return self._versions
-
-    def _degradable(self, op: str, gpu: int | None, read: Callable[[], Any]) -> Any:
-        """Run a read that only adds detail: ``None`` (logged once) if NVML cannot say.
-
-        A lost GPU or a missing driver still raises: those are not details.
-        """
-        try:
-            with nvml_errors(op, gpu=gpu):
-                return read()
-        except (GpuNotFound, DriverUnavailable):
-            raise
-        except GpuError as err:
-            self._log_once(f"{op}:{gpu}", "%s; reported as unknown", err, level=logging.INFO)
-            return None
 
     def _mig_mode(self, gpu: int) -> tuple[bool | None, bool | None]:
         """(current, pending) MIG mode; (None, None) where the GPU has no MIG.
@@ -335,24 +242,7 @@ class NvmlBackend:
             GpuError: NVML could not read the mode (e.g. NVML_ERROR_UNKNOWN). That is not
                 "no MIG": a MIG GPU managed as a whole GPU would be handed out wrongly.
         """
-        nvml = self._n()
-        handle = self._handle(gpu)
-        try:
-            with nvml_errors("read MIG mode", gpu=gpu):
-                current, pending = nvml.nvmlDeviceGetMigMode(handle)
-        except GpuUnsupported:
-            return None, None
-        except (GpuNotFound, DriverUnavailable):
-            raise
-        except GpuError as err:
-            self._log_once(f"migmode:{gpu}", "%s; MIG mode unknown", err)
-            raise GpuError(
-                f"the MIG mode of GPU {gpu} cannot be read ({err.message})",
-                hint="`nvidia-smi -q -i N` shows whether the driver can say; restart migd "
-                "once it does (the GPU gets no work until then)",
-                **err.details,
-            ) from err
-        return bool(current), bool(pending)
+        return read_mig_mode(self._n(), self._handle(gpu), gpu, self._log_once)
 
     def _mig_mode_reader(self, gpu: int) -> MigModeReader:
         return lambda: self._mig_mode(gpu)
@@ -741,8 +631,11 @@ class NvmlBackend:
         if handle is None:
             return profile.memory_mib
         nvml = self._n()
-        total = self._degradable(
-            "read MIG device memory", gpu, lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        total = degradable(
+            self._log_once,
+            "read MIG device memory",
+            gpu,
+            lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
         )
         return profile.memory_mib if not total else total // MIB
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from migd.backends.nvml.discovery import text
 from migd.backends.nvml.errors import (
     MigModeReader,
     is_library_mismatch,
@@ -71,13 +72,6 @@ MigIds = tuple[int, int]  # (GPU instance id, compute instance id)
 
 # (MIG UUID, MIG device handle) of one compute instance.
 MigDevice = tuple[str, Any]
-
-
-def text(value: Any) -> str:
-    """A pynvml string result: ``str`` (pynvml decodes most) or ``bytes`` (raw fields)."""
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return str(value)
 
 
 @dataclass(frozen=True, slots=True)
