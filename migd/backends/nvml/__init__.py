@@ -9,7 +9,8 @@ The package's modules, each with one job:
 * :mod:`.discovery`: one GPU's identity, MIG/persistence/compute mode and memory
   into a :class:`~migd.ports.GpuInfo`;
 * :mod:`.mig`: MIG profiles and placements, compute instances, creating (the
-  placement passed ``byref``) and rolling back, MIG device handles by GI/CI ids;
+  placement passed ``byref``) and rolling back;
+* :mod:`.mig_devices`: MIG device handles and UUIDs resolved by GI/CI ids, and their cache;
 * :mod:`.processes`: process listing and memory sampling on one device handle.
 
 The return-code table is :mod:`migd.backends.nvml_codes`; NVML's event stream is

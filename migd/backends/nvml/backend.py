@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any
 
 from migd.backends.nvml.discovery import (
     degradable,
@@ -54,21 +54,17 @@ from migd.backends.nvml.mig import (
     MIG_HANDLE_RETRIES,
     SHARED_ENGINES,
     CiProfile,
-    MigDevice,
-    MigIds,
     ci_index_for,
-    confirmed_mig_device,
     create_gpu_instance,
     explain_refusal,
     geometry_differences,
-    handle_has_uuid,
     list_compute_instances,
     read_ci_profiles,
     read_possible_placements,
     read_profile_infos,
     roll_back,
-    walk_mig_devices,
 )
+from migd.backends.nvml.mig_devices import MigDevice, MigDevices, MigIds, confirmed_mig_device
 from migd.backends.nvml.processes import (
     MIB,
     instance_ids,
@@ -136,8 +132,8 @@ class NvmlBackend:
         self._versions: tuple[str, str] | None = None
         self._geometries: dict[int, Geometry] = {}
         self._ci_profile_cache: dict[tuple[int, int], list[CiProfile]] = {}
-        # Per GPU: (GI id, CI id) -> (MIG UUID, the MIG device handle last seen for it).
-        self._mig_cache: dict[int, dict[MigIds, MigDevice]] = {}
+        # The MIG devices last seen per GPU, by (GI id, CI id).
+        self._mig = MigDevices(self._n, self._handle)
         self._logged: set[str] = set()
 
     # -- session ----------------------------------------------------------------------------
@@ -424,7 +420,7 @@ class NvmlBackend:
         """
         current, _pending = self._mig_mode(gpu)
         if current is False:
-            self._mig_cache[gpu] = {}
+            self._mig.remember(gpu, {})
             return []
         geometry = self.geometry(gpu)
         nvml = self._n()
@@ -458,14 +454,14 @@ class NvmlBackend:
         wanted = {(int(info.id), ci_id) for _gi, _p, info, cis in raw for ci_id, _s in cis}
         devices: dict[MigIds, MigDevice] = {}
         for ids in wanted:
-            cached = self._cached_mig_device(gpu, ids)
+            cached = self._mig.cached(gpu, ids)
             if cached is None:
-                devices = self._mig_devices(gpu)  # one walk finds them all
+                devices = self._mig.walk(gpu)  # one walk finds them all
                 if wanted - devices.keys():  # made while we looked: one more look
-                    devices = self._mig_devices(gpu)
+                    devices = self._mig.walk(gpu)
                 break
             devices[ids] = cached
-        self._mig_cache[gpu] = {ids: devices[ids] for ids in wanted if ids in devices}
+        self._mig.remember(gpu, {ids: devices[ids] for ids in wanted if ids in devices})
         missing = sorted(wanted - devices.keys())
         if missing:
             raise GpuError(
@@ -507,31 +503,6 @@ class NvmlBackend:
             ),
             compute_instances=computes,
         )
-
-    def _mig_devices(self, gpu: int) -> dict[MigIds, MigDevice]:
-        """Every MIG device of the GPU: (GI id, CI id) -> (MIG UUID, MIG device handle).
-
-        Walks ``nvmlDeviceGetMigDeviceHandleByIndex`` over ``nvmlDeviceGetMaxMigDeviceCount``
-        slots (an empty slot answers NOT_FOUND) and refreshes the MIG device cache.
-        """
-        found = walk_mig_devices(self._n(), self._handle(gpu), gpu)
-        self._mig_cache[gpu] = found
-        return found
-
-    def _cached_mig_device(self, gpu: int, ids: MigIds) -> MigDevice | None:
-        """The MIG device of compute instance ``ids`` as last seen, if NVML still gives its
-        handle the same UUID (a MIG UUID belongs to one compute instance for life)."""
-        cached = self._mig_cache.get(gpu, {}).get(ids)
-        if cached is not None and self._handle_has_uuid(gpu, cached[1], cached[0]):
-            return cached
-        return None
-
-    def _mig_device(self, gpu: int, ids: MigIds) -> MigDevice | None:
-        """The MIG device of compute instance ``ids``: cached, else by walking the slots."""
-        return self._cached_mig_device(gpu, ids) or self._mig_devices(gpu).get(ids)
-
-    def _handle_has_uuid(self, gpu: int, handle: Any, uuid: str) -> bool:
-        return handle_has_uuid(self._n(), gpu, handle, uuid)
 
     def _ci_profiles(self, gpu: int, gi: Any, gi_profile_id: int) -> list[CiProfile]:
         """Compute instance profiles a GI of this profile supports, largest first (cached)."""
@@ -606,7 +577,7 @@ class NvmlBackend:
         except BaseException:
             roll_back(nvml, gpu, gi, ci)
             raise
-        cached = self._cached_mig_device(gpu, ids)
+        cached = self._mig.cached(gpu, ids)
         return MigInstance(
             gpu=gpu,
             gi_id=ids[0],
@@ -648,16 +619,16 @@ class NvmlBackend:
         """
         confirmed = confirmed_mig_device(self._n(), ids, ci_device)
         if confirmed is not None:
-            self._mig_cache.setdefault(gpu, {})[ids] = confirmed
+            self._mig.add(gpu, ids, confirmed)
             return confirmed[0]
-        found = self._mig_device(gpu, ids)
+        found = self._mig.find(gpu, ids)
         # A new MIG device's handle can appear a moment after the creation returned
         # (docs/nvml.md): look again, with the destroy retries' back-off, before giving up.
         for attempt in range(MIG_HANDLE_RETRIES):
             if found is not None:
                 break
             self._sleep(self._retry_backoff_s * (2**attempt))
-            found = self._mig_devices(gpu).get(ids)
+            found = self._mig.walk(gpu).get(ids)
         if found is None:
             raise GpuError(
                 f"GPU {gpu}: the new compute instance {ids[1]} of GPU instance {ids[0]} has "
@@ -694,9 +665,7 @@ class NvmlBackend:
                 if attempt + 1 < attempts:
                     self._sleep(self._retry_backoff_s * (2**attempt))
                 continue
-            cache = self._mig_cache.get(gpu, {})
-            for ids in [ids for ids in cache if ids[0] == gi_id]:
-                del cache[ids]
+            self._mig.forget_gpu_instance(gpu, gi_id)
             return
         pids = self._pids_on_gi(gpu, gi_id)
         raise GpuBusy(
@@ -759,11 +728,11 @@ class NvmlBackend:
         pids: set[int] = set()
         try:
             if ci_ids is None:
-                devices = [found for (g, _c), found in self._mig_devices(gpu).items() if g == gi_id]
+                devices = [found for (g, _c), found in self._mig.walk(gpu).items() if g == gi_id]
             else:
                 devices = []
                 for ci_id in ci_ids:
-                    found = self._mig_device(gpu, (gi_id, ci_id))
+                    found = self._mig.find(gpu, (gi_id, ci_id))
                     if found is None:
                         raise GpuError(
                             f"compute instance {ci_id} of GPU instance {gi_id} on GPU {gpu} "
@@ -783,38 +752,13 @@ class NvmlBackend:
 
     # -- MIG devices, memory, processes --------------------------------------------------------
 
-    def _mig_handle(self, gpu: int, mig_uuid: str) -> Any:
-        """The MIG device handle of ``mig_uuid``: the last one seen if NVML still gives it
-        that UUID (handles may be reused for another device), else from a fresh walk.
-
-        Raises:
-            GpuNotFound: no MIG device with that UUID on this GPU.
-        """
-        handle = dict(self._mig_cache.get(gpu, {}).values()).get(mig_uuid)
-        if handle is not None and self._handle_has_uuid(gpu, handle, mig_uuid):
-            return handle
-        devices = dict(self._mig_devices(gpu).values())
-        if mig_uuid not in devices:
-            self._no_mig_device(gpu, mig_uuid)
-        return devices[mig_uuid]
-
-    @staticmethod
-    def _no_mig_device(gpu: int, mig_uuid: str, cause: BaseException | None = None) -> NoReturn:
-        raise GpuNotFound(
-            f"there is no MIG device {mig_uuid} on GPU {gpu}",
-            hint="the instance was destroyed or re-created (MIG UUIDs change then); "
-            "`migctl status` lists the current ones",
-            gpu=gpu,
-            mig_uuid=mig_uuid,
-        ) from cause
-
     def memory(self, gpu: int, mig_uuid: str | None = None) -> MemoryInfo:
         """Memory of the GPU or of one MIG device (``nvidia-smi --query-gpu=memory.*``).
 
         Raises:
             GpuNotFound: no such GPU or MIG device.
         """
-        handle = self._mig_handle(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
+        handle = self._mig.handle_of(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
         return read_memory(self._n(), handle, gpu, mig_uuid)
 
     def processes(self, gpu: int, mig_uuid: str | None = None) -> list[GpuProcess]:
@@ -827,7 +771,7 @@ class NvmlBackend:
             GpuPermissionDenied: whole-GPU query in MIG mode without root.
             GpuNotFound: no such GPU or MIG device.
         """
-        handle = self._mig_handle(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
+        handle = self._mig.handle_of(gpu, mig_uuid) if mig_uuid else self._handle(gpu)
         return self._device_processes(gpu, handle, mig_uuid)
 
     def _device_processes(self, gpu: int, handle: Any, mig_uuid: str | None) -> list[GpuProcess]:
@@ -847,10 +791,10 @@ class NvmlBackend:
     def _uuids_by_ids(self, gpu: int, raw: list[Any]) -> dict[tuple[int, int], str]:
         """(GI id, CI id) -> MIG UUID for the processes' instances; one refresh if unknown."""
         wanted = {ids for ids in map(instance_ids, raw) if ids is not None}
-        known = self._mig_cache.get(gpu, {})
+        known = self._mig.known(gpu)
         if wanted - known.keys():
             try:
-                known = self._mig_devices(gpu)
+                known = self._mig.walk(gpu)
             except MigdError as err:  # the UUIDs are detail; the processes are still right
                 self._log_once(f"uuids:{gpu}", "%s; MIG UUIDs of processes unknown", err)
         return {ids: uuid for ids, (uuid, _device) in known.items()}

@@ -1,7 +1,7 @@
-"""MIG through NVML: profiles, placements, compute instances and MIG device handles.
+"""MIG through NVML: profiles, placements, compute instances, create and roll back.
 
 Functions over a ``pynvml``-compatible module ``nvml`` and the handles it gave; the
-caches (profiles, MIG devices) and the order of the calls are the boundary's
+caches (profiles, GPU infos) and the order of the calls are the boundary's
 (:class:`~migd.backends.nvml.backend.NvmlBackend`). Conventions relied on (pynvml of
 nvidia-ml-py 13.615.71):
 
@@ -10,9 +10,8 @@ nvidia-ml-py 13.615.71):
 * the placement given to ``nvmlDeviceCreateGpuInstanceWithPlacement`` is passed with
   ``ctypes.byref`` (see :func:`create_gpu_instance`).
 
-MIG device UUIDs are found through the parent's MIG device handles
-(:func:`walk_mig_devices`), matched by GPU instance and compute instance ids, never
-through ``nvmlComputeInstanceInfo_t.device`` alone (docs/nvml.md).
+Which MIG device (UUID, handle) a compute instance has is
+:mod:`migd.backends.nvml.mig_devices`' job.
 """
 
 from __future__ import annotations
@@ -26,14 +25,12 @@ from typing import Any
 from migd.backends.nvml.discovery import text
 from migd.backends.nvml.errors import (
     MigModeReader,
-    is_library_mismatch,
     nvml_error_code,
     nvml_errors,
     versioned_info,
 )
 from migd.backends.nvml_codes import (
     NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
 )
 from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
@@ -62,16 +59,6 @@ MIG_HANDLE_RETRIES = 5
 # Engines a profile takes from the GPU's shared pool (nvmlGpuInstanceProfileInfo_t);
 # copy engines are the instance's own and are not budgeted.
 SHARED_ENGINES = ("dec", "enc", "jpeg", "ofa")
-
-# A MIG device handle index with nothing behind it (nvml.h: NOT_FOUND "if no valid MIG
-# device was found at index"; INVALID_ARGUMENT past the end, or for a handle that went
-# stale while being read, as the Kubernetes DRA driver also treats it).
-_EMPTY_SLOT = frozenset({NVML_ERROR_NOT_FOUND, NVML_ERROR_INVALID_ARGUMENT})
-
-MigIds = tuple[int, int]  # (GPU instance id, compute instance id)
-
-# (MIG UUID, MIG device handle) of one compute instance.
-MigDevice = tuple[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,69 +315,3 @@ def roll_back(nvml: Any, gpu: int, gi: Any, ci: Any) -> None:
             gpu,
             exc,
         )
-
-
-# -- MIG device handles -----------------------------------------------------------------------
-
-
-def walk_mig_devices(nvml: Any, parent: Any, gpu: int) -> dict[MigIds, MigDevice]:
-    """Every MIG device of the GPU: (GI id, CI id) -> (MIG UUID, MIG device handle).
-
-    Walks ``nvmlDeviceGetMigDeviceHandleByIndex`` over ``nvmlDeviceGetMaxMigDeviceCount``
-    slots (an empty slot answers NOT_FOUND).
-    """
-    with nvml_errors("count MIG devices", gpu=gpu):
-        slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(parent))
-    found: dict[MigIds, MigDevice] = {}
-    for index in range(slots):
-        with nvml_errors("read MIG device", gpu=gpu, mig_index=index):
-            try:
-                device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-                ids = (
-                    int(nvml.nvmlDeviceGetGpuInstanceId(device)),
-                    int(nvml.nvmlDeviceGetComputeInstanceId(device)),
-                )
-                uuid = text(nvml.nvmlDeviceGetUUID(device))
-            except Exception as exc:
-                if nvml_error_code(exc) in _EMPTY_SLOT:
-                    continue  # no MIG device here (or it just went away)
-                raise
-        found[ids] = (uuid, device)
-    return found
-
-
-def handle_has_uuid(nvml: Any, gpu: int, handle: Any, uuid: str) -> bool:
-    """Whether a MIG device handle seen before still names ``uuid`` (handles get reused)."""
-    with nvml_errors("open MIG device", gpu=gpu, mig_uuid=uuid):
-        try:
-            return text(nvml.nvmlDeviceGetUUID(handle)) == uuid
-        except Exception as exc:
-            if nvml_error_code(exc) in _EMPTY_SLOT:
-                return False  # a stale handle
-            raise
-
-
-def confirmed_mig_device(nvml: Any, ids: MigIds, ci_device: Any) -> MigDevice | None:
-    """``nvmlComputeInstanceInfo_t.device`` of compute instance ``ids``, if it is its MIG device.
-
-    nvml.h documents that field as the parent GPU, whose UUID is the GPU's. It is used
-    only where NVML confirms it is this MIG device (some drivers fill it in so); ``None``
-    tells the caller to walk the MIG devices instead.
-    """
-    try:
-        is_mig = nvml.nvmlDeviceIsMigDeviceHandle(ci_device)
-        if (
-            int(getattr(is_mig, "value", is_mig))
-            and (
-                int(nvml.nvmlDeviceGetGpuInstanceId(ci_device)),
-                int(nvml.nvmlDeviceGetComputeInstanceId(ci_device)),
-            )
-            == ids
-        ):
-            uuid = text(nvml.nvmlDeviceGetUUID(ci_device))
-            if uuid.startswith("MIG-"):
-                return uuid, ci_device
-    except Exception as exc:
-        if nvml_error_code(exc) is None and not is_library_mismatch(exc):
-            raise  # not NVML saying no: a bug
-    return None
