@@ -21,7 +21,12 @@ NOT_FOUND being an empty slot), matched by ``nvmlDeviceGetGpuInstanceId`` /
 ``nvmlDeviceGetComputeInstanceId``. ``nvmlComputeInstanceInfo_t.device`` is
 documented in ``nvml.h`` as the *parent* device, so its UUID is the GPU's; it is
 used only after ``nvmlDeviceIsMigDeviceHandle`` and the ids confirm that a driver
-put the MIG device there.
+put the MIG device there (:mod:`~migd.backends.nvml.mig_devices`).
+
+This class holds the session, the caches and the order of the calls; the calls
+themselves are in the package's modules: :mod:`~migd.backends.nvml.discovery`,
+:mod:`~migd.backends.nvml.mig`, :mod:`~migd.backends.nvml.mig_devices`,
+:mod:`~migd.backends.nvml.processes`.
 
 Every NVML error is translated once, into :mod:`migd.errors`, by
 :func:`~migd.backends.nvml.errors.nvml_errors`. Reads that only add detail degrade to
