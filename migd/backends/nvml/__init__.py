@@ -5,9 +5,10 @@ The package's modules, each with one job:
 * :mod:`.backend`: :class:`NvmlBackend`, the boundary the daemon talks to
   (:class:`migd.ports.GpuBackend`): the NVML session, the handle and MIG device caches,
   and the calls in the order the daemon needs them;
-* :mod:`.errors`: NVML return codes into :mod:`migd.errors` (:func:`nvml_errors`).
+* :mod:`.errors`: NVML return codes into :mod:`migd.errors` (:func:`nvml_errors`);
 * :mod:`.discovery`: one GPU's identity, MIG/persistence/compute mode and memory
   into a :class:`~migd.ports.GpuInfo`;
+* :mod:`.geometry`: the GPU's MIG geometry from NVML, reconciled with the built-in table;
 * :mod:`.mig`: MIG profiles and placements, compute instances, creating (the
   placement passed ``byref``) and rolling back;
 * :mod:`.mig_devices`: MIG device handles and UUIDs resolved by GI/CI ids, and their cache;

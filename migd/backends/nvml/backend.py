@@ -24,9 +24,7 @@ used only after ``nvmlDeviceIsMigDeviceHandle`` and the ids confirm that a drive
 put the MIG device there (:mod:`~migd.backends.nvml.mig_devices`).
 
 This class holds the session, the caches and the order of the calls; the calls
-themselves are in the package's modules: :mod:`~migd.backends.nvml.discovery`,
-:mod:`~migd.backends.nvml.mig`, :mod:`~migd.backends.nvml.mig_devices`,
-:mod:`~migd.backends.nvml.processes`.
+themselves are in the package's modules (:mod:`migd.backends.nvml` lists them).
 
 Every NVML error is translated once, into :mod:`migd.errors`, by
 :func:`~migd.backends.nvml.errors.nvml_errors`. Reads that only add detail degrade to
@@ -55,14 +53,13 @@ from migd.backends.nvml.errors import (
     nvml_errors,
     versioned_info,
 )
+from migd.backends.nvml.geometry import builtin_geometry, from_nvml_or_table
 from migd.backends.nvml.mig import (
     MIG_HANDLE_RETRIES,
-    SHARED_ENGINES,
     CiProfile,
     ci_index_for,
     create_gpu_instance,
     explain_refusal,
-    geometry_differences,
     list_compute_instances,
     read_ci_profiles,
     read_possible_placements,
@@ -77,20 +74,17 @@ from migd.backends.nvml.processes import (
     merge_processes,
     read_memory,
 )
-from migd.core import catalog
 from migd.core.geometry import Geometry, NvmlProfileInfo, Profile
 from migd.errors import (
     DriverUnavailable,
     GpuBusy,
     GpuError,
     GpuNotFound,
-    GpuPermissionDenied,
     GpuUnsupported,
     InstanceNotFound,
     InsufficientResources,
     MigdError,
     MigModeError,
-    UnknownModel,
 )
 from migd.ports import ComputeInstance, GpuInfo, GpuProcess, MemoryInfo, MigInstance
 
@@ -274,7 +268,7 @@ class NvmlBackend:
                 hint="use the GPU whole (MPS only), or leave it out of migd.toml",
                 gpu=gpu,
             )
-        builtin = self._builtin(info)
+        builtin = builtin_geometry(info)
         if not current:
             if builtin is None:
                 raise MigModeError(
@@ -290,103 +284,16 @@ class NvmlBackend:
                 level=logging.INFO,
             )
             return builtin
-        try:
-            details = self.profile_infos_with_engines(gpu)
-            infos = [info for info, _engines in details]
-            # NVML's own engine counts win over the table's; copy engines are not shared.
-            engines = {
-                info.profile_id: {k: counts[k] for k in SHARED_ENGINES if k in counts}
-                for info, counts in details
-            }
-            placements = {p.profile_id: self._placements_or_table(gpu, p, builtin) for p in infos}
-        except GpuPermissionDenied as err:
-            if builtin is None:
-                raise GpuPermissionDenied(
-                    f"reading the MIG placements of GPU {gpu} needs root, and migd has no "
-                    f"built-in table for {info.name!r}",
-                    gpu=gpu,
-                ) from err
-            self._log_once(f"geo-perm:{gpu}", "%s; using the built-in %s table", err, builtin.model)
-            geometry = builtin
-        else:
-            try:
-                geometry = Geometry.from_nvml(
-                    info.model or info.name,
-                    infos,
-                    placements,
-                    display_name=info.name,
-                    builtin=builtin,
-                    memory_total_mib=info.memory_total_mib,
-                    engines=engines,
-                )
-            except ValueError as exc:
-                if builtin is None:
-                    raise GpuUnsupported(f"GPU {gpu} ({info.name}): {exc}", gpu=gpu) from exc
-                self._log_once(
-                    f"geo-bad:{gpu}",
-                    "GPU %d: %s; using the built-in %s table",
-                    gpu,
-                    exc,
-                    builtin.model,
-                )
-                geometry = builtin
-            else:
-                if builtin is not None:
-                    self._compare_with_builtin(gpu, geometry, builtin)
+        geometry = from_nvml_or_table(
+            gpu,
+            info,
+            builtin,
+            lambda: self.profile_infos_with_engines(gpu),
+            lambda profile_id: self.possible_placements(gpu, profile_id),
+            self._log_once,
+        )
         self._geometries[gpu] = geometry
         return geometry
-
-    def _placements_or_table(
-        self, gpu: int, info: NvmlProfileInfo, builtin: Geometry | None
-    ) -> list[tuple[int, int]]:
-        """One profile's possible placements; the built-in table's where NVML cannot say.
-
-        A profile NVML lists but will not give placements for (NOT_SUPPORTED) falls back
-        alone; the other profiles keep NVML's. Without a table entry it is left out.
-        """
-        try:
-            return self.possible_placements(gpu, info.profile_id)
-        except GpuUnsupported as err:
-            prior = None
-            if builtin is not None:
-                prior = next((p for p in builtin.profiles if p.profile_id == info.profile_id), None)
-            self._log_once(
-                f"geo-profile:{gpu}:{info.profile_id}",
-                "GPU %d: no placements from NVML for profile %s (%s); %s",
-                gpu,
-                info.name or info.profile_id,
-                err.message,
-                f"using the built-in {builtin.model} table's" if prior and builtin else "left out",
-            )
-            if prior is None:
-                return []
-            return [(start, prior.memory_slices) for start in prior.starts]
-
-    def _builtin(self, info: GpuInfo) -> Geometry | None:
-        if info.model is None:
-            return None
-        try:
-            return catalog.geometry(info.model)
-        except UnknownModel:
-            return None
-
-    def _compare_with_builtin(self, gpu: int, nvml_geo: Geometry, builtin: Geometry) -> None:
-        differences, engine_differences = geometry_differences(nvml_geo, builtin)
-        if engine_differences:
-            self._log_once(
-                f"geo-engines:{gpu}",
-                "GPU %d: NVML's engine counts differ from the built-in table (NVML wins): %s",
-                gpu,
-                "; ".join(engine_differences),
-            )
-        if differences:
-            self._log_once(
-                f"geo-diff:{gpu}",
-                "GPU %d: NVML's MIG geometry differs from the built-in %s table (NVML wins): %s",
-                gpu,
-                builtin.model,
-                "; ".join(differences),
-            )
 
     def profile_infos(self, gpu: int) -> list[NvmlProfileInfo]:
         """What NVML says about every GPU instance profile of this GPU (``-lgip``).

@@ -56,10 +56,6 @@ _ABSENT = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT})
 # back-off doubling each time, about 6 s in all.
 MIG_HANDLE_RETRIES = 5
 
-# Engines a profile takes from the GPU's shared pool (nvmlGpuInstanceProfileInfo_t);
-# copy engines are the instance's own and are not budgeted.
-SHARED_ENGINES = ("dec", "enc", "jpeg", "ofa")
-
 
 @dataclass(frozen=True, slots=True)
 class CiProfile:
@@ -142,33 +138,6 @@ def read_possible_placements(
             handle, profile_id, array, ctypes.byref(count)
         )
     return [(int(array[i].start), int(array[i].size)) for i in range(count.value)]
-
-
-def geometry_differences(nvml_geo: Geometry, builtin: Geometry) -> tuple[list[str], list[str]]:
-    """Where NVML's geometry differs from the built-in table: (layout, engine counts)."""
-    known = {p.profile_id: p for p in builtin.profiles}
-    differences = []
-    engine_differences = []
-    for profile in nvml_geo.profiles:
-        prior = known.get(profile.profile_id)
-        if prior is None:
-            differences.append(f"{profile.name} (id {profile.profile_id}) not in the table")
-            continue
-        if prior.engines is not None and profile.engines is not None:
-            table = {k: prior.engines.get(k, 0) for k in profile.engines}
-            if table != profile.engines:
-                engine_differences.append(f"{profile.name}: NVML {profile.engines}, table {table}")
-        if (prior.starts, prior.memory_slices, prior.max_instances) != (
-            profile.starts,
-            profile.memory_slices,
-            profile.max_instances,
-        ):
-            differences.append(
-                f"{profile.name}: NVML starts {profile.starts} size {profile.memory_slices} "
-                f"max {profile.max_instances}, table {prior.starts} size "
-                f"{prior.memory_slices} max {prior.max_instances}"
-            )
-    return differences, engine_differences
 
 
 # -- compute instances ------------------------------------------------------------------------
