@@ -34,7 +34,6 @@ writes raise.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -61,6 +60,7 @@ from migd.backends.nvml.mig import (
     create_gpu_instance,
     explain_refusal,
     list_compute_instances,
+    list_gpu_instances,
     read_ci_profiles,
     read_possible_placements,
     read_profile_infos,
@@ -339,21 +339,9 @@ class NvmlBackend:
         handle = self._handle(gpu)
         raw: list[tuple[Any, Profile, Any, list[tuple[int, int]]]] = []
         for profile in geometry.profiles:
-            count = ctypes.c_uint(0)
-            # nvml.h: "the buffer must be large enough to accommodate the instances
-            # supported by the profile".
-            array = (nvml.c_nvmlGpuInstance_t * max(profile.max_instances, geometry.units))()
-            with nvml_errors(
-                "list GPU instances",
-                gpu=gpu,
-                profile=profile.name,
-                mig_mode=self._mig_mode_reader(gpu),
+            for gi in list_gpu_instances(
+                nvml, handle, gpu, profile, geometry.units, self._mig_mode_reader(gpu)
             ):
-                nvml.nvmlDeviceGetGpuInstances(
-                    handle, profile.profile_id, array, ctypes.byref(count)
-                )
-            for i in range(count.value):
-                gi = array[i]
                 with nvml_errors("read GPU instance", gpu=gpu):
                     info = nvml.nvmlGpuInstanceGetInfo(gi)
                 cis = [
@@ -662,7 +650,7 @@ class NvmlBackend:
                 raise
         return sorted(pids)
 
-    # -- MIG devices, memory, processes --------------------------------------------------------
+    # -- memory, processes -------------------------------------------------------------------
 
     def memory(self, gpu: int, mig_uuid: str | None = None) -> MemoryInfo:
         """Memory of the GPU or of one MIG device (``nvidia-smi --query-gpu=memory.*``).

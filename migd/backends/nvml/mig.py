@@ -140,6 +140,19 @@ def read_possible_placements(
     return [(int(array[i].start), int(array[i].size)) for i in range(count.value)]
 
 
+def list_gpu_instances(
+    nvml: Any, handle: Any, gpu: int, profile: Profile, units: int, mig_mode: MigModeReader
+) -> list[Any]:
+    """The GPU instance handles of one profile on the GPU (``nvidia-smi mig -lgi``)."""
+    count = ctypes.c_uint(0)
+    # nvml.h: "the buffer must be large enough to accommodate the instances
+    # supported by the profile".
+    array = (nvml.c_nvmlGpuInstance_t * max(profile.max_instances, units))()
+    with nvml_errors("list GPU instances", gpu=gpu, profile=profile.name, mig_mode=mig_mode):
+        nvml.nvmlDeviceGetGpuInstances(handle, profile.profile_id, array, ctypes.byref(count))
+    return [array[i] for i in range(count.value)]
+
+
 # -- compute instances ------------------------------------------------------------------------
 
 
