@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping, Sequence
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -51,3 +52,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # ends the run as Ctrl-C does, so fixtures are torn down: the chroot tier's pools are
     # stopped and its mounts undone, instead of left behind for the next run to find.
     signal.signal(signal.SIGTERM, _terminated)
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Host processes a test starts to stand in for lease holders and CUDA processes
+    (``sleep``); every one is killed after the test."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        proc.kill()
+        proc.wait()

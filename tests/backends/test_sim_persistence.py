@@ -17,7 +17,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +57,6 @@ class HostTable:
 
 
 EVERYONE = HostTable(everyone=True)
-
-
-@pytest.fixture
-def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Real host processes to attach as simulated CUDA processes; killed afterwards."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
-        proc.kill()
-        proc.wait()
 
 
 def spawn(procs: list[subprocess.Popen[bytes]]) -> int:

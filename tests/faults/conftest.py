@@ -74,16 +74,6 @@ def unmount(disk: SmallDisk) -> None:
 
 
 @pytest.fixture
-def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Stand-in job processes (holders, fake CUDA processes), killed after the test."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
     disk = mount_small_disk(tmp_path / "state")
     try:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,23 +36,6 @@ def node(tmp_path: Path) -> Iterator[DaemonProcess]:
         yield proc
 
 
-def migctl(node: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(node.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def status(node: DaemonProcess) -> dict[str, Any]:
-    out = migctl(node, "status", "--json")
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout)
-    return result
-
-
 def scrape(node: DaemonProcess) -> str:
     event = next(e for e in node.log_events() if e.get("event") == "metrics.listening")
     with urllib.request.urlopen(f"http://{event['address']}/metrics", timeout=10) as reply:
@@ -69,7 +50,7 @@ def lease_view(node: DaemonProcess, lease_id: str) -> dict[str, Any]:
 
 def test_a_gpu_failing_under_load_is_taken_out_of_service(node: DaemonProcess) -> None:
     client = node.client()
-    gpus = status(node)["gpus"]
+    gpus = node.status_json()["gpus"]
     uuid0, uuid1 = gpus[0]["uuid"], gpus[1]["uuid"]
     on0 = client.lease(job_id="10.0", gpu_memory_mib=9000, wait_s=5, gpus=[uuid0])
     on1 = client.lease(job_id="11.0", gpu_memory_mib=9000, wait_s=5, gpus=[uuid1])
@@ -82,13 +63,13 @@ def test_a_gpu_failing_under_load_is_taken_out_of_service(node: DaemonProcess) -
         lambda: 'migd_gpu_xid_events_total{critical="false",gpu="0",xid="13"} 1.0' in scrape(node),
         what="XID 13 counted",
     )
-    assert status(node)["gpus"][0]["healthy"] is True
+    assert node.status_json()["gpus"][0]["healthy"] is True
     assert lease_view(node, on0["lease_id"])["warning"] == ""
 
     # 2. XID 79: the GPU falls off the bus. No new leases there, its job is told.
     client.call("sim_xid", gpu=0, xid=79)
     gpu0 = wait_for(
-        lambda: next(g for g in status(node)["gpus"] if g["index"] == 0 and not g["healthy"]),
+        lambda: next(g for g in node.status_json()["gpus"] if g["index"] == 0 and not g["healthy"]),
         what="GPU 0 unhealthy",
     )
     assert "XID 79 (GPU has fallen off the bus)" in gpu0["health"]
@@ -104,11 +85,11 @@ def test_a_gpu_failing_under_load_is_taken_out_of_service(node: DaemonProcess) -
     assert 'migd_gpu_health_condition{gpu="0",source="xid"} 1.0' in metrics
     assert 'migd_gpu_healthy{gpu="0"} 0.0' in metrics
     assert 'migd_gpu_available{gpu="1"} 1.0' in metrics
-    ad = migctl(node, "condor-ad", "--per-gpu").stdout
+    ad = node.migctl("condor-ad", "--per-gpu").stdout
     gpu0_ad = ad.split("- migd_gpu0")[0].split("- migd\n")[1]
     assert "MigdGpuHealthy = false" in gpu0_ad and "XID 79" in gpu0_ad, ad
     assert "MigdHealthy = true" in ad  # GPU 1 still serves
-    explained = json.loads(migctl(node, "explain", "10.0", "--json").stdout)
+    explained = json.loads(node.migctl("explain", "10.0", "--json").stdout)
     assert explained["leases"][0]["warning"].startswith("GPU lost:")
     assert any(row["event"] == "gpu.event" for row in explained.get("history", [])) or any(
         row["event"] == "gpu.event" for row in client.call("history", limit=50)["history"]
@@ -118,17 +99,17 @@ def test_a_gpu_failing_under_load_is_taken_out_of_service(node: DaemonProcess) -
     assert released["gpu_lost"].startswith("GPU lost: XID 79")
 
     # 3. An XID NVML attributes to one GPU instance loses that instance's job only.
-    instances = {i["lease_id"]: i for i in status(node)["gpus"][1]["instances"]}
+    instances = {i["lease_id"]: i for i in node.status_json()["gpus"][1]["instances"]}
     gi = instances[on1["lease_id"]]["gi_id"]
     client.call("sim_xid", gpu=1, xid=94, gi_id=gi, ci_id=0)
     wait_for(lambda: lease_view(node, on1["lease_id"])["warning"], what="lease on the GI flagged")
     assert lease_view(node, on1["lease_id"])["warning"].startswith("GPU lost: XID 94")
     assert lease_view(node, other1["lease_id"])["warning"] == ""
-    assert not status(node)["gpus"][1]["healthy"]
+    assert not node.status_json()["gpus"][1]["healthy"]
 
     # 4. The admin judges GPU 1 fine: `migctl resume` clears the condition.
-    assert migctl(node, "resume", "1").returncode == 0
-    assert status(node)["gpus"][1]["healthy"] is True
+    assert node.migctl("resume", "1").returncode == 0
+    assert node.status_json()["gpus"][1]["healthy"] is True
     assert client.lease(job_id="15.0", gpu_memory_mib=4000, wait_s=5, gpus=[uuid1])["gpu"] == 1
 
 
@@ -140,10 +121,12 @@ def test_configured_xids_are_injected_at_start_and_bad_ones_refused(tmp_path: Pa
         extra_args=["--set", "backend.sim_time_scale=0"],
     ) as proc:
         gpu1 = wait_for(
-            lambda: next(g for g in status(proc)["gpus"] if g["index"] == 1 and not g["healthy"]),
+            lambda: next(
+                g for g in proc.status_json()["gpus"] if g["index"] == 1 and not g["healthy"]
+            ),
             what="GPU 1 unhealthy from health.sim_xids",
         )
         assert "XID 48 (double-bit ECC error)" in gpu1["health"]
-        assert status(proc)["gpus"][0]["healthy"] is True
+        assert proc.status_json()["gpus"][0]["healthy"] is True
         with pytest.raises(MigdError, match="no GPU 7"):
             proc.client().call("sim_xid", gpu=7, xid=79)

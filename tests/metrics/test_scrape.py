@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ from migd.errors import MigdError
 from tests.process.conftest import DaemonProcess, started_daemon, wait_for
 
 MIB = 1024 * 1024
-STATUS = ("status", "--json")
 pytestmark = pytest.mark.slow
 
 
@@ -49,24 +47,12 @@ def metrics_url(node: DaemonProcess) -> str:
     return f"http://{event['address']}/metrics"
 
 
-def migctl_status(node: DaemonProcess) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(node.socket_path), *STATUS],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    status: dict[str, Any] = json.loads(out.stdout)
-    return status
-
-
 def load(node: DaemonProcess) -> dict[str, Any]:
     """Two MIG leases on GPU 0 and one on GPU 1, a refusal, and a wrapper's OOM report."""
     client = node.client()
     small = client.lease(job_id="1.0", gpu_memory_mib=4000, wait_s=5)
     big = client.lease(job_id="2.0", gpu_memory_mib=19000, wait_s=5, gpus=[small["gpu_uuid"]])
-    other = next(g for g in migctl_status(node)["gpus"] if g["uuid"] != small["gpu_uuid"])
+    other = next(g for g in node.status_json()["gpus"] if g["uuid"] != small["gpu_uuid"])
     third = client.lease(job_id="3.0", gpu_memory_mib=9000, wait_s=5, gpus=[other["uuid"]])
     with pytest.raises(MigdError):
         client.lease(job_id="4.0", gpu_memory_mib=500_000, wait_s=5)
@@ -136,7 +122,7 @@ def test_the_endpoint_agrees_with_migctl_status_and_dcgm_names_the_jobs(
     with urllib.request.urlopen(url, timeout=10) as reply:
         assert reply.headers["Content-Type"].startswith("text/plain")
         series = parse(reply.read().decode())
-    status = migctl_status(node)
+    status = node.status_json()
     check_against_status(series, status)
     assert [v for ls, v in series["migd_leases_granted_total"] if ls["mode"] == "mig"] == [3]
     refused = {ls["reason"]: v for ls, v in series["migd_leases_refused_total"]}
@@ -214,7 +200,7 @@ def test_a_real_prometheus_scrapes_the_node(node: DaemonProcess, tmp_path: Path)
             return rows or None
 
         wait_for(scraped, timeout_s=60, what="prometheus to scrape migd")
-        status = migctl_status(node)
+        status = node.status_json()
         # Rebuild the scraped series from Prometheus's own answers, then check them the
         # way the direct scrape is checked.
         series: dict[str, Series] = {}

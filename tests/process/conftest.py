@@ -133,6 +133,24 @@ class DaemonProcess:
             self.proc.kill()
             return self.proc.wait(5)
 
+    def migctl(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        """``migctl ARGS`` against this daemon, as an admin runs it (exit code and output
+        kept for the test to check)."""
+        return subprocess.run(
+            [sys.executable, "-m", "migd.cli.migctl", "--socket", str(self.socket_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
+    def status_json(self) -> dict[str, Any]:
+        """``migctl status --json``, which must succeed."""
+        result = self.migctl("status", "--json")
+        assert result.returncode == 0, result.stderr
+        status: dict[str, Any] = json.loads(result.stdout)
+        return status
+
     def log_events(self) -> list[dict[str, Any]]:
         events = []
         for line in self.log_path.read_text().splitlines():

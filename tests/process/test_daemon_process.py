@@ -399,14 +399,7 @@ def test_unsafe_socket_directories_are_refused(tmp_path: Path, problem: str) -> 
 
 
 def test_migctl_exit_codes(daemon: DaemonProcess) -> None:
-    def migctl(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+    migctl = daemon.migctl
 
     down = migctl("status")
     assert down.returncode == 3 and "not running" in down.stderr and "hint:" in down.stderr

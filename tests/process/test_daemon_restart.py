@@ -20,10 +20,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,23 +77,6 @@ def events_since(daemon: DaemonProcess, offset: int) -> list[dict[str, Any]]:
     return events
 
 
-def migctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def migctl_status(daemon: DaemonProcess) -> dict[str, Any]:
-    result = migctl(daemon, "status", "--json")
-    assert result.returncode == 0, result.stderr
-    status: dict[str, Any] = json.loads(result.stdout)
-    return status
-
-
 def instances(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**inst, "gpu": gpu["index"]} for gpu in status["gpus"] for inst in gpu["instances"]]
 
@@ -137,16 +118,6 @@ def assert_consistent(daemon: DaemonProcess, status: dict[str, Any]) -> None:
             assert inst["status"] == "ready", where
 
 
-@pytest.fixture
-def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Host processes standing in for lease holders and CUDA processes; killed afterwards."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
 def spawn(procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(["sleep", "120"])
     procs.append(proc)
@@ -171,7 +142,7 @@ def test_sigkill_mid_lease_keeps_the_lease_and_its_instance(
         job_id="1.0", gpu_memory_mib=9000, wait_s=10, holder_pid=holder.pid
     )
     assert lease["state"] == "active" and lease["mig_uuid"].startswith("MIG-")
-    before = migctl_status(daemon)
+    before = daemon.status_json()
 
     crash(daemon)
     offset = restart(daemon)
@@ -180,7 +151,7 @@ def test_sigkill_mid_lease_keeps_the_lease_and_its_instance(
     assert after["state"] == "active"
     for key in ("gpu", "gpu_uuid", "profile", "start", "mig_uuid", "owner_pid"):
         assert after[key] == lease[key], key
-    status = migctl_status(daemon)
+    status = daemon.status_json()
     [inst] = [i for i in instances(status) if i["lease_id"] == lease["lease_id"]]
     assert inst["busy"] and inst["job_id"] == "1.0" and inst["uuid"] == lease["mig_uuid"]
     assert inst["origin"] == "migd"
@@ -209,7 +180,7 @@ def test_holder_dying_while_down_is_reclaimed_and_the_busy_instance_kept(
     # a CUDA process of the job, which outlives its wrapper
     client.call("sim_attach", pid=cuda.pid, device_uuid=lease["mig_uuid"])
     client.call("sim_alloc", pid=cuda.pid, mib=2000)
-    before = migctl_status(daemon)
+    before = daemon.status_json()
 
     crash(daemon)
     end(holder)
@@ -224,7 +195,7 @@ def test_holder_dying_while_down_is_reclaimed_and_the_busy_instance_kept(
         if e.get("event") == "lease.reclaimed" and e.get("lease_id") == lease["lease_id"]
     ]
     assert logged["level"] == "warning" and "holder" in logged["reason"]
-    status = migctl_status(daemon)
+    status = daemon.status_json()
     assert layout(status) == layout(before)
     [inst] = [i for i in instances(status) if i["uuid"] == lease["mig_uuid"]]
     assert inst["lease_id"] is None and inst["busy"] and inst["origin"] == "unexplained"
@@ -234,7 +205,7 @@ def test_holder_dying_while_down_is_reclaimed_and_the_busy_instance_kept(
     # A negative can only be watched over time: several reaper passes (0.2 s each)
     # must leave the instance in place and untouchable while the process is there.
     time.sleep(1.0)
-    [still] = [i for i in instances(migctl_status(daemon)) if i["uuid"] == lease["mig_uuid"]]
+    [still] = [i for i in instances(daemon.status_json()) if i["uuid"] == lease["mig_uuid"]]
     assert still["busy"] and still["origin"] == "unexplained"
 
     daemon.client().call("sim_detach", pid=cuda.pid)
@@ -247,8 +218,8 @@ def test_holder_dying_while_down_is_reclaimed_and_the_busy_instance_kept(
 
     emptied = wait_for(idle, what="the emptied instance to become idle")
     assert emptied["origin"] != "unexplained" and emptied["start"] == inst["start"]
-    assert layout(migctl_status(daemon)) == layout(before)
-    assert_consistent(daemon, migctl_status(daemon))
+    assert layout(daemon.status_json()) == layout(before)
+    assert_consistent(daemon, daemon.status_json())
 
 
 def test_holder_and_cuda_process_dying_while_down_free_the_instance(
@@ -260,7 +231,7 @@ def test_holder_and_cuda_process_dying_while_down_free_the_instance(
     client = daemon.client()
     lease = client.lease(job_id="2.1", gpu_memory_mib=9000, wait_s=10, holder_pid=holder.pid)
     client.call("sim_attach", pid=cuda.pid, device_uuid=lease["mig_uuid"])
-    before = migctl_status(daemon)
+    before = daemon.status_json()
 
     crash(daemon)
     end(holder)
@@ -268,7 +239,7 @@ def test_holder_and_cuda_process_dying_while_down_free_the_instance(
     restart(daemon)
 
     assert lease_record(daemon, lease["lease_id"])["state"] == "reclaimed"
-    status = migctl_status(daemon)
+    status = daemon.status_json()
     assert layout(status) == layout(before)
     [inst] = [i for i in instances(status) if i["uuid"] == lease["mig_uuid"]]
     assert not inst["busy"] and inst["lease_id"] is None
@@ -341,7 +312,7 @@ def test_sigkill_with_a_queued_request_cancels_it_and_creates_nothing(
     waiter = threading.Thread(target=wait_in_queue)
     waiter.start()
     wait_for(lambda: client.status()["queue"], what="the request to queue")
-    before = migctl_status(daemon)
+    before = daemon.status_json()
 
     [decision] = [
         e for e in events_since(daemon, 0) if e.get("event") == "lease.queued"
@@ -359,7 +330,7 @@ def test_sigkill_with_a_queued_request_cancels_it_and_creates_nothing(
         e.get("event") == "lease.cancelled" and e.get("job_id") == "3.0"
         for e in events_since(daemon, offset)
     )
-    status = migctl_status(daemon)
+    status = daemon.status_json()
     assert status["queue"] == []
     assert layout(status) == layout(before)  # no instance for the cancelled request
     for lease in full:
@@ -411,18 +382,18 @@ def test_sigkill_while_an_instance_is_being_created(
     [lease] = leases_of_job(daemon, "4.2")
     assert lease["state"] in ("cancelled", "active"), lease
     assert lease_record(daemon, kept["lease_id"])["state"] == "active"
-    status = migctl_status(daemon)
+    status = daemon.status_json()
     assert_consistent(daemon, status)
     idle = {f"{i['profile']}@{i['start']}" for i in instances(status) if not i["busy"]}
     busy = {(i["gpu"], i["start"], i["uuid"]) for i in instances(status) if i["busy"]}
     assert (kept["gpu"], kept["start"], kept["mig_uuid"]) in busy
 
-    result = migctl(daemon, "reset", "0", "--json")
+    result = daemon.migctl("reset", "0", "--json")
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)["destroying"]) == {f"destroy {x}" for x in idle}
     wait_for(
         lambda: (
-            {(i["gpu"], i["start"], i["uuid"]) for i in instances(migctl_status(daemon))} == busy
+            {(i["gpu"], i["start"], i["uuid"]) for i in instances(daemon.status_json())} == busy
         ),
         what="reset to destroy the idle instances only",
     )
@@ -511,7 +482,7 @@ def test_sigterm_and_restart_keep_active_leases(
         client.lease(job_id=f"6.{n}", gpu_memory_mib=mib, wait_s=10, holder_pid=holder.pid)
         for n, (mib, holder) in enumerate(zip((4000, 9000, 19000), holders, strict=True))
     ]
-    before = migctl_status(daemon)
+    before = daemon.status_json()
 
     daemon.signal(signal.SIGTERM)
     assert daemon.wait() == 0
@@ -522,7 +493,7 @@ def test_sigterm_and_restart_keep_active_leases(
         assert after["state"] == "active"
         for key in ("gpu", "profile", "start", "mig_uuid"):
             assert after[key] == lease[key], key
-    status = migctl_status(daemon)
+    status = daemon.status_json()
     assert layout(status) == layout(before)
     assert {i["lease_id"] for i in instances(status) if i["busy"]} == {
         x["lease_id"] for x in leases

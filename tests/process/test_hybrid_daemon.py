@@ -67,16 +67,6 @@ def lease(
     return got
 
 
-def migctl(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def instances(daemon: DaemonProcess) -> list[dict[str, Any]]:
     return [i for g in daemon.client().status()["gpus"] for i in g["instances"]]
 
@@ -157,18 +147,18 @@ def test_small_jobs_share_a_pinned_host_and_a_big_job_gets_its_own_instance(
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in big["env"]
 
     # migctl explain starts with the hybrid's reason, for both decisions
-    small_why = migctl(hybrid, "explain", "hy.0")
+    small_why = hybrid.migctl("explain", "hy.0")
     assert small_why.returncode == 0, small_why.stderr
     assert "why: hybrid:" in small_why.stdout and "packs" in small_why.stdout
-    big_why = migctl(hybrid, "explain", "hy.2")
+    big_why = hybrid.migctl("explain", "hy.2")
     assert "why: hybrid:" in big_why.stdout and "packs no better shared" in big_why.stdout
 
     # migctl status shows the host instance and its two shares
-    status = migctl(hybrid, "status")
+    status = hybrid.migctl("status")
     assert status.returncode == 0, status.stderr
     host_line = next(line for line in status.stdout.splitlines() if host["uuid"] in line)
     assert host["profile"] in host_line and "MPS, 2 job(s)" in host_line
-    as_json = json.loads(migctl(hybrid, "status", "--json").stdout)
+    as_json = json.loads(hybrid.migctl("status", "--json").stdout)
     [shown] = [i for g in as_json["gpus"] for i in g["instances"] if i["uuid"] == host["uuid"]]
     assert {s["job_id"] for s in shown["mps"]["shares"]} == {"hy.0", "hy.1"}
     assert {s["pinned_mib"] for s in shown["mps"]["shares"]} == {3000}

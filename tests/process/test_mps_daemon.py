@@ -539,12 +539,7 @@ def test_small_jobs_share_an_mps_instance_and_it_is_stopped_before_destroy(
 
 
 def migctl(daemon: DaemonProcess, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "migd.cli.migctl", "--socket", str(daemon.socket_path), *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    """What a successful ``migctl ARGS`` prints."""
+    result = daemon.migctl(*args, timeout_s=30)
     assert result.returncode == 0, result.stderr
     return result.stdout
