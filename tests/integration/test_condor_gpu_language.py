@@ -25,6 +25,7 @@ from test_migd_condor import (
     gpu_pool,
     installed,
     migd,
+    migd_slots,
     simjob,
 )
 
@@ -70,10 +71,7 @@ def test_gpu_submit_lines_match_and_the_starter_sees_the_leased_gpu(
     mixed_migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     pool = gpu_pool(personal_pool, f"MIGD_DEFAULT_VRAM = {DEFAULT_VRAM}\n")
-    Migd.wait_for(
-        lambda: [ad for ad in pool.startd_ads() if ad.get("MigdHealthy") is True],
-        "the startd cron to publish migd's ad",
-    )
+    migd_slots(pool)
     mig = pool.submit(
         {**long_job(require_gpus="Capability >= 8.0"), "request_VRAM": "2000", "+MigdMode": '"mig"'}
     )

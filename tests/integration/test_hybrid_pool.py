@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from condor_pool import CondorChroot, PersonalPool
-from test_migd_condor import Migd, gpu_pool, installed, simjob
+from test_migd_condor import Migd, gpu_pool, installed, migd_slots, simjob
 
 __all__ = ["installed"]  # a fixture, used by name below
 
@@ -57,10 +57,7 @@ def test_small_jobs_share_one_mig_instance_and_a_big_one_gets_its_own(
     hybrid_migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     pool = gpu_pool(personal_pool)
-    Migd.wait_for(
-        lambda: [ad for ad in pool.startd_ads() if ad.get("MigdHealthy") is True],
-        "the startd cron to publish migd's ad",
-    )
+    migd_slots(pool)
     # long enough that all of them run at once (the cron ad and matching take seconds)
     run = ("--print-env", "--start", "1G", "--steps", "40", "--step-s", "0.5")
     small = pool.submit({**simjob(SMALL_MIB, *run), "+MigdMode": '"mps"', "queue": str(SMALL_JOBS)})

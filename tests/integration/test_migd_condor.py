@@ -174,6 +174,15 @@ def gpu_pool(personal_pool: Callable[..., PersonalPool], extra: str = "") -> Per
     return personal_pool(POOL_CONFIG + extra)
 
 
+def migd_slots(pool: PersonalPool) -> list[dict[str, Any]]:
+    """The slot ads once the startd cron has published a healthy migd ad in them."""
+    slots: list[dict[str, Any]] = Migd.wait_for(
+        lambda: [ad for ad in pool.startd_ads() if ad.get("MigdHealthy") is True],
+        "the startd cron to publish migd's ad",
+    )
+    return slots
+
+
 def simjob(memory_mib: int, *job_args: str, **submit: str) -> dict[str, str]:
     return {
         "executable": PY,
@@ -191,10 +200,7 @@ def test_gpu_job_runs_on_a_right_sized_mig_instance(
     migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     pool = gpu_pool(personal_pool)
-    slots = Migd.wait_for(
-        lambda: [ad for ad in pool.startd_ads() if ad.get("MigdHealthy") is True],
-        "the startd cron to publish migd's ad",
-    )
+    slots = migd_slots(pool)
     assert slots[0]["MigdLargestPlaceableMB"] == A100_FULL_MIB
     assert max(ad.get("TotalGPUs", 0) for ad in slots) == 14  # 2 GPUs x 7 shares
     assert max(ad.get("TotalVRAM", 0) for ad in slots) == 2 * A100_FULL_MIB
