@@ -335,7 +335,13 @@ def test_usage_of_an_mps_lease_counts_only_its_own_jobs_processes(
             if set(rows) != set(jobs):
                 return None
             got = {job: c.call("usage", lease_id=row["lease_id"]) for job, row in rows.items()}
-            return got if all(u["processes"] for u in got.values()) else None
+            # a CUDA context shows in NVML before its first allocation (0 MiB), so wait for
+            # memory, not just for the process row
+            allocated = all(
+                u["processes"] and all(p["used_mib"] > 0 for p in u["processes"])
+                for u in got.values()
+            )
+            return got if allocated else None
 
         got = wait_for(usages, what="both jobs to allocate")
         assert {p["used_mib"] for p in got["u.a"]["processes"]} == {1024}
