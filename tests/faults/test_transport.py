@@ -85,7 +85,9 @@ def test_a_client_that_never_reads_is_dropped_and_costs_no_memory(
     try:
         began = time.perf_counter()
         daemon.client().ping()
-        assert time.perf_counter() - began < 0.5  # others are served meanwhile
+        # others are served meanwhile: a daemon that waited on the ten hogs would take their
+        # 1 s send timeout each, so the bound is one timeout, loose enough for a loaded host
+        assert time.perf_counter() - began < 1.0
         wait_for(
             lambda: fds(daemon) <= baseline_fds + 2,
             timeout_s=10,
@@ -145,7 +147,9 @@ def test_status_stays_small_and_fast_with_a_long_queue(
         assert status["queue_summary"]["length"] == 1000
         assert [item["job_id"] for item in status["queue"]] == [f"5.{n}" for n in range(1, 21)]
         assert len(json.dumps(status)) < 32 * 1024
-        assert sorted(took)[2] < 0.2, took
+        # the answer is bounded by size above; its speed is bench_daemon.py's to measure, so
+        # this only rules out a status that walks the queue slowly (seconds)
+        assert sorted(took)[2] < 1.0, took
     finally:
         for sock in waiting:
             sock.close()

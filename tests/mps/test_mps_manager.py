@@ -524,7 +524,8 @@ def test_cached_status_answers_at_once_while_the_daemon_hangs(env: Env) -> None:
     fault_path(manager.pipe_dir(GPU), "hang").touch()
     started = time.monotonic()
     (cached,) = manager.cached_status_for(GPU)
-    assert time.monotonic() - started < 0.1 and cached["servers"] == fresh["servers"]
+    # a call that went to the hung daemon would take its 2 s command timeout
+    assert time.monotonic() - started < 1.0 and cached["servers"] == fresh["servers"]
     with pytest.raises(MpsError):
         manager.client_count(GPU)
 

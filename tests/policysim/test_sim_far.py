@@ -1,8 +1,6 @@
-"""FAR ([Villarrubia]): the tree, executable schedules, the lower bound, planning time."""
+"""FAR ([Villarrubia]): the tree, executable schedules, the lower bound."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -214,20 +212,3 @@ def test_extensions_never_lose_to_the_paper_variant() -> None:
         paper = plan_batch(tasks, A100, variant="paper")
         ours = plan_batch(tasks, A100, variant="migd")
         assert ours.makespan_s <= paper.makespan_s + 1e-9
-
-
-def test_planning_100_tasks_is_fast() -> None:
-    # the brief's budget is 50 ms on 2 cores (bench/far_eval.py measures it); 10x slack here
-    tasks = [(t.name, t.times) for t in far_tasks(100, "mixed", "wide", seed=7)]
-    started = time.perf_counter()
-    plan_batch(tasks, A100)
-    assert time.perf_counter() - started < 0.5
-
-
-def test_missing_sizes_are_refused() -> None:
-    from migd.errors import InvalidRequest
-
-    with pytest.raises(InvalidRequest, match="no time for every instance size"):
-        plan_batch([("t", {1: 1.0, 2: 0.6})], A100)
-    with pytest.raises(InvalidRequest):
-        plan_batch([], A100)

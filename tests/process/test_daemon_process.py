@@ -683,17 +683,22 @@ def test_status_stays_fast_and_the_watchdog_fed_during_a_slow_create(
     wait_for(lambda: client.status()["leases"]["preparing"] == 1, what="the create to start")
     daemon.read_notifications()
     pings_before = daemon.notifications.count("WATCHDOG=1")
-    slowest = 0.0
+    slowest, answered_while_preparing = 0.0, 0
     while waiter.is_alive():
         began = time.perf_counter()
         status = client.status()
         slowest = max(slowest, time.perf_counter() - began)
         if status["leases"]["preparing"] == 0:
             break
+        answered_while_preparing += 1
         time.sleep(0.1)
     waiter.join(30)
     assert got["lease"]["prepared"] and got["lease"]["state"] == "active"
-    assert slowest < 0.25, f"status took {slowest:.3f} s during a create"
+    # Status queued behind the 4 s create would answer once or twice while it runs; one that
+    # never waits for the GPU thread answers every poll. The bound on one answer is a quarter
+    # of the create, loose enough for a loaded CI host (2 cores, 3 test workers).
+    assert answered_while_preparing >= 10, answered_while_preparing
+    assert slowest < 1.0, f"status took {slowest:.3f} s during a 4 s create"
     daemon.read_notifications()
     # pinged every 0.5 s while the GPU thread was busy for ~4 s (WatchdogSec = 2 s)
     assert daemon.notifications.count("WATCHDOG=1") - pings_before >= 4

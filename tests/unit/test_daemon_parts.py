@@ -640,7 +640,9 @@ def test_watchdog_fed_through_a_slow_create_and_starved_by_a_hung_thread(tmp_roo
             assert lease["prepared"] and ended - began >= 2.5
             pings = notifier.pings(began, ended)
             gaps = [b - a for a, b in zip([began, *pings], [*pings, ended], strict=True)]
-            assert len(pings) >= 6 and max(gaps) < 0.6, (pings, gaps)
+            # pinged every 0.5 s; what systemd needs is no gap near WatchdogSec (2 s), and a
+            # loaded CI host may delay one ping by a scheduler tick or two
+            assert len(pings) >= 4 and max(gaps) < 1.5, (pings, gaps)
             backend.hang.set()  # the next heartbeat of each GPU thread never returns
             hung = time.monotonic()
             await asyncio.sleep(2.5)
