@@ -212,3 +212,12 @@ def test_extensions_never_lose_to_the_paper_variant() -> None:
         paper = plan_batch(tasks, A100, variant="paper")
         ours = plan_batch(tasks, A100, variant="migd")
         assert ours.makespan_s <= paper.makespan_s + 1e-9
+
+
+def test_missing_sizes_are_refused() -> None:
+    from migd.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="no time for every instance size"):
+        plan_batch([("t", {1: 1.0, 2: 0.6})], A100)
+    with pytest.raises(InvalidRequest):
+        plan_batch([], A100)
