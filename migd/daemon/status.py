@@ -7,6 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 from migd import __version__
+from migd.core.gpus import (
+    ExclusiveState,
+    ManagedInstance,
+    MigState,
+    ModeState,
+    MpsState,
+    OffState,
+)
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu
@@ -48,7 +56,6 @@ def placeable(daemon: DaemonContext, gpu: ManagedGpu) -> int:
 
 
 def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str, Any]:
-    sched = daemon.sched
     info = next((g for g in daemon.gpus if g.index == gpu.index), None)
     out: dict[str, Any] = {
         "index": gpu.index,
@@ -80,57 +87,84 @@ def _gpu_status(daemon: DaemonContext, gpu: ManagedGpu, now: float) -> dict[str,
         "placeable_mib": placeable(daemon, gpu),
         "instances": [],
     }
-    if gpu.space is not None:
-        space = gpu.space
-        live = list(gpu.instances)
-        try:
-            key = gpu.view().key
-            out.update(
-                state=describe(space, key),
-                reachability=space.reachability(key),
-                reachability_max=space.reachability(EMPTY),
-                creatable=space.creatable(key),
-            )
-        except Exception as exc:  # a layout the state machine does not know
-            out.update(state=f"unknown ({exc})", reachability=None, creatable={})
-        out["units"] = space.geometry.units
-        out["compute_slices"] = space.geometry.compute_slices
-        out["full_profile_mib"] = max(p.memory_mib for p in space.profiles)
-        for inst in sorted(live, key=lambda i: i.start):
-            lease = sched.leases.get(inst.lease_id or "")
-            out["instances"].append(
-                {
-                    "profile": inst.profile.name,
-                    "profile_id": inst.profile.profile_id,
-                    "start": inst.start,
-                    "size": inst.profile.memory_slices,
-                    "memory_mib": inst.memory_mib,
-                    "memory_used_mib": inst.used_mib,
-                    "status": inst.status.value,
-                    "origin": inst.origin.value,
-                    "busy": inst.busy,
-                    "gi_id": inst.gi_id,
-                    "uuid": inst.uuid,
-                    "lease_id": inst.lease_id,
-                    "job_id": lease.request.job_id if lease else None,
-                    "idle_s": round(now - inst.idle_since_s, 1)
-                    if inst.idle_since_s is not None and not inst.busy
-                    else None,
-                    "note": inst.note,
-                    **({"mps": _mps_pool_status(daemon, inst.mps_pool)} if inst.mps_pool else {}),
-                }
-            )
-    if gpu.mode is GpuMode.MPS:
-        out["mps"] = _mps_pool_status(daemon, sched.mps_pool(gpu))
-    if gpu.mode is GpuMode.MIG:
-        out["mps_in_mig"] = gpu.mps_in_mig
-    if gpu.mode is GpuMode.EXCLUSIVE:
-        lease = sched.leases.get(gpu.exclusive_lease or "")
-        out["exclusive"] = {
-            "lease_id": gpu.exclusive_lease,
-            "job_id": lease.request.job_id if lease else None,
-        }
+    out.update(_mode_status(daemon, gpu, gpu.state, now))
     return out
+
+
+def _mode_status(
+    daemon: DaemonContext, gpu: ManagedGpu, state: ModeState, now: float
+) -> dict[str, Any]:
+    """What only a GPU in this mode has: one function per mode's state, so a new mode
+    adds a case here and a function, not branches through ``_gpu_status``."""
+    match state:
+        case MigState():
+            return _mig_status(daemon, gpu, state, now)
+        case MpsState():
+            return {"mps": _mps_pool_status(daemon, daemon.sched.mps_pool(gpu))}
+        case ExclusiveState():
+            lease = daemon.sched.leases.get(state.lease_id or "")
+            return {
+                "exclusive": {
+                    "lease_id": state.lease_id,
+                    "job_id": lease.request.job_id if lease else None,
+                }
+            }
+        case OffState():
+            return {}
+
+
+def _mig_status(
+    daemon: DaemonContext, gpu: ManagedGpu, state: MigState, now: float
+) -> dict[str, Any]:
+    """The state machine's view (state, reachability, what can be created) and each
+    instance; without a state machine (an unknown model: the GPU is unhealthy) only
+    ``mps_in_mig``."""
+    out: dict[str, Any] = {"mps_in_mig": state.mps_in_mig}
+    space = state.space
+    if space is None:
+        return out
+    try:
+        key = gpu.view().key
+        out.update(
+            state=describe(space, key),
+            reachability=space.reachability(key),
+            reachability_max=space.reachability(EMPTY),
+            creatable=space.creatable(key),
+        )
+    except Exception as exc:  # a layout the state machine does not know
+        out.update(state=f"unknown ({exc})", reachability=None, creatable={})
+    out["units"] = space.geometry.units
+    out["compute_slices"] = space.geometry.compute_slices
+    out["full_profile_mib"] = max(p.memory_mib for p in space.profiles)
+    out["instances"] = [
+        _instance_status(daemon, inst, now)
+        for inst in sorted(state.instances, key=lambda i: i.start)
+    ]
+    return out
+
+
+def _instance_status(daemon: DaemonContext, inst: ManagedInstance, now: float) -> dict[str, Any]:
+    lease = daemon.sched.leases.get(inst.lease_id or "")
+    return {
+        "profile": inst.profile.name,
+        "profile_id": inst.profile.profile_id,
+        "start": inst.start,
+        "size": inst.profile.memory_slices,
+        "memory_mib": inst.memory_mib,
+        "memory_used_mib": inst.used_mib,
+        "status": inst.status.value,
+        "origin": inst.origin.value,
+        "busy": inst.busy,
+        "gi_id": inst.gi_id,
+        "uuid": inst.uuid,
+        "lease_id": inst.lease_id,
+        "job_id": lease.request.job_id if lease else None,
+        "idle_s": round(now - inst.idle_since_s, 1)
+        if inst.idle_since_s is not None and not inst.busy
+        else None,
+        "note": inst.note,
+        **({"mps": _mps_pool_status(daemon, inst.mps_pool)} if inst.mps_pool else {}),
+    }
 
 
 def _mps_pool_status(daemon: DaemonContext, pool: MpsPool) -> dict[str, Any]:
