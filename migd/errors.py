@@ -272,6 +272,16 @@ class ChirpError(MigdError):
     default_hint = "submit with `+WantIOProxy = true`"
 
 
+class StartdError(MigdError):
+    """migd could not tell the node's startd which GPUs are out of service."""
+
+    code = "startd_error"
+    default_hint = (
+        "check that condor_reconfig works as root on this node and that the HTCondor "
+        "configuration includes migd's offline file (docs/operations.md, GPU health)"
+    )
+
+
 ERROR_CLASSES: dict[str, type[MigdError]] = {}
 
 

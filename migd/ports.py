@@ -17,7 +17,7 @@ Implementations:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -350,6 +350,24 @@ class Accounts(Protocol):
     def forget(self) -> None:
         """Drop cached answers (on SIGHUP: an admin who added a user to a group, then
         reloaded, expects it to count)."""
+        ...
+
+
+class StartdControl(Protocol):
+    """HTCondor's startd on this node, told which GPUs it must not hand out.
+
+    Implemented by :class:`migd.backends.condor.StartdOffline` (a config file the shipped
+    HTCondor configuration includes, then ``condor_reconfig``); see
+    :mod:`migd.core.condor_shares` for what the startd does with it.
+    """
+
+    def set_offline_gpus(self, uuids: Sequence[str]) -> list[str]:
+        """Make the shares of these physical GPUs (all others: online) offline in the
+        startd; returns the share IDs written. Blocking (runs HTCondor's tools).
+
+        Raises:
+            StartdError: the file could not be written or the startd not reconfigured.
+        """
         ...
 
 

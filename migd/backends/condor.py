@@ -1,7 +1,9 @@
-"""HTCondor boundary: read job/machine ads, update the job's request through chirp.
+"""HTCondor boundary: read job/machine ads, update the job's request through chirp, and
+tell the node's startd which GPUs are out of service.
 
 The only module that imports the HTCondor Python bindings (``classad2``,
-``htcondor2.htchirp``), lazily, so the daemon never loads them.
+``htcondor2.htchirp``), lazily, so the daemon never loads them; the daemon uses only
+:class:`StartdOffline`, which runs HTCondor's command-line tools.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from migd.errors import ChirpError, JobAdError
+from migd.core.condor_shares import FALLBACK_SHARES, offline_share_ids
+from migd.errors import ChirpError, JobAdError, StartdError
 
 CHIRP_CANDIDATES = (
     "/usr/lib/condor/libexec/condor_chirp",  # Debian/Ubuntu packages
@@ -133,3 +137,101 @@ def set_job_attrs(attrs: Mapping[str, str | int | bool], *, timeout_s: float = 3
                 hint="submit with `+WantIOProxy = true`",
             )
     return binary
+
+
+OFFLINE_FILE_HEADER = """\
+# Written by migd: the HTCondor GPU IDs of the GPUs migd has taken out of service (a
+# health condition such as an XID, or `migctl drain`). The shipped 10-migd-execute.config
+# includes this file; migd rewrites it and runs condor_reconfig when a GPU's health
+# changes. Do not edit: `migctl drain GPU` / `migctl resume GPU` change what it says.
+"""
+
+
+@dataclass
+class StartdOffline:
+    """:class:`migd.ports.StartdControl` through a config file and ``condor_reconfig``.
+
+    The file holds ``OFFLINE_MACHINE_RESOURCE_GPUs`` for every share of the given GPUs
+    (``MIGD_SHARES_PER_GPU`` of them, as ``condor_config_val`` reads HTCondor's
+    configuration; :data:`~migd.core.condor_shares.FALLBACK_SHARES` when it cannot),
+    appended to whatever the configuration read before it set.
+    """
+
+    path: Path
+    reconfig: Sequence[str] = ("condor_reconfig", "-daemon", "startd")
+    config_val: Sequence[str] = ("condor_config_val", "MIGD_SHARES_PER_GPU")
+    timeout_s: float = 30.0
+    #: The file changed but the startd was not told (a failed reconfig): the next call
+    #: reconfigures even when the file already says what it wants.
+    reconfig_owed: bool = False
+
+    def shares_per_gpu(self) -> int:
+        try:
+            out = _run(self.config_val, self.timeout_s)
+            return max(1, int(out.strip()))
+        except (StartdError, ValueError):
+            return FALLBACK_SHARES
+
+    def render(self, ids: Sequence[str]) -> str:
+        if not ids:
+            return OFFLINE_FILE_HEADER
+        return (
+            OFFLINE_FILE_HEADER
+            + "OFFLINE_MACHINE_RESOURCE_GPUs = $(OFFLINE_MACHINE_RESOURCE_GPUs) "
+            + ", ".join(ids)
+            + "\n"
+        )
+
+    def set_offline_gpus(self, uuids: Sequence[str]) -> list[str]:
+        ids = offline_share_ids(uuids, self.shares_per_gpu()) if uuids else []
+        text = self.render(ids)
+        try:
+            old: str | None = self.path.read_text()
+        except FileNotFoundError:
+            old = None
+        except OSError as exc:
+            raise StartdError(f"cannot read {self.path}: {exc.strerror or exc}") from exc
+        # Unchanged (or nothing offline and no file): the startd reads the file when it
+        # starts and has read it at the last reconfig, so there is nothing to tell it.
+        if (old == text or (old is None and not ids)) and not self.reconfig_owed:
+            return ids
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            tmp.write_text(text)
+            tmp.chmod(0o644)  # HTCondor's tools read the configuration as any user
+            tmp.replace(self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StartdError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        self.reconfig_owed = True
+        _run(self.reconfig, self.timeout_s)
+        self.reconfig_owed = False
+        return ids
+
+
+def _run(command: Sequence[str], timeout_s: float) -> str:
+    """Run one of HTCondor's tools; its stdout, or :class:`StartdError` with its stderr."""
+    shown = " ".join(command)
+    try:
+        # Its own session, so a tool that hangs goes with everything it started.
+        proc = subprocess.Popen(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise StartdError(f"cannot run {shown}: {exc.strerror or exc}") from exc
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise StartdError(f"{shown} did not finish within {timeout_s:g} s") from exc
+    if proc.returncode != 0:
+        why = (err.strip() or out.strip() or f"exit {proc.returncode}").splitlines()[-1]
+        raise StartdError(f"{shown} failed: {why}")
+    return out

@@ -22,27 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from migd.core.condor_shares import share_id, short_uuid
 from migd.errors import MigdError
-
-
-def short_uuid(uuid: str) -> str:
-    """``GPU-61342749-a9b5-...`` -> ``GPU-61342749`` (condor_gpu_discovery's default id)."""
-    head, _, rest = uuid.partition("-")
-    return f"{head}-{rest.split('-')[0]}" if rest else uuid
-
-
-def share_id(uuid: str, n: int) -> str:
-    """The ``n``-th HTCondor GPU ID of a physical GPU: ``GPU-s03-61342749``.
-
-    The share index comes first so that the IDs sort share by share across GPUs
-    (``GPU-s00-aaaa``, ``GPU-s00-bbbb``, ``GPU-s01-aaaa``, ...): HTCondor 23.9 keeps
-    a slot's GPU IDs sorted and gives a new job the first free one (checked in the
-    pool, docs/htcondor-notes.md (q)), so each job goes to the GPU with the fewest
-    jobs, and a GPU that just became free gets the next job. With the GPU first,
-    every job went to the first GPU until its shares ran out, and whole-GPU jobs
-    queued there while the other GPU idled.
-    """
-    return f"GPU-s{n:02d}-{short_uuid(uuid).removeprefix('GPU-')}"
 
 
 def _classad_str(text: str) -> str:

@@ -209,6 +209,33 @@ class HealthSection(_Section):
         return value
 
 
+class CondorSection(_Section):
+    offline_gpus: bool = Field(
+        True,
+        description="tell HTCondor's startd which GPUs are out of service (a health "
+        "condition or a drain): their shares go into OFFLINE_MACHINE_RESOURCE_GPUs in "
+        "offline_file, then reconfig_command runs (docs/operations.md, GPU health)",
+    )
+    offline_file: Path | None = Field(
+        None,
+        description="the file the shipped 10-migd-execute.config includes; default "
+        "<daemon.runtime_dir>/condor-offline-gpus.config (/run/migd/...)",
+    )
+    reconfig_command: list[str] = Field(
+        default_factory=lambda: ["condor_reconfig", "-daemon", "startd"],
+        min_length=1,
+        description="run as migd's user (root) after the file changed",
+    )
+    shares_command: list[str] = Field(
+        default_factory=lambda: ["condor_config_val", "MIGD_SHARES_PER_GPU"],
+        min_length=1,
+        description="prints the shares (HTCondor GPU IDs) per GPU that gpu-inventory lists",
+    )
+
+    def offline_path(self, runtime_dir: Path) -> Path:
+        return self.offline_file or runtime_dir / "condor-offline-gpus.config"
+
+
 class GpuOverride(_Section):
     match: str = Field(description="GPU index, UUID or UUID prefix; * for every GPU")
     mode: Literal["auto", "mig", "mps", "exclusive", "off", "hybrid"] = Field(
@@ -243,6 +270,7 @@ class MigdConfig(_Section):
     wrapper: WrapperSection = Field(default_factory=WrapperSection)  # read by migd-wrapper
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    condor: CondorSection = Field(default_factory=CondorSection)
     gpu: list[GpuOverride] = Field(default_factory=list)
 
     def override_for(self, index: int, uuid: str) -> GpuOverride | None:
@@ -264,6 +292,7 @@ RESTART_KEYS = (
     "policy.profiles",
     "metrics",
     "health",
+    "condor",
     "mps.require_exclusive_process",
 )
 

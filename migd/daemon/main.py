@@ -186,6 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
         mps.watch_servers(node.track_mps_servers)
 
+    startd = None
+    if config.condor.offline_gpus:
+        from migd.backends.condor import StartdOffline
+
+        startd = StartdOffline(
+            config.condor.offline_path(config.daemon.runtime_dir),
+            reconfig=tuple(config.condor.reconfig_command),
+            config_val=tuple(config.condor.shares_command),
+        )
+
     async def run() -> int:
         daemon = Daemon(
             config,
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             sim_node=node,
             mps=mps,
             accounts=SystemAccounts(),
+            startd=startd,
         )
         return await daemon.run()
 

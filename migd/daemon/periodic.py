@@ -15,7 +15,9 @@ thread, and call the step (cobald's ``regulate()`` / ``run()`` split):
 * sampler (every second): :func:`sample_plan` says what to read, the GPU's thread reads
   it (:meth:`Sampler.read`), :meth:`Sampler.apply` books GPU, instance and lease
   memory for status and OOM evidence;
-* watchdog: :meth:`Watchdog.step` feeds systemd only while every GPU thread answers.
+* watchdog: :meth:`Watchdog.step` feeds systemd only while every GPU thread answers;
+* startd (every 2 s, when ``condor.offline_gpus``): :class:`OfflineShares` says which
+  GPUs HTCondor must stop assigning, :class:`StartdSync` tells the startd in a thread.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from migd.core.condor_shares import OfflineShares
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu, Origin
 from migd.daemon.context import DaemonContext
@@ -32,8 +35,8 @@ from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.reconciler import Reconciler
-from migd.errors import MigdError
-from migd.ports import GpuProcess
+from migd.errors import MigdError, StartdError
+from migd.ports import GpuProcess, StartdControl
 
 log = structlog.get_logger("migd")
 
@@ -226,6 +229,43 @@ class Sampler:
             note_peak(lease_id, used)
 
 
+class StartdSync:
+    """Keeps the startd's offline GPUs equal to migd's out-of-service ones (see
+    :mod:`migd.core.condor_shares`): the decision is :meth:`OfflineShares.step`, the
+    port call runs in a thread (HTCondor's tools take a while, and may hang)."""
+
+    def __init__(self, ctx: DaemonContext, startd: StartdControl) -> None:
+        self.ctx = ctx
+        self.startd = startd
+        self.offline = OfflineShares()
+        self._last_error = ""
+
+    async def step(self) -> None:
+        clock = self.ctx.clock
+        wanted = self.offline.step(self.ctx.sched.gpus.values(), clock.monotonic())
+        if wanted is None:
+            return
+        try:
+            ids = await asyncio.to_thread(self.startd.set_offline_gpus, wanted)
+        except StartdError as exc:
+            self.offline.failed(wanted, clock.monotonic())
+            if exc.message != self._last_error:  # once per cause, not every retry
+                log.warning(
+                    "condor.offline_failed",
+                    gpus=list(wanted),
+                    error=exc.message,
+                    hint=exc.hint,
+                    retry_s=self.offline.retry_s,
+                )
+            self._last_error = exc.message
+            return
+        # (the first round at start, with nothing offline, is no news)
+        if wanted or self.offline.written is not None:
+            log.info("condor.offline_gpus", gpus=list(wanted), share_ids=len(ids))
+        self.offline.applied(wanted)
+        self._last_error = ""
+
+
 class PeriodicTasks:
     """The daemon's background loops: thin asyncio around the steps above."""
 
@@ -237,6 +277,7 @@ class PeriodicTasks:
         reaper: Reaper,
         reconciler: Reconciler,
         mps: MpsSupervisor,
+        startd: StartdControl | None = None,
     ) -> None:
         self.ctx = ctx
         self.executor = executor
@@ -246,14 +287,18 @@ class PeriodicTasks:
         self.mps = mps
         self.timers = Timers(ctx, leases)
         self.sampler = Sampler(ctx, leases, mps)
+        self.startd = StartdSync(ctx, startd) if startd is not None else None
 
     def start(self) -> list[asyncio.Task[None]]:
-        return [
+        tasks = [
             asyncio.create_task(self.reaper_loop(), name="reaper"),
             asyncio.create_task(self.timer_loop(), name="timers"),
             asyncio.create_task(self.watchdog_loop(), name="watchdog"),
             asyncio.create_task(self.sampler_loop(), name="sampler"),
         ]
+        if self.startd is not None:
+            tasks.append(asyncio.create_task(self.startd_loop(self.startd), name="startd"))
+        return tasks
 
     async def reaper_loop(self) -> None:
         ctx = self.ctx
@@ -299,6 +344,14 @@ class PeriodicTasks:
                 except Exception as exc:  # sampling must outlive any surprise
                     log.exception("sampler.crashed", gpu=gpu.index, error=str(exc))
             await asyncio.sleep(1.0)
+
+    async def startd_loop(self, sync: StartdSync) -> None:
+        while True:
+            try:
+                await sync.step()
+            except Exception as exc:
+                log.exception("startd.crashed", error=str(exc))
+            await asyncio.sleep(2.0)
 
     async def watchdog_loop(self) -> None:
         watchdog = Watchdog(self.ctx, self.executor)

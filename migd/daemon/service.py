@@ -48,7 +48,15 @@ from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
 from migd.paths import ensure_dir
-from migd.ports import Accounts, Clock, GpuBackend, MpsControl, ProcessTable, SystemClock
+from migd.ports import (
+    Accounts,
+    Clock,
+    GpuBackend,
+    MpsControl,
+    ProcessTable,
+    StartdControl,
+    SystemClock,
+)
 
 if TYPE_CHECKING:
     from migd.backends.simulated.node import SimNode
@@ -124,6 +132,7 @@ class Daemon:
         sim_node: SimNode | None = None,
         mps: MpsControl | None = None,
         accounts: Accounts | None = None,
+        startd: StartdControl | None = None,
     ) -> None:
         clock = clock or SystemClock()
         self.accounts = accounts or SystemAccounts()
@@ -152,7 +161,7 @@ class Daemon:
         self.executor.resync = self.reconciler.resync_gpu
         self.executor.before_destroy = self.mps.stop_before_destroy
         self.periodic = PeriodicTasks(
-            ctx, self.executor, self.leases, self.reaper, self.reconciler, self.mps
+            ctx, self.executor, self.leases, self.reaper, self.reconciler, self.mps, startd
         )
         self.api = ApiServer(ctx, self.leases.lease_for, self.stopping)
         Ops(ctx, self.leases, self.executor, self.mps, self.reload).register(self.api)

@@ -190,3 +190,69 @@ def test_the_other_gpus_keep_working_and_nothing_new_starts_on_the_failed_one(
     for node in failure.pool.nodes.values():
         assert node.leases() == [], node.name  # nothing leaks
     assert failure.seconds["after_xid"] < 60, failure.seconds
+
+
+def xid(pool: MultiNodePool, node: str, gpu: int) -> None:
+    """An XID 79 on one of ``node``'s GPUs, injected as root on its socket."""
+    pool.chroot.run(
+        [
+            PY,
+            "-c",
+            "import sys; from migd.client import MigdClient; "
+            "MigdClient(sys.argv[1]).call('sim_xid', gpu=int(sys.argv[2]), xid=79)",
+            pool.nodes[node].socket,
+            str(gpu),
+        ]
+    )
+
+
+def test_a_failed_gpu_beside_healthy_ones_gets_no_new_jobs_and_comes_back_on_resume(
+    failure: Failure,
+) -> None:
+    """ep2 keeps a healthy GPU beside the failed one, so its slot still matches: migd takes
+    the failed GPU's shares offline in the startd (the shipped config includes its file,
+    condor_reconfig), and HTCondor gives every new job a share of the healthy GPU. Runs
+    last: it fails one of ep2's GPUs."""
+    pool = failure.pool
+    ep2 = pool.nodes["ep2"]
+    status = ep2.ctl("status", "--json")
+    failed_uuid = status["gpus"][0]["uuid"]
+    short = failed_uuid.split("-")[1]
+    failed_ids = {f"GPU-s{n:02d}-{short}" for n in range(7)}
+
+    def pslot() -> dict[str, Any]:
+        [ad] = [ad for ad in ep2.slots() if ad.get("PartitionableSlot")]
+        return ad
+
+    total = pslot()["TotalSlotGPUs"]
+    assert total == 14  # two GPUs of 7 shares
+    before = {x["lease_id"] for x in ep2.leases(all_leases=True)}
+    t_xid = time.monotonic()
+    xid(pool, "ep2", 0)
+    offline = pool.ap.wait_for(
+        lambda: (ad := pslot()).get("OfflineGPUs") and ad,
+        timeout=30,
+        what="the failed GPU's shares offline in ep2's slot ad",
+    )
+    _log(f"ep2's failed GPU offline in the collector {time.monotonic() - t_xid:.1f}s after the XID")
+    assert {i.strip() for i in str(offline["OfflineGPUs"]).split(",")} == failed_ids, offline
+    # A wave on ep2 only: every job gets the healthy GPU.
+    cluster = pool.ap.submit(
+        job("other.sh", requirements=ON_EP2, queue="4"), files={"other.sh": OTHER_JOB}
+    )
+    ads = pool.ap.wait(cluster, timeout=120)
+    assert [ad["JobStatus"] for ad in ads] == [4] * 4, ads
+    wave = [x for x in ep2.leases(all_leases=True) if x["lease_id"] not in before]
+    assert len(wave) == 4, wave
+    assert {x["gpu_uuid"] for x in wave} == {status["gpus"][1]["uuid"]}, wave
+    # Back in service: resume clears migd's condition and the startd's offline list.
+    t_resume = time.monotonic()
+    ep2.ctl("resume", "0")
+    back = pool.ap.wait_for(
+        lambda: not (ad := pslot()).get("OfflineGPUs") and ad,
+        timeout=30,
+        what="the shares back in ep2's slot ad",
+    )
+    _log(f"ep2's GPU back in the collector {time.monotonic() - t_resume:.1f}s after resume")
+    assert back["TotalSlotGPUs"] == total
+    assert "condor.offline_gpus" in ep2.migd_log()

@@ -63,6 +63,14 @@ class DaemonProcess:
     def start(self, *, wait_ready: bool = True) -> None:
         (self.root / "run").mkdir(parents=True, exist_ok=True)
         (self.root / "run").chmod(0o755)
+        # HTCondor's tools as migd calls them (condor section): a recorder, so no test
+        # depends on, or reconfigures, an HTCondor the host may have.
+        condor_tool = self.root / "condor-tool"
+        condor_tool.write_text(
+            '#!/bin/sh\nif [ "$1" = MIGD_SHARES_PER_GPU ]; then echo 7; exit 0; fi\n'
+            f'echo "$*" >> {self.root / "condor-tool.log"}\n'
+        )
+        condor_tool.chmod(0o755)
         self.config_path.write_text(self.config_text or "version = 1\n")
         if self.notify is None:
             self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -98,6 +106,10 @@ class DaemonProcess:
             # (--set backend.sim_time_scale=1 in its extra_args, which come after).
             "--set",
             "backend.sim_time_scale=0",
+            "--set",
+            f'condor.reconfig_command=["{condor_tool}", "-daemon", "startd"]',
+            "--set",
+            f'condor.shares_command=["{condor_tool}", "MIGD_SHARES_PER_GPU"]',
             *self.extra_args,
         ]
         with self.log_path.open("ab") as log:

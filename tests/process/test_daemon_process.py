@@ -416,6 +416,34 @@ def test_migctl_exit_codes(daemon: DaemonProcess) -> None:
     assert migctl("bogus").returncode == 2
 
 
+def test_a_drained_gpu_is_taken_offline_in_htcondor_and_back_on_resume(
+    daemon: DaemonProcess,
+) -> None:
+    """The startd is told through the offline file and condor_reconfig (the fixture's
+    stand-in records the call); a normal start tells it nothing."""
+    daemon.start()
+    offline = daemon.root / "run" / "condor-offline-gpus.config"
+    calls = daemon.root / "condor-tool.log"
+    status = daemon.status_json()
+    uuid1 = status["gpus"][1]["uuid"]
+    assert not offline.exists() and not calls.exists()
+    assert daemon.migctl("drain", "1").returncode == 0
+    wait_for(calls.exists, what="condor_reconfig after the drain")
+    short = uuid1.split("-")[1]
+    assert offline.read_text().splitlines()[-1] == (
+        "OFFLINE_MACHINE_RESOURCE_GPUs = $(OFFLINE_MACHINE_RESOURCE_GPUs) "
+        + ", ".join(f"GPU-s{n:02d}-{short}" for n in range(7))
+    )
+    assert calls.read_text().splitlines() == ["-daemon startd"]
+    assert daemon.migctl("resume", "1").returncode == 0
+    wait_for(lambda: len(calls.read_text().splitlines()) == 2, what="condor_reconfig after resume")
+    assert "OFFLINE_MACHINE_RESOURCE_GPUs" not in offline.read_text()
+    assert [e["gpus"] for e in daemon.log_events() if e.get("event") == "condor.offline_gpus"] == [
+        [uuid1],
+        [],
+    ]
+
+
 # -- cross-user security ------------------------------------------------------------------------
 
 CLIENT_SCRIPT = """

@@ -24,8 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from migd.api import LeaseRequestMsg, decode_request
-from migd.cli.condor_ad import render_condor_ad, render_inventory, short_uuid
+from migd.cli.condor_ad import render_condor_ad, render_inventory
 from migd.cli.migctl import slice_bar
+from migd.core.condor_shares import short_uuid
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
 from migd.daemon.api_server import check_socket_path
