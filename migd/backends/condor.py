@@ -109,29 +109,16 @@ def set_job_attrs(attrs: Mapping[str, str | int | bool], *, timeout_s: float = 3
         )
     for name, text in texts.items():
         try:
-            # Its own session, so a chirp that hangs goes with everything it started.
-            proc = subprocess.Popen(
-                [binary, "set_job_attr", name, text],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
+            rc, _, stderr = _run_tool([binary, "set_job_attr", name, text], timeout_s)
         except OSError as exc:
             raise ChirpError(f"cannot run {binary}: {exc.strerror or exc}") from exc
-        try:
-            _, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
             raise ChirpError(
                 f"condor_chirp set_job_attr {name} did not answer within {timeout_s:g} s",
                 hint="the starter or shadow is busy or gone; HTCondor keeps the old value",
             ) from exc
-        if proc.returncode != 0:
-            why = stderr.strip() or f"exit {proc.returncode}"
+        if rc != 0:
+            why = stderr.strip() or f"exit {rc}"
             raise ChirpError(
                 f"condor_chirp set_job_attr {name} failed: {why}",
                 hint="submit with `+WantIOProxy = true`",
@@ -213,25 +200,39 @@ def _run(command: Sequence[str], timeout_s: float) -> str:
     """Run one of HTCondor's tools; its stdout, or :class:`StartdError` with its stderr."""
     shown = " ".join(command)
     try:
-        # Its own session, so a tool that hangs goes with everything it started.
-        proc = subprocess.Popen(
-            list(command),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        rc, out, err = _run_tool(command, timeout_s)
     except OSError as exc:
         raise StartdError(f"cannot run {shown}: {exc.strerror or exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise StartdError(f"{shown} did not finish within {timeout_s:g} s") from exc
+    if rc != 0:
+        why = (err.strip() or out.strip() or f"exit {rc}").splitlines()[-1]
+        raise StartdError(f"{shown} failed: {why}")
+    return out
+
+
+def _run_tool(command: Sequence[str], timeout_s: float) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of an HTCondor tool that must not hang its caller.
+
+    Raises:
+        OSError: it could not be started.
+        subprocess.TimeoutExpired: it ran past ``timeout_s`` (it and everything it
+            started are killed first).
+    """
+    # Its own session, so a tool that hangs goes with everything it started.
+    proc = subprocess.Popen(
+        list(command),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise StartdError(f"{shown} did not finish within {timeout_s:g} s") from exc
-    if proc.returncode != 0:
-        why = (err.strip() or out.strip() or f"exit {proc.returncode}").splitlines()[-1]
-        raise StartdError(f"{shown} failed: {why}")
-    return out
+        raise
+    return proc.returncode, out, err
