@@ -58,8 +58,11 @@ REV1_REPORTED_ID = 0x0
 class MigOps:
     """The MIG half of a :class:`~migd.backends.simulated.node.SimNode` (``node.mig``).
 
-    Every public method takes the node lock; MIG changes of one GPU are serialised as
-    the driver serialises them, and their latency is waited out without the lock.
+    The NVML-facing methods take the node lock; MIG changes of one GPU are serialised as
+    the driver serialises them, and their latency is waited out without the lock. The
+    building blocks the node and :mod:`~migd.backends.simulated.persist` share
+    (:meth:`refusal`, :meth:`add_gi`, :meth:`add_ci`, the lookups) expect the caller to
+    hold the lock.
     """
 
     def __init__(self, node: SimNode) -> None:
@@ -230,6 +233,7 @@ class MigOps:
     def add_gi(
         self, gpu: SimGpu, profile: Profile, start: int, gi_id: int | None = None
     ) -> SimGpuInstance:
+        """Add a GPU instance the rules allow (checked by the caller), at its driver id."""
         geometry = gpu.geometry
         assert geometry is not None
         if gi_id is None:
@@ -275,6 +279,7 @@ class MigOps:
         return found
 
     def lookup_ci(self, ci_serial: int) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
+        """A live compute instance by handle serial (INVALID_ARGUMENT for a stale handle)."""
         found = self.ci_by_serial.get(ci_serial)
         if found is None:
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
@@ -320,6 +325,7 @@ class MigOps:
         uuid: str | None = None,
         ci_id: int | None = None,
     ) -> SimComputeInstance:
+        """Add a compute instance (slices checked by the caller); a new MIG UUID unless given."""
         self.serials += 1
         taken = {c.mig_index: c for g in gpu.instances.values() for c in g.cis.values()}
         ci = SimComputeInstance(

@@ -63,7 +63,7 @@ class SimOutOfMemory(SimCudaError):
 class Processes:
     """The processes of a :class:`~migd.backends.simulated.node.SimNode` (``node.procs``).
 
-    Every public method takes the node lock.
+    Every public method takes the node lock (:meth:`drop_exited_servers` expects it held).
 
     Args:
         node: the node the processes run on.
@@ -193,6 +193,7 @@ class Processes:
             self.node.save()
 
     def drop_exited_servers(self) -> None:
+        """Forget MPS servers whose host process has exited (the caller holds the lock)."""
         gone = [
             pid
             for pid, proc in self.by_pid.items()
