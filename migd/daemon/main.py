@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if node is not None:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
-        mps.watch_servers(node.track_mps_servers)
+        mps.watch_servers(node.procs.track_mps_servers)
 
     startd = None
     if config.condor.offline_gpus:

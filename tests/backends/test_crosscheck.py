@@ -32,7 +32,7 @@ REPRESENTATIVE = ["A30-24GB", "A100-40GB", "H100-80GB", "RTX-PRO-6000-96GB"]
 
 def _legality_agrees(node: SimNode, space: StateSpace, key: int) -> None:
     for atom in space.atoms:
-        assert node.can_create(0, atom.profile.profile_id, atom.start) == (
+        assert node.mig.can_create(0, atom.profile.profile_id, atom.start) == (
             space.can_allocate(key, atom)
         ), (atom, key)
 
@@ -45,7 +45,7 @@ def test_legality_agrees_on_every_state(model: str) -> None:
     for key in every_state:
         node.reset()
         for atom in space.placements(key):
-            node.create_gpu_instance(
+            node.mig.create_gpu_instance(
                 0, atom.profile.profile_id, atom.start, atom.profile.memory_slices
             )
         _legality_agrees(node, space, key)
@@ -81,7 +81,7 @@ def test_legality_agrees_where_limits_and_groups_bind_alone(name: str) -> None:
     for key in every_state:
         node.reset()
         for atom in space.placements(key):
-            node.create_gpu_instance(
+            node.mig.create_gpu_instance(
                 0, atom.profile.profile_id, atom.start, atom.profile.memory_slices
             )
         _legality_agrees(node, space, key)

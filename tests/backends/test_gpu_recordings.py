@@ -119,10 +119,10 @@ def test_recordings_made_by_the_simulator_are_named_synthetic() -> None:
 def test_a_replay_catches_a_simulator_that_numbers_instances_differently(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from migd.backends.simulated import node as node_module
+    from migd.backends.simulated import mig_ops
 
     (path,) = [p for p in RECORDINGS if p.name == "synthetic-a100-40gb-calibration.json"]
     record = json.loads(path.read_text())
-    monkeypatch.setattr(node_module, "placement_gi_id", lambda units, size, start: 99)
+    monkeypatch.setattr(mig_ops, "placement_gi_id", lambda units, size, start: 99)
     replayed = comparable(calibrate_simulated(simulated_node(record)))
     assert replayed["placements"] != comparable(record)["placements"]

@@ -10,7 +10,7 @@ from sim_support import Sim, SleepRecorder
 
 from migd.backends.simulated import FakePynvml
 from migd.backends.simulated import nvml_api as api
-from migd.backends.simulated.node import CI_PROFILE_1_SLICE_REV1
+from migd.backends.simulated.mig_ops import CI_PROFILE_1_SLICE_REV1
 from migd.core import catalog
 from migd.errors import GpuBusy
 
@@ -108,7 +108,7 @@ def test_an_mps_server_is_a_compute_process_on_its_device_until_it_exits(sim: Si
     backend, node = sim("1xA100-40GB", host_processes=host)
     inst = backend.create_instance(0, A100_1G, 0)
     assert inst.uuid is not None
-    node.track_mps_servers(inst.uuid, [5150])
+    node.procs.track_mps_servers(inst.uuid, [5150])
 
     (server,) = backend.processes(0, inst.uuid)
     assert (server.pid, server.mps) == (5150, False)  # a compute process, not a client
@@ -164,7 +164,7 @@ def test_a_process_can_outlive_its_lease_and_keep_its_memory(sim: Sim) -> None:
     backend, node = sim("1xA100-40GB")
     inst = backend.create_instance(0, A100_1G, 0)
     assert inst.uuid is not None
-    pid = node.leave_behind(inst.uuid, 1024)
+    pid = node.procs.leave_behind(inst.uuid, 1024)
     assert pid > 1 << 22  # never a host PID
     (proc,) = backend.processes(0, inst.uuid)
     assert (proc.pid, proc.used_mib) == (pid, 1024)

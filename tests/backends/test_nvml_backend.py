@@ -485,9 +485,9 @@ def test_partial_cleanup_is_finished_by_the_next_destroy(sim: Sim) -> None:
 
 def _by_hand_3g_with_two_cis(node: SimNode) -> tuple[int, list[str]]:
     """An admin's 3g.20gb@4 split into two 1-slice compute instances: (GI id, MIG UUIDs)."""
-    gi = node.create_gpu_instance(0, 9, 4, 4)
+    gi = node.mig.create_gpu_instance(0, 9, 4, 4)
     cis = [
-        node.create_compute_instance(gi.serial, api.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
+        node.mig.create_compute_instance(gi.serial, api.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
         for _ in range(2)
     ]
     return gi.gi_id, [ci.uuid for ci in cis]

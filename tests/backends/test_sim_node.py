@@ -170,16 +170,16 @@ def test_uuids_are_stable_per_seed_and_well_formed() -> None:
 
 def test_ids_follow_the_placement_and_mig_uuids_are_never_reused() -> None:
     node = SimNode.from_description("1xA100-40GB")
-    a = node.create_gpu_instance(0, 19, 0, 1)
-    b = node.create_gpu_instance(0, 19, 1, 1)
+    a = node.mig.create_gpu_instance(0, 19, 0, 1)
+    b = node.mig.create_gpu_instance(0, 19, 1, 1)
     assert (a.gi_id, b.gi_id) == (7, 8)  # 1g.5gb at start s: id 7 + s
-    ci = node.create_compute_instance(a.serial, 0)
+    ci = node.mig.create_compute_instance(a.serial, 0)
     old_uuid = ci.uuid
-    node.destroy_compute_instance(ci.serial)
-    node.destroy_gpu_instance(a.serial)
-    c = node.create_gpu_instance(0, 19, 0, 1)
+    node.mig.destroy_compute_instance(ci.serial)
+    node.mig.destroy_gpu_instance(a.serial)
+    c = node.mig.create_gpu_instance(0, 19, 0, 1)
     assert c.gi_id == 7  # the same placement, the same id
-    new_ci = node.create_compute_instance(c.serial, 0)
+    new_ci = node.mig.create_compute_instance(c.serial, 0)
     assert new_ci.ci_id == 0 and new_ci.uuid != old_uuid
     assert UUID_RE.match(new_ci.uuid)
 
@@ -197,7 +197,7 @@ def test_reset_restores_the_initial_node() -> None:
 
     before = (node.placements(0), node.instances(0), snapshot(4242))
     node.detach(4242)
-    node.create_gpu_instance(0, 14, 2, 2)
+    node.mig.create_gpu_instance(0, 14, 2, 2)
     node.lose_gpu(1)
     node.set_root(False)
     node.fail_next("nvmlDeviceGetCount", api.NVML_ERROR_UNKNOWN)
@@ -211,12 +211,12 @@ def test_reset_restores_the_initial_node() -> None:
 def test_latency_follows_seed_003_table_scaled() -> None:
     waits: list[float] = []
     node = SimNode.from_description("1xH100-80GB", time_scale=0.5, sleep=waits.append)
-    gi = node.create_gpu_instance(0, 9, 4, 4)  # 3g
-    node.destroy_gpu_instance(gi.serial)
+    gi = node.mig.create_gpu_instance(0, 9, 4, 4)  # 3g
+    node.mig.destroy_gpu_instance(gi.serial)
     costs = CostModel.for_model("H100-80GB")
     assert waits == [0.5 * costs.create_s(3), 0.5 * costs.destroy_s(3)]
     instant = SimNode.from_description("1xH100-80GB", sleep=waits.append)
-    instant.create_gpu_instance(0, 0, 0, 8)
+    instant.mig.create_gpu_instance(0, 0, 0, 8)
     assert len(waits) == 2  # time_scale 0 (default): no waiting at all
 
 
@@ -232,11 +232,11 @@ latency = {7 = [10.0, 20.0]}
 """
     waits: list[float] = []
     node = SimNode.from_description(text, sleep=waits.append)
-    small = node.create_gpu_instance(0, 19, 0, 1)  # 1 slice
-    node.destroy_gpu_instance(small.serial)
-    middle = node.create_gpu_instance(0, 9, 4, 4)  # 3 slices: the next larger row (7)
-    node.destroy_gpu_instance(middle.serial)
-    node.create_gpu_instance(1, 19, 0, 1)  # GPU 1's own table: 1 slice -> the 7 row
+    small = node.mig.create_gpu_instance(0, 19, 0, 1)  # 1 slice
+    node.mig.destroy_gpu_instance(small.serial)
+    middle = node.mig.create_gpu_instance(0, 9, 4, 4)  # 3 slices: the next larger row (7)
+    node.mig.destroy_gpu_instance(middle.serial)
+    node.mig.create_gpu_instance(1, 19, 0, 1)  # GPU 1's own table: 1 slice -> the 7 row
     assert waits == [0.5, 1.0, 1.5, 2.0, 5.0]
     with pytest.raises(ConfigError, match="bad latency entry"):
         SimNode.from_description('latency = {1 = [-1, 0]}\n[[gpu]]\nmodel = "A100-40GB"\n')
@@ -270,7 +270,7 @@ def test_a_slow_create_holds_off_only_mig_changes_of_its_own_gpu() -> None:
     reader.join(5)
     assert not reader.is_alive() and count.value == 0
     # A second MIG change of the same GPU waits for the first, as the driver makes it.
-    second = threading.Thread(target=node.create_gpu_instance, args=(0, 19, 0, 1))
+    second = threading.Thread(target=node.mig.create_gpu_instance, args=(0, 19, 0, 1))
     second.start()
     second.join(0.2)
     assert second.is_alive() and node.placements(0) == frozenset()
@@ -295,18 +295,18 @@ def test_placement_rules_of_the_simulator() -> None:
     codes = []
     for profile_id, start, size in [(9, 2, 4), (9, 4, 2), (77, 0, 1)]:
         with pytest.raises(api.NVMLError) as caught:
-            node.create_gpu_instance(0, profile_id, start, size)
+            node.mig.create_gpu_instance(0, profile_id, start, size)
         codes.append(caught.value.value)
     assert codes == [api.NVML_ERROR_INVALID_ARGUMENT] * 3
-    node.create_gpu_instance(0, 9, 4, 4)
+    node.mig.create_gpu_instance(0, 9, 4, 4)
     with pytest.raises(api.NVMLError_InsufficientResources):  # overlap
-        node.create_gpu_instance(0, 14, 4, 2)
-    node.create_gpu_instance(0, 20, 0, 1)
+        node.mig.create_gpu_instance(0, 14, 4, 2)
+    node.mig.create_gpu_instance(0, 20, 0, 1)
     with pytest.raises(api.NVMLError_InsufficientResources):  # second +me
-        node.create_gpu_instance(0, 20, 1, 1)
-    node.create_gpu_instance(1, 21, 0, 1)  # A30 1g.6gb+me ...
+        node.mig.create_gpu_instance(0, 20, 1, 1)
+    node.mig.create_gpu_instance(1, 21, 0, 1)  # A30 1g.6gb+me ...
     with pytest.raises(api.NVMLError_InsufficientResources):  # ... shares the OFA with 2g+me
-        node.create_gpu_instance(1, 6, 2, 2)
+        node.mig.create_gpu_instance(1, 6, 2, 2)
 
 
 def test_concurrent_creates_never_double_book_a_slice() -> None:
@@ -317,7 +317,7 @@ def test_concurrent_creates_never_double_book_a_slice() -> None:
     def worker(start: int) -> None:
         barrier.wait()
         try:
-            node.create_gpu_instance(0, 19, start, 1)
+            node.mig.create_gpu_instance(0, 19, start, 1)
             won.append(start)
         except api.NVMLError_InsufficientResources:
             pass

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from migd.backends.simulated import SIM_STATE_SCHEMA, SimCudaError, SimNode, simulated_backend
 from migd.backends.simulated import nvml_api as api
-from migd.backends.simulated.node import CI_PROFILE_SLICES
+from migd.backends.simulated.mig_ops import CI_PROFILE_SLICES
 from migd.errors import ConfigError, StateStoreError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def processes_of(node: SimNode) -> set[tuple[Any, ...]]:
     return {
         (p.pid, p.gpu, p.device_uuid, p.used_mib, p.mps, p.mps_pinned_limit_mib)
         for i in range(node.gpu_count)
-        for p in node.processes_on(i)
+        for p in node.procs.processes_on(i)
     }
 
 
@@ -119,11 +119,11 @@ def test_every_kind_of_state_survives_a_reload(
     # instance, and a 3g GI split into three 1-slice compute instances.
     big = backend.create_instance(0, 9, 4)  # 3g.20gb@4
     small = backend.create_instance(0, 19, 0)  # 1g.5gb@0
-    bare = node.create_gpu_instance(0, 19, 1, 1)
+    bare = node.mig.create_gpu_instance(0, 19, 1, 1)
     gone = backend.create_instance(0, 19, 2)
     backend.destroy_instance(0, gone.gi_id)  # its MIG UUID must never come back
-    split_gi = node.create_gpu_instance(1, 9, 0, 4)
-    split_cis = [node.create_compute_instance(split_gi.serial, 0) for _ in range(3)]
+    split_gi = node.mig.create_gpu_instance(1, 9, 0, 4)
+    split_cis = [node.mig.create_compute_instance(split_gi.serial, 0) for _ in range(3)]
     # GPU 1 also: MIG disable pending a reset. GPU 2: fell off the bus. GPU 3: no MIG.
     node.set_mig_mode(1, True, False)
     node.lose_gpu(2)
@@ -156,9 +156,9 @@ def test_every_kind_of_state_survives_a_reload(
     # Id counters: the next MIG UUID is the one the old node would have made next,
     # and none handed out before (the destroyed instance's included).
     used = {u for i in (0, 1) for v in node.instances(i) for u in v.uuids} | {gone.uuid}
-    fresh_old = node.create_compute_instance(bare.serial, 0).uuid
-    fresh_new = reloaded.create_compute_instance(
-        next(s for s, (_, gi) in reloaded._gi_by_serial.items() if gi.gi_id == bare.gi_id), 0
+    fresh_old = node.mig.create_compute_instance(bare.serial, 0).uuid
+    fresh_new = reloaded.mig.create_compute_instance(
+        next(s for s, (_, gi) in reloaded.mig.gi_by_serial.items() if gi.gi_id == bare.gi_id), 0
     ).uuid
     assert fresh_new == fresh_old and fresh_new not in used
 
@@ -177,10 +177,10 @@ def test_the_file_wins_over_the_descriptions_initial_contents(tmp_path: Path) ->
     assert node.placements(0) == {(9, 4)}  # no file yet: the description's contents
     node.detach(4242)
     [view] = node.instances(0)
-    node.destroy_compute_instance(
-        next(s for s, (_, _, ci) in node._ci_by_serial.items() if ci.uuid == view.uuids[0])
+    node.mig.destroy_compute_instance(
+        next(s for s, (_, _, ci) in node.mig.ci_by_serial.items() if ci.uuid == view.uuids[0])
     )
-    node.destroy_gpu_instance(next(iter(node._gi_by_serial)))
+    node.mig.destroy_gpu_instance(next(iter(node.mig.gi_by_serial)))
     node.set_mig_mode(0, False)
     again = SimNode.from_description(toml, state_file=state, host_processes=EVERYONE)
     assert again.placements(0) == frozenset() and again.process(4242) is None
@@ -190,7 +190,7 @@ def test_the_file_wins_over_the_descriptions_initial_contents(tmp_path: Path) ->
 def test_the_state_files_directory_is_created(tmp_path: Path) -> None:
     state = tmp_path / "not" / "there" / "sim.json"
     node = SimNode.from_description("1xA100-40GB", state_file=state)
-    node.create_gpu_instance(0, 0, 0, 8)
+    node.mig.create_gpu_instance(0, 0, 0, 8)
     assert SimNode.from_description("1xA100-40GB", state_file=state).placements(0) == {(0, 0)}
 
 
@@ -204,8 +204,8 @@ def test_reset_writes_the_initial_state(tmp_path: Path) -> None:
         return data["gpus"], data["processes"], data["mig_uuid_rng"]
 
     initial = saved_gpus()
-    gi = node.create_gpu_instance(0, 0, 0, 8)
-    node.create_compute_instance(gi.serial, 4)
+    gi = node.mig.create_gpu_instance(0, 0, 0, 8)
+    node.mig.create_compute_instance(gi.serial, 4)
     node.lose_gpu(0)
     assert saved_gpus() != initial
     node.reset()
@@ -240,21 +240,21 @@ def apply_random_operation(node: SimNode, data: st.DataObject) -> str:
     op = data.draw(OPERATIONS)
     index = data.draw(st.integers(0, node.gpu_count - 1))
     gpu = node.gpu(index)
-    gis = [gi for _, (_, gi) in sorted(node._gi_by_serial.items())]
-    cis = [ci for _, (_, _, ci) in sorted(node._ci_by_serial.items())]
+    gis = [gi for _, (_, gi) in sorted(node.mig.gi_by_serial.items())]
+    cis = [ci for _, (_, _, ci) in sorted(node.mig.ci_by_serial.items())]
     try:
         if op == "create_gi" and gpu.geometry is not None:
             profile = data.draw(st.sampled_from(gpu.geometry.profiles))
             start = data.draw(st.sampled_from(profile.starts))
-            node.create_gpu_instance(index, profile.profile_id, start, profile.memory_slices)
+            node.mig.create_gpu_instance(index, profile.profile_id, start, profile.memory_slices)
         elif op == "create_ci" and gis:
             gi = data.draw(st.sampled_from(gis))
             ci_profile = data.draw(st.sampled_from(sorted(CI_PROFILE_SLICES)))
-            node.create_compute_instance(gi.serial, ci_profile)
+            node.mig.create_compute_instance(gi.serial, ci_profile)
         elif op == "destroy_ci" and cis:
-            node.destroy_compute_instance(data.draw(st.sampled_from(cis)).serial)
+            node.mig.destroy_compute_instance(data.draw(st.sampled_from(cis)).serial)
         elif op == "destroy_gi" and gis:
-            node.destroy_gpu_instance(data.draw(st.sampled_from(gis)).serial)
+            node.mig.destroy_gpu_instance(data.draw(st.sampled_from(gis)).serial)
         elif op == "attach":
             devices = [g.uuid for g in node.gpus] + [ci.uuid for ci in cis]
             limit = data.draw(st.none() | st.integers(0, 8000))
@@ -306,8 +306,8 @@ def test_concurrent_mutations_leave_a_file_equal_to_the_node(tmp_path: Path) -> 
     def worker(n: int) -> None:
         try:
             barrier.wait()
-            gi = node.create_gpu_instance(n % 2, 19, n // 2, 1)
-            ci = node.create_compute_instance(gi.serial, 0)
+            gi = node.mig.create_gpu_instance(n % 2, 19, n // 2, 1)
+            ci = node.mig.create_compute_instance(gi.serial, 0)
             node.attach(100 + n, ci.uuid)
             for _ in range(5):
                 node.alloc(100 + n, 100)
@@ -324,7 +324,8 @@ def test_concurrent_mutations_leave_a_file_equal_to_the_node(tmp_path: Path) -> 
     reloaded = SimNode.from_description("2xA100-40GB", state_file=state, host_processes=EVERYONE)
     assert reloaded.snapshot() == node.snapshot()
     assert (
-        sorted(p.used_mib for p in reloaded.processes_on(0) + reloaded.processes_on(1)) == [300] * 8
+        sorted(p.used_mib for p in reloaded.procs.processes_on(0) + reloaded.procs.processes_on(1))
+        == [300] * 8
     )
 
 
@@ -336,14 +337,14 @@ from pathlib import Path
 from migd.backends.simulated import SimNode
 
 node = SimNode.from_description("1xA100-40GB", state_file=Path(sys.argv[1]))
-first = node.create_gpu_instance(0, 19, 0, 1)
-node.create_compute_instance(first.serial, 0)
+first = node.mig.create_gpu_instance(0, 19, 0, 1)
+node.mig.create_compute_instance(first.serial, 0)
 
 def die(src, dst, *args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)  # the temporary file is written and synced
 
 os.replace = die
-node.create_gpu_instance(0, 19, 1, 1)
+node.mig.create_gpu_instance(0, 19, 1, 1)
 print("not reached")
 """
 
@@ -391,7 +392,7 @@ def test_the_temp_file_is_synced_before_it_replaces_the_state(
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    node.create_gpu_instance(0, 0, 0, 8)
+    node.mig.create_gpu_instance(0, 0, 0, 8)
     kinds = [kind for kind, _ in calls]
     assert kinds[:2] == ["fsync", "replace"], calls
     temp = calls[0][1]
@@ -406,7 +407,7 @@ def test_a_failed_write_is_an_error_and_keeps_the_old_file(
 ) -> None:
     state = tmp_path / "sim.json"
     node = SimNode.from_description("1xA100-40GB", state_file=state)
-    node.create_gpu_instance(0, 19, 0, 1)
+    node.mig.create_gpu_instance(0, 19, 0, 1)
     before = state.read_bytes()
 
     def full(src: Any, dst: Any) -> None:
@@ -414,7 +415,7 @@ def test_a_failed_write_is_an_error_and_keeps_the_old_file(
 
     monkeypatch.setattr(os, "replace", full)
     with pytest.raises(StateStoreError, match="No space left") as caught:
-        node.create_gpu_instance(0, 19, 1, 1)
+        node.mig.create_gpu_instance(0, 19, 1, 1)
     assert "free space" in caught.value.hint
     monkeypatch.undo()
     assert state.read_bytes() == before
@@ -576,12 +577,12 @@ def test_processes_whose_pid_died_are_dropped_on_load(
     reloaded = SimNode.from_description("1xA100-40GB", state_file=state)
 
     assert sorted(p.pid for p in reloaded.pruned_on_load) == sorted([victim, fictional])
-    assert [p.pid for p in reloaded.processes_on(0)] == [survivor]
-    gi_serial = next(iter(reloaded._gi_by_serial))
+    assert [p.pid for p in reloaded.procs.processes_on(0)] == [survivor]
+    gi_serial = next(iter(reloaded.mig.gi_by_serial))
     assert reloaded.memory_mib(0, gi_serial)[1] == 1000  # the dead ones' memory is freed
     # The file no longer lists them: the next load has nothing to drop.
     again = SimNode.from_description("1xA100-40GB", state_file=state)
-    assert again.pruned_on_load == [] and [p.pid for p in again.processes_on(0)] == [survivor]
+    assert again.pruned_on_load == [] and [p.pid for p in again.procs.processes_on(0)] == [survivor]
     # The instance itself stays (a process exiting never destroys an instance).
     assert again.instances(0)[0].uuids == (uuid,)
 
@@ -595,7 +596,7 @@ def test_a_reused_pid_does_not_keep_a_dead_processs_context(tmp_path: Path) -> N
     after = HostTable({321: 75.0, 654: 60.0})  # 321 exited; a new process got its PID
     reloaded = SimNode.from_description("1xV100-32GB", state_file=state, host_processes=after)
     assert [p.pid for p in reloaded.pruned_on_load] == [321]
-    assert [p.pid for p in reloaded.processes_on(0)] == [654]
+    assert [p.pid for p in reloaded.procs.processes_on(0)] == [654]
 
 
 def test_without_a_state_file_nothing_is_written_or_pruned(tmp_path: Path) -> None:

@@ -242,7 +242,7 @@ class MpsManager:
         servers on a device.
 
         The simulated GPU uses it to list each MPS server as a compute process on its
-        device, as NVML does (``SimNode.track_mps_servers``). A watcher that raises is
+        device, as NVML does (``SimNode.procs.track_mps_servers``). A watcher that raises is
         ignored: it must not break MPS.
         """
         self._server_watchers.append(watcher)

@@ -2,8 +2,10 @@
 
 One package holds every stand-in for the outside world, so "simulated" means one thing:
 
-* :class:`SimNode` (``node.py``): the node's state and rules (placements, processes,
-  memory, faults);
+* :class:`SimNode` (``node.py``): the node's state (``state.py``), its construction,
+  inspection and faults; ``node.mig`` (``mig_ops.py``): GPU and compute instances under
+  the driver's placement rules; ``node.procs`` (``processes.py``): CUDA processes,
+  memory and MPS servers;
 * :class:`FakePynvml` (``fake_pynvml.py``): the ``pynvml`` API over a node, so the real
   :class:`~migd.backends.nvml.NvmlBackend` runs unchanged on top of it;
 * :func:`simulated_backend`: both wired together;
@@ -35,9 +37,11 @@ if TYPE_CHECKING:
     from migd.backends.simulated.backend import simulated_backend
     from migd.backends.simulated.fake_pynvml import FakePynvml
     from migd.backends.simulated.mps_control import write_fake_mps_control
-    from migd.backends.simulated.node import InstanceView, SimCudaError, SimNode, SimOutOfMemory
+    from migd.backends.simulated.node import SimNode
     from migd.backends.simulated.persist import SIM_STATE_SCHEMA
+    from migd.backends.simulated.processes import SimCudaError, SimOutOfMemory
     from migd.backends.simulated.specs import SimGpuSpec, SimInstanceSpec, SimProcessSpec
+    from migd.backends.simulated.state import InstanceView
 
 #: Public name -> the module that defines it.
 _HOME = {
@@ -45,14 +49,14 @@ _HOME = {
     "simulated_backend": "backend",
     "FakePynvml": "fake_pynvml",
     "write_fake_mps_control": "mps_control",
-    "InstanceView": "node",
-    "SimCudaError": "node",
     "SimNode": "node",
-    "SimOutOfMemory": "node",
     "SIM_STATE_SCHEMA": "persist",
+    "SimCudaError": "processes",
+    "SimOutOfMemory": "processes",
     "SimGpuSpec": "specs",
     "SimInstanceSpec": "specs",
     "SimProcessSpec": "specs",
+    "InstanceView": "state",
 }
 
 

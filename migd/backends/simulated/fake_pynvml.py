@@ -41,17 +41,10 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from migd.backends.simulated import nvml_api as api
-from migd.backends.simulated.node import (
-    CI_PROFILE_1_SLICE_REV1,
-    MIB,
-    REV1_REPORTED_ID,
-    SimComputeInstance,
-    SimGpu,
-    SimGpuInstance,
-    SimNode,
-    SimProcess,
-)
+from migd.backends.simulated.mig_ops import CI_PROFILE_1_SLICE_REV1, REV1_REPORTED_ID
+from migd.backends.simulated.node import MIB, SimNode
 from migd.backends.simulated.specs import COMPUTE_MODES
+from migd.backends.simulated.state import SimComputeInstance, SimGpu, SimGpuInstance, SimProcess
 from migd.core.geometry import Profile
 
 # pynvml functions that nvml.h marks "Requires privileged user" / root.
@@ -239,14 +232,14 @@ class FakePynvml:
         self._enter(call, key[1])
         if key[0] == "gpu":
             return self.node.gpu(key[1]), None, None
-        gpu, gi, ci = self.node.lookup_ci(key[2])
+        gpu, gi, ci = self.node.mig.lookup_ci(key[2])
         return gpu, gi, ci
 
     def _gi(self, call: str, handle: Any) -> tuple[SimGpu, SimGpuInstance]:
         key = self._key(handle, ("gi",))
         self._enter(call, key[1])
         with self.node.lock:
-            return self.node.lookup_gi(key[2])
+            return self.node.mig.lookup_gi(key[2])
 
     def _gi_handle(self, gpu: SimGpu, gi: SimGpuInstance) -> Any:
         return self._handle(api.c_nvmlGpuInstance_t, ("gi", gpu.index, gi.serial))
@@ -354,7 +347,7 @@ class FakePynvml:
             raise api.NVMLError(api.NVML_ERROR_NO_PERMISSION)
         gi_serial = gi.serial if gi is not None else None
         total, used = self.node.memory_mib(gpu.index, gi_serial)
-        used += self.node.reserved_mib(gpu.index, gi_serial)
+        used += self.node.procs.reserved_mib(gpu.index, gi_serial)
         if not version:
             info: Any = api.c_nvmlMemory_t()
         else:
@@ -401,7 +394,7 @@ class FakePynvml:
         if not 0 <= profile < api.NVML_GPU_INSTANCE_PROFILE_COUNT:
             # nvml.h: "enumerate ... until the API returns NVML_ERROR_INVALID_ARGUMENT".
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
-        geometry = self.node.require_mig(gpu)
+        geometry = self.node.mig.require_mig(gpu)
         found = next((p for p in geometry.profiles if p.nvml_index == profile), None)
         if found is None:
             # nvml.h: NOT_SUPPORTED "If ... profile isn't supported".
@@ -464,7 +457,7 @@ class FakePynvml:
         profileId = _c_uint(2, profileId)
         requested = _deref(placement, "placement", call)  # before anything: it would crash
         gpu = self._device(call, device)
-        gi = self.node.create_gpu_instance(
+        gi = self.node.mig.create_gpu_instance(
             gpu.index, profileId, int(requested.start), int(requested.size)
         )
         return self._gi_handle(gpu, gi)
@@ -477,7 +470,7 @@ class FakePynvml:
         if gpuInstancesRef is not None:
             gpuInstancesRef = _c_array(call, 3, gpuInstancesRef, api.c_nvmlGpuInstance_t)
         gpu = self._device(call, device)
-        geometry = self.node.require_mig(gpu)
+        geometry = self.node.mig.require_mig(gpu)
         if not any(p.profile_id == profileId for p in geometry.profiles):
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
         handles = [
@@ -491,7 +484,7 @@ class FakePynvml:
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
         gpuInstanceId = _c_uint(2, gpuInstanceId)
         gpu = self._device("nvmlDeviceGetGpuInstanceById", device)
-        self.node.require_mig(gpu)
+        self.node.mig.require_mig(gpu)
         gi = gpu.instances.get(gpuInstanceId)
         if gi is None:
             # nvml.h: NOT_FOUND "If the GPU instance is not found".
@@ -510,7 +503,7 @@ class FakePynvml:
 
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
         _gpu, gi = self._gi("nvmlGpuInstanceDestroy", gpuInstance)
-        self.node.destroy_gpu_instance(gi.serial)
+        self.node.mig.destroy_gpu_instance(gi.serial)
         return api.NVML_SUCCESS
 
     # -- compute instances ---------------------------------------------------------------------
@@ -526,7 +519,7 @@ class FakePynvml:
         if engProfile != api.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
             # go-nvml mock (pkg/nvml/mock/server/shared.go) answers NOT_SUPPORTED here too.
             raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
-        slices, count = self.node.ci_profile(gi, profile)
+        slices, count = self.node.mig.ci_profile(gi, profile)
         info: Any = (
             api.c_nvmlComputeInstanceProfileInfo_v2_t()
             if version == 2
@@ -546,7 +539,7 @@ class FakePynvml:
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
         profileId = _c_uint(2, profileId)
         gpu, gi = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
-        ci = self.node.create_compute_instance(gi.serial, profileId)
+        ci = self.node.mig.create_compute_instance(gi.serial, profileId)
         return self._ci_handle(gpu, ci)
 
     def nvmlGpuInstanceGetComputeInstances(
@@ -559,7 +552,7 @@ class FakePynvml:
                 call, 3, computeInstancesRef, api.c_nvmlComputeInstance_t
             )
         gpu, gi = self._gi(call, gpuInstance)
-        self.node.ci_profile(gi, profileId)  # INVALID_ARGUMENT / NOT_SUPPORTED as NVML
+        self.node.mig.ci_profile(gi, profileId)  # INVALID_ARGUMENT / NOT_SUPPORTED as NVML
         handles = [
             self._ci_handle(gpu, ci)
             for ci in sorted(gi.cis.values(), key=lambda c: c.ci_id)
@@ -582,7 +575,7 @@ class FakePynvml:
     def nvmlComputeInstanceGetInfo(self, computeInstance: Any) -> Any:
         key = self._key(computeInstance, ("ci",))
         self._enter("nvmlComputeInstanceGetInfo", key[1])
-        gpu, gi, ci = self.node.lookup_ci(key[2])
+        gpu, gi, ci = self.node.mig.lookup_ci(key[2])
         info = api.c_nvmlComputeInstanceInfo_t()
         # nvml.h: "nvmlDevice_t device; //!< Parent device".
         info.device = (
@@ -600,7 +593,7 @@ class FakePynvml:
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
         key = self._key(computeInstance, ("ci",))
         self._enter("nvmlComputeInstanceDestroy", key[1])
-        self.node.destroy_compute_instance(key[2])
+        self.node.mig.destroy_compute_instance(key[2])
         return api.NVML_SUCCESS
 
     # -- MIG device handles --------------------------------------------------------------------
@@ -611,16 +604,16 @@ class FakePynvml:
         if key[0] == "mig":
             return 0  # a MIG device has no MIG devices under it
         # nvml.h: "Returns zero if MIG is not supported or enabled."
-        return self.node.max_mig_devices(key[1])
+        return self.node.mig.max_mig_devices(key[1])
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
         if not isinstance(index, int):  # pynvml: c_uint(index)
             raise TypeError(f"'{type(index).__name__}' object cannot be interpreted as an integer")
         gpu = self._device("nvmlDeviceGetMigDeviceHandleByIndex", device)
-        if not 0 <= index < self.node.max_mig_devices(gpu.index):
+        if not 0 <= index < self.node.mig.max_mig_devices(gpu.index):
             # nvml.h: INVALID_ARGUMENT "if device, index or migDevice reference is invalid".
             raise api.NVMLError(api.NVML_ERROR_INVALID_ARGUMENT)
-        found = self.node.mig_device_at(gpu.index, index)
+        found = self.node.mig.mig_device_at(gpu.index, index)
         if found is None:
             # nvml.h: NOT_FOUND "if no valid MIG device was found at index".
             raise api.NVMLError(api.NVML_ERROR_NOT_FOUND)
@@ -660,20 +653,20 @@ class FakePynvml:
     def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: Any, profileId: int) -> int:
         profileId = _c_uint(2, profileId)
         gpu = self._device("nvmlDeviceGetGpuInstanceRemainingCapacity", device)
-        geometry = self.node.require_mig(gpu)
+        geometry = self.node.mig.require_mig(gpu)
         profile = next((p for p in geometry.profiles if p.profile_id == profileId), None)
         if profile is None:
             # nvml.h: NOT_SUPPORTED "If device doesn't have MIG mode enabled or profileId
             # isn't supported".
             raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
-        return self.node.remaining_capacity(gpu.index, profile)
+        return self.node.mig.remaining_capacity(gpu.index, profile)
 
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, device: Any, profileId: int) -> Any:
         profileId = _c_uint(2, profileId)
         gpu = self._device("nvmlDeviceGetGpuInstanceProfileInfoById", device)
         if self.legacy_driver:  # ...ByIdV is as new as ...ProfileInfoV
             raise api.NVMLError(api.NVML_ERROR_FUNCTION_NOT_FOUND)
-        geometry = self.node.require_mig(gpu)
+        geometry = self.node.mig.require_mig(gpu)
         found = next((p for p in geometry.profiles if p.profile_id == profileId), None)
         if found is None:
             raise api.NVMLError(api.NVML_ERROR_NOT_SUPPORTED)
@@ -688,13 +681,13 @@ class FakePynvml:
             # is provided, the API returns aggregate information, only if the caller has
             # appropriate privileges".
             raise api.NVMLError(api.NVML_ERROR_NO_PERMISSION)
-        procs = self.node.processes_on(gpu.index, ci.serial if ci is not None else None)
+        procs = self.node.procs.processes_on(gpu.index, ci.serial if ci is not None else None)
         return [self._friendly(gpu, p) for p in procs if p.mps == mps]
 
     def _friendly(self, gpu: SimGpu, proc: SimProcess) -> api.nvmlFriendlyObject:
         gi_id = ci_id = api.VALUE_NOT_AVAILABLE_UINT
         if proc.ci_serial is not None:
-            _g, gi, ci = self.node.lookup_ci(proc.ci_serial)
+            _g, gi, ci = self.node.mig.lookup_ci(proc.ci_serial)
             gi_id, ci_id = gi.gi_id, ci.ci_id
         return api.nvmlFriendlyObject(
             {

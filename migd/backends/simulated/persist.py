@@ -6,9 +6,9 @@ the GPUs still hold every instance, and the processes still run on them. With
 gives the simulated GPUs the same property: it writes its whole state to this
 file after every change, and a new node built with the same file starts from it.
 
-This module is the file I/O only: the atomic write, the checked read and the
-errors. What the state holds (and how it is checked on load) is in
-:meth:`SimNode.snapshot <migd.backends.simulated.node.SimNode.snapshot>`.
+This module is the state file's one job: what it holds (:func:`snapshot`), how a node
+is rebuilt from it and checked on load (:func:`restore`), the atomic write, the checked
+read and the errors.
 
 Atomicity: the state is written to a temporary file in the same directory,
 flushed and ``fsync``-ed, then renamed over the old file with :func:`os.replace`
@@ -23,12 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from migd.errors import ConfigError
+from migd.backends.simulated import nvml_api as api
+from migd.backends.simulated.state import SimGpu, SimProcess
+from migd.errors import ConfigError, MigdError, StateStoreError
+
+if TYPE_CHECKING:
+    from migd.backends.simulated.node import SimNode
+
+# The node's log: a process dropped on load is news about the simulated node.
+_log = logging.getLogger("migd.backends.simulated.node")
 
 SIM_STATE_SCHEMA = "migd-sim-state/1"
 WHERE = "backend.sim_state_file"
@@ -146,6 +155,271 @@ def mismatch(path: Path, detail: str) -> ConfigError:
     )
 
 
+def save(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` (:func:`snapshot`'s) to ``path`` atomically.
+
+    Raises:
+        StateStoreError: the file cannot be written (``path`` keeps the older state).
+    """
+    try:
+        write_atomic(path, encode_state(state))
+    except OSError as exc:
+        raise StateStoreError(
+            f"cannot save the simulated GPUs' state to {path}: {exc.strerror or exc}",
+            hint=(
+                "make the directory writable and give it free space; until then the "
+                "file holds an older state than the simulated GPUs"
+            ),
+            path=str(path),
+        ) from exc
+
+
+# -- what the file holds: a node's state, and its checked restore ---------------------------
+
+
+def snapshot(node: SimNode) -> dict[str, Any]:
+    """The node's state as JSON-ready data: what ``state_file`` holds.
+
+    Per GPU: identity (model, name, UUID, checked against the description on load),
+    MIG mode (current and pending), lost or not, and every GPU instance with its GI
+    id, profile, placement start and compute instances (CI id, CI profile, MIG
+    UUID). Per process: PID, device, the instance it runs on (GI/CI id), memory in
+    use, MPS settings and the host start time of its PID. Plus the id counters:
+    the handle serial and the MIG UUID generator's state, so a reloaded node never
+    hands out a MIG UUID it handed out before.
+
+    Not kept (they are not GPU state): injected faults, call counters, ``set_root``.
+    """
+    with node.lock:
+        version, internal, gauss = node.mig.rng.getstate()
+        return {
+            "schema": SIM_STATE_SCHEMA,
+            "seed": node.seed,
+            "next_serial": node.mig.serials,
+            "mig_uuid_rng": [version, list(internal), gauss],
+            "gpus": [
+                {
+                    "index": gpu.index,
+                    "model": gpu.spec.model,
+                    "name": gpu.spec.name,
+                    "uuid": gpu.uuid,
+                    "mig_current": gpu.mig_current,
+                    "mig_pending": gpu.mig_pending,
+                    "lost": gpu.lost,
+                    "instances": [
+                        {
+                            "gi_id": gi.gi_id,
+                            "profile_id": gi.profile.profile_id,
+                            "start": gi.start,
+                            "cis": [
+                                {
+                                    "ci_id": ci.ci_id,
+                                    "profile_index": ci.profile_index,
+                                    "uuid": ci.uuid,
+                                }
+                                for _, ci in sorted(gi.cis.items())
+                            ],
+                        }
+                        for _, gi in sorted(gpu.instances.items())
+                    ],
+                }
+                for gpu in node.gpus
+            ],
+            "processes": [
+                {
+                    "pid": proc.pid,
+                    "gpu": proc.gpu,
+                    "gi_id": node.mig.gi_by_serial[proc.gi_serial][1].gi_id
+                    if proc.gi_serial is not None
+                    else None,
+                    "ci_id": node.mig.ci_by_serial[proc.ci_serial][2].ci_id
+                    if proc.ci_serial is not None
+                    else None,
+                    "device_uuid": proc.device_uuid,
+                    "used_mib": proc.used_mib,
+                    "mps": proc.mps,
+                    "mps_pinned_limit_mib": proc.mps_pinned_limit_mib,
+                    "host_start_s": proc.host_start_s,
+                    "mps_server": proc.mps_server,
+                }
+                for _, proc in sorted(node.procs.by_pid.items())
+            ],
+        }
+
+
+def restore(node: SimNode, saved: dict[str, Any], path: Path) -> None:
+    """Replace the description's initial state by ``saved`` (see :func:`snapshot`).
+
+    Everything is checked as the driver would: placements legal, ids unique,
+    compute slices and memory within the instance's. Processes whose PID no longer
+    runs on the host (or runs a different process) are dropped into
+    :attr:`SimNode.pruned_on_load`: a dead process's CUDA context is gone.
+
+    Raises:
+        ConfigError: ``saved`` was written for other GPUs, or is inconsistent.
+    """
+    try:
+        _check_identity(node, saved["gpus"], path)
+        _restore_checked(node, saved)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, MigdError, api.NVMLError) as exc:
+        raise corrupt(path, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _check_identity(node: SimNode, saved_gpus: list[dict[str, Any]], path: Path) -> None:
+    if not isinstance(saved_gpus, list):
+        raise TypeError("'gpus' is not a list")
+    if len(saved_gpus) != len(node.gpus):
+        raise mismatch(
+            path,
+            f"the file has {len(saved_gpus)} GPU(s), the description {len(node.gpus)}",
+        )
+    for gpu, saved in zip(node.gpus, saved_gpus, strict=True):
+        if not isinstance(saved, dict):
+            raise TypeError(f"gpus[{gpu.index}] is not an object")
+        mine = (gpu.spec.model, gpu.spec.name, gpu.uuid)
+        theirs = (saved.get("model"), saved.get("name"), saved.get("uuid"))
+        if mine != theirs:
+            raise mismatch(
+                path,
+                f"GPU {gpu.index} is {_gpu_label(*theirs)} in the file but "
+                f"{_gpu_label(*mine)} in the description",
+            )
+
+
+def _restore_checked(node: SimNode, saved: dict[str, Any]) -> None:
+    node.procs.by_pid = {}
+    node.mig.gi_by_serial = {}
+    node.mig.ci_by_serial = {}
+    node.mig.by_uuid = {}
+    for gpu, entry in zip(node.gpus, saved["gpus"], strict=True):
+        gpu.instances = {}
+        gpu.lost = _bool(entry["lost"], "lost")
+        if gpu.geometry is None:
+            if entry["mig_current"] is not None or entry["mig_pending"] is not None:
+                raise ValueError(f"GPU {gpu.index} has no MIG but a MIG mode is saved")
+            gpu.mig_current = gpu.mig_pending = None
+        else:
+            gpu.mig_current = _bool(entry["mig_current"], "mig_current")
+            gpu.mig_pending = _bool(entry["mig_pending"], "mig_pending")
+        for inst in entry["instances"]:
+            _restore_instance(node, gpu, inst)
+    for entry in saved["processes"]:
+        proc = _restored_process(node, entry)
+        if proc is None:
+            continue
+        if not node.procs.host.alive(proc.pid, proc.host_start_s):
+            # A dead process's context (and memory) go with it, as on a real GPU.
+            node.pruned_on_load.append(proc)
+            _log.info(
+                "simulated process %d (%s) no longer runs on the host; dropped on load",
+                proc.pid,
+                proc.device_uuid,
+            )
+            continue
+        node.procs.by_pid[proc.pid] = proc
+    for gpu in node.gpus:
+        for gi in gpu.instances.values():
+            total, used = node.procs.memory_mib(gpu.index, gi.serial)
+            if used > total:
+                raise ValueError(f"processes use {used} MiB of GI {gi.gi_id}'s {total} MiB")
+    node.mig.serials = max(node.mig.serials, _int(saved["next_serial"], "next_serial"))
+    version, internal, gauss = saved["mig_uuid_rng"]
+    node.mig.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _restore_instance(node: SimNode, gpu: SimGpu, inst: dict[str, Any]) -> None:
+    where = f"GPU {gpu.index}"
+    if gpu.geometry is None or not gpu.mig_current:
+        raise ValueError(f"{where} has instances but MIG is not enabled")
+    profile_id = _int(inst["profile_id"], "profile_id")
+    profile = next((p for p in gpu.geometry.profiles if p.profile_id == profile_id), None)
+    if profile is None:
+        raise ValueError(f"{where} has no profile id {profile_id}")
+    start, gi_id = _int(inst["start"], "start"), _int(inst["gi_id"], "gi_id")
+    if gi_id in gpu.instances:
+        raise ValueError(f"{where}: GPU instance id {gi_id} saved twice")
+    refusal = node.mig.refusal(gpu, profile, start, profile.memory_slices)
+    if refusal is not None:
+        raise ValueError(
+            f"{where}: {profile.name}@{start} is not placeable ({api.error_name(refusal)})"
+        )
+    gi = node.mig.add_gi(gpu, profile, start, gi_id=gi_id)
+    for ci_entry in inst["cis"]:
+        ci_id = _int(ci_entry["ci_id"], "ci_id")
+        profile_index = _int(ci_entry["profile_index"], "profile_index")
+        uuid = ci_entry["uuid"]
+        if not isinstance(uuid, str) or not uuid.startswith("MIG-"):
+            raise ValueError(f"{where}: {uuid!r} is not a MIG UUID")
+        if uuid in node.mig.by_uuid:
+            raise ValueError(f"{where}: MIG UUID {uuid} saved twice")
+        if ci_id in gi.cis:
+            raise ValueError(f"{where}: compute instance id {ci_id} saved twice in GI {gi_id}")
+        slices, _ = node.mig.ci_profile(gi, profile_index)
+        if sum(ci.slices for ci in gi.cis.values()) + slices > profile.compute_slices:
+            raise ValueError(f"{where}: GI {gi_id}'s compute instances exceed its slices")
+        node.mig.add_ci(gpu, gi, profile_index, uuid=uuid, ci_id=ci_id)
+
+
+def _restored_process(node: SimNode, entry: dict[str, Any]) -> SimProcess | None:
+    pid = _int(entry["pid"], "pid")
+    if pid in node.procs.by_pid or any(p.pid == pid for p in node.pruned_on_load):
+        raise ValueError(f"pid {pid} saved twice")
+    gpu_index = _int(entry["gpu"], "gpu")
+    if not 0 <= gpu_index < len(node.gpus):
+        raise ValueError(f"pid {pid}: no GPU {gpu_index}")
+    gpu = node.gpus[gpu_index]
+    device_uuid = entry["device_uuid"]
+    gi_serial = ci_serial = None
+    if entry["gi_id"] is None:
+        if device_uuid != gpu.uuid:
+            raise ValueError(f"pid {pid}: {device_uuid!r} is not GPU {gpu.index}")
+    else:
+        gi = gpu.instances[_int(entry["gi_id"], "gi_id")]
+        ci = gi.cis[_int(entry["ci_id"], "ci_id")]
+        if device_uuid != ci.uuid:
+            raise ValueError(f"pid {pid}: {device_uuid!r} is not the saved MIG device")
+        gi_serial, ci_serial = gi.serial, ci.serial
+    used_mib = _int(entry["used_mib"], "used_mib")
+    raw_limit = entry["mps_pinned_limit_mib"]
+    limit = None if raw_limit is None else _int(raw_limit, "mps_pinned_limit_mib")
+    start_s = entry["host_start_s"]
+    if used_mib < 0 or (limit is not None and used_mib > limit):
+        raise ValueError(f"pid {pid}: {used_mib} MiB in use is out of range")
+    if start_s is not None and not isinstance(start_s, int | float):
+        raise TypeError(f"pid {pid}: host_start_s is not a number")
+    return SimProcess(
+        pid=pid,
+        gpu=gpu.index,
+        gi_serial=gi_serial,
+        ci_serial=ci_serial,
+        device_uuid=device_uuid,
+        used_mib=used_mib,
+        mps=_bool(entry["mps"], "mps"),
+        mps_pinned_limit_mib=limit,
+        host_start_s=None if start_s is None else float(start_s),
+        mps_server=_bool(entry.get("mps_server", False), "mps_server"),
+    )
+
+
+def _int(value: Any, name: str) -> int:
+    # bool is an int subclass; a saved true/false where a number belongs is corruption.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} is {value!r}, not an integer")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} is {value!r}, not true/false")
+    return value
+
+
+def _gpu_label(model: Any, name: Any, uuid: Any) -> str:
+    return f"{model or name} ({uuid})"
+
+
 def _fsync_directory(directory: Path) -> None:
     # The rename itself is durable only once the directory entry is on disk.
     try:
@@ -168,5 +442,8 @@ __all__ = [
     "mismatch",
     "read_state",
     "remove_stale_temps",
+    "restore",
+    "save",
+    "snapshot",
     "write_atomic",
 ]
