@@ -103,10 +103,31 @@ def test_the_simulator_rebuilt_from_a_probe_reports_the_same(path: Path) -> None
             assert again["mig"]["instances"] == recorded["mig"]["instances"], path.name
 
 
+HARDWARE_PROBES = [p for p in PROBES if not json.loads(p.read_text()).get("synthetic")]
+# What the simulator's own model of a board must say as the real one did (not settings such
+# as persistence or compute mode, nor the board's UUID and PCI address).
+IDENTITY = ("name", "model", "pci_device_id", "memory_total_mib", "compute_capability")
+
+
+@pytest.mark.parametrize("path", HARDWARE_PROBES, ids=[p.name for p in HARDWARE_PROBES])
+def test_the_simulators_model_of_a_recorded_board_is_that_board(path: Path) -> None:
+    """``--simulate 1x<model>`` (no probe) presents the board a real probe recorded."""
+    record = json.loads(path.read_text())
+    for recorded in record["gpus"]:
+        node = SimNode.from_description(f"1x{recorded['model']}")
+        node.set_mig_mode(0, recorded["mig_current"])
+        [again] = PROBE.probe(NvmlBackend(PROBE.ReadOnlyNvml(FakePynvml(node))))["gpus"]
+        for key in IDENTITY:
+            assert again[key] == recorded[key], f"{path.name}: {key}"
+        if not recorded["processes"] and not recorded["mig_current"]:
+            # the driver's own use of an idle GPU
+            assert again["memory_used_mib"] == recorded["memory_used_mib"], path.name
+
+
 def test_every_recording_is_of_a_kind_a_test_replays() -> None:
     """A file of an unknown schema would otherwise be silently left out of both replays."""
     assert sorted(CALIBRATIONS + PROBES) == RECORDINGS
-    assert CALIBRATIONS and PROBES
+    assert CALIBRATIONS and PROBES and HARDWARE_PROBES
 
 
 def test_recordings_made_by_the_simulator_are_named_synthetic() -> None:

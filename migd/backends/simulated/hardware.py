@@ -6,7 +6,10 @@ only adds the identity facts NVML reports besides the geometry, so that
 ``detect_model`` and discovery see something that looks like the real board.
 The values are representative (names as ``nvidia-smi -L`` prints them, PCI IDs
 from the catalog or the public PCI ID list); total memory of MIG models is the
-nominal size in GiB, not a measured ``nvmlDeviceGetMemoryInfo`` value.
+nominal size in GiB, not a measured ``nvmlDeviceGetMemoryInfo`` value, except for
+the models in :data:`MEASURED`, whose total and idle use a probe of a real board
+recorded (``tests/data/gpu/*-probe.json``, replayed by
+``tests/backends/test_gpu_recordings.py``).
 
 An idle GPU is not at 0 MiB used: the driver reserves a little on each device.
 ``nvidia-smi`` shows 3 MiB used on an idle A100-SXM4-40GB (facebookresearch/vissl
@@ -81,6 +84,14 @@ _GB_RE = re.compile(r"-(\d+)GB$", re.IGNORECASE)
 IDLE_USED_MIB = 3
 MIG_IDLE_USED_MIB = 13
 
+#: Measured on real boards (MIG off, no process): model -> (nvmlDeviceGetMemoryInfo
+#: total, used on the idle GPU), in MiB. H200: tests/data/gpu/h200-141gb-probe.json
+#: (driver 580.159.04, persistence mode on, 2026-11-26); the nominal 141 GiB would be
+#: 144384 MiB, and the idle GPU is at 616 MiB, not a few MiB.
+MEASURED: dict[str, tuple[int, int]] = {
+    "H200-141GB": (143771, 616),
+}
+
 
 def known_models() -> list[str]:
     """Every model a description may name: the MIG catalog plus the non-MIG table."""
@@ -108,13 +119,14 @@ def board(model: str) -> BoardFacts:
         ) from None
     match = _GB_RE.search(geo.model)
     nominal_mib = int(match.group(1)) * 1024 if match else geo.memory_mib
+    total_mib, idle_mib = MEASURED.get(geo.model, (max(nominal_mib, geo.memory_mib), IDLE_USED_MIB))
     return BoardFacts(
         model=geo.model,
         name=_MIG_NAMES.get(geo.model, f"NVIDIA {geo.model}"),
         pci_device_id=geo.pci_device_ids[0] if geo.pci_device_ids else 0x000010DE,
-        memory_total_mib=max(nominal_mib, geo.memory_mib),
+        memory_total_mib=total_mib,
         compute_capability=_compute_capability(geo.model),
         geometry=geo,
-        idle_used_mib=IDLE_USED_MIB,
+        idle_used_mib=idle_mib,
         mig_idle_used_mib=MIG_IDLE_USED_MIB,
     )

@@ -31,7 +31,8 @@ migd relies on it:
   ``set_default_active_thread_percentage PCT`` (echoes ``PCT.0``) and ``get_...``
   (``100.0`` by default), ``set_active_thread_percentage PID PCT``, ``quit [-t S]``.
   Defaults apply to servers started *later* only, as on the real daemon; set
-  commands print nothing on success; an unknown or malformed command prints an
+  commands print nothing on success, and a set with a malformed limit prints nothing
+  either (as a real daemon did); an unknown or otherwise malformed command prints an
   error line (wording made up: the real text is not documented).
 * ``quit`` stops taking clients, ends every server without clients at once and
   waits for the others' clients to finish; ``quit -t S`` forces the servers down
@@ -351,10 +352,14 @@ class _Daemon:
         raise ValueError(dev)
 
     @staticmethod
-    def _check_limit(value: str) -> str:
-        # "<int>G" or "<int>M" (MPS v2 interface docs)
+    def _limit_or_none(value: str) -> str | None:
+        # "<int>G" or "<int>M" (MPS v2 interface docs). Anything else is taken without a
+        # word and changes nothing here: a real H200 daemon (driver 580.159.04) answered
+        # `set_default_device_pinned_mem_limit 0 lots` with no output and exit 0
+        # (tests/data/mps_gpu_check/20261126T015109Z-h200/summary.txt, step 3). What it
+        # did to the limit is not known, so only a read-back can tell a caller.
         if len(value) < 2 or value[-1] not in "GM" or not value[:-1].isdigit():
-            raise ValueError(value)
+            return None
         return value
 
     @staticmethod
@@ -367,9 +372,11 @@ class _Daemon:
 
     @staticmethod
     def _show_limit(value: str | None) -> str:
-        # Newer drivers print limits of 1 GiB and more as whole, rounded-down "G"
-        # (seen in a third-party fixture, see htcondor-mps-nvml.md §4.1); mimic that so
-        # callers cannot rely on reading back exactly what they set.
+        # Drivers print limits of 1 GiB and more as whole, rounded-down "G": 1536M read
+        # back as "1G" and 2048M as "2G" on an H200 (driver 580.159.04,
+        # tests/data/mps_gpu_check/20261126T015109Z-h200/summary.txt, step 3), while a
+        # client's limit was the 1536 MiB set; so callers cannot read back exactly what
+        # they set.
         if value is None:
             return ""
         mib = int(value[:-1]) * (1024 if value[-1] == "G" else 1)
@@ -409,7 +416,9 @@ class _Daemon:
     def cmd_set_default_device_pinned_mem_limit(self, args: list[str]) -> str:
         if self.fault("ignore-limits"):
             return ""
-        self.default_limits[self._check_device(args[0])] = self._check_limit(args[1])
+        device = self._check_device(args[0])
+        if self._limit_or_none(args[1]) is not None:
+            self.default_limits[device] = args[1]
         return ""
 
     def cmd_get_default_device_pinned_mem_limit(self, args: list[str]) -> str:
@@ -419,7 +428,9 @@ class _Daemon:
         server = self._server(args[0])
         if self.fault("ignore-limits"):
             return ""
-        server.pinned_limits[self._check_device(args[1])] = self._check_limit(args[2])
+        device = self._check_device(args[1])
+        if self._limit_or_none(args[2]) is not None:
+            server.pinned_limits[device] = args[2]
         return ""
 
     def cmd_get_device_pinned_mem_limit(self, args: list[str]) -> str:

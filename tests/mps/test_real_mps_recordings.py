@@ -1,0 +1,94 @@
+"""What a real MPS daemon did, replayed against what migd assumes (issue 13).
+
+``tests/data/mps_gpu_check/20261126T015109Z-h200/`` is ``scripts/mps_gpu_check.sh`` on an
+NVIDIA H200 (driver 580.159.04, CUDA 13.0, PyTorch 2.11 clients, MIG off, DEFAULT compute
+mode); ``tests/data/gpu_daemon_check/20261126T015730Z-h200/`` is
+``scripts/gpu_daemon_check.sh`` there: migd itself on NVML with the GPU in MPS mode. Each
+test states one fact migd relies on and checks it on the recorded answers, so a change to
+migd's parsing or OOM classifier that would misread the real daemon fails here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from migd.core.mps import limit_applied, parse_limit_mib
+from migd.core.oom import classify_exit
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+RUN = DATA / "mps_gpu_check" / "20261126T015109Z-h200"
+DAEMON_RUN = DATA / "gpu_daemon_check" / "20261126T015730Z-h200"
+
+
+def clients() -> dict[str, dict[str, Any]]:
+    lines = (RUN / "clients.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]  # a crashed client: a blank
+    return {row["label"]: row for row in rows if "label" in row}
+
+
+def replies(command: str) -> list[str]:
+    """The front end's output lines for the summary's ``$ printf <command>...`` step."""
+    text = (RUN / "summary.txt").read_text()
+    block = text.split(f"$ printf {command}", 1)[1].split("[exit", 1)[0]
+    return [line for line in block.splitlines()[1:] if line.strip()]
+
+
+def test_limits_read_back_as_whole_g_and_migd_accepts_them() -> None:
+    # set 1536M by UUID, read it back by UUID: the daemon shows whole G, rounded down
+    assert replies("set_default_device_pinned_mem_limit\\ GPU-") == ["1G"]
+    assert parse_limit_mib("1G") == 1024
+    assert limit_applied("1G", 1536)  # what migd's read-back check must accept
+    # and by index: 2048M reads back as 2G (the UUID's own value is kept apart)
+    assert replies("set_default_device_pinned_mem_limit\\ 0\\ 2048M") == ["2G", "1G"]
+    assert limit_applied("2G", 2048)
+
+
+def test_the_limit_is_per_client_process_and_counts_its_cuda_context() -> None:
+    got = clients()
+    over, a, b = got["over_env_limit"], got["same_job_a"], got["same_job_b"]
+    # 0=1024M: cudaMemGetInfo says 510 MiB free before any allocation, so ~514 MiB of the
+    # limit is the client's own context (PyTorch, CUDA 13 on H200)
+    assert over["mem_get_info_mib"][0] == 510 and over["outcome"] == "oom"
+    # two clients of one job, each with 0=1024M, each got the whole 1024M for itself:
+    # MPS limits a process, not a job (migd accounts memory x mps_clients)
+    for client in (a, b):
+        assert client["mem_get_info_mib"][0] == 510 and client["allocated_mib"] == 448
+
+
+def test_a_client_limit_above_the_daemons_default_does_not_raise_it() -> None:
+    got = clients()
+    assert got["env_above_default"]["mem_get_info_mib"] == got["no_env"]["mem_get_info_mib"]
+    assert got["env_above_default"]["allocated_mib"] == got["no_env"]["allocated_mib"]
+
+
+def test_migds_classifier_calls_every_recorded_mps_oom_an_oom() -> None:
+    ooms = [c for c in clients().values() if c.get("outcome") == "oom"]
+    assert len(ooms) >= 5
+    for client in ooms:
+        # the clients caught the OOM; a job that does not exits 1 with that text
+        verdict = classify_exit(1, None, client["error_type"] + ": " + client["error"], None, 1024)
+        assert verdict.kind == "strong", (client["label"], verdict)
+
+
+def test_the_daemon_carried_the_limit_when_a_client_dropped_its_variable() -> None:
+    check = json.loads((RUN / "migd_check.json").read_text())
+    by_label = {c["label"]: c for c in check["clients"]}
+    with_env = by_label["migd_share"]["client"]
+    dropped = by_label["migd_share_env_dropped"]["client"]
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in dropped["env"]
+    # migd's MpsManager set the daemon's default by index; the client saw the same bound
+    assert dropped["mem_get_info_mib"] == with_env["mem_get_info_mib"] == [510, 143155]
+    assert check["stopped"] is True and check["summary"]["oom_verdicts"] == ["migd_share_env_MB"]
+
+
+def test_migd_on_the_h200_restarted_the_oom_job_on_a_bigger_share() -> None:
+    log = (DAEMON_RUN / "daemon_check.log").read_text()
+    assert "[migd] the job ran out of GPU memory on an MPS share of 2048 MiB" in log
+    assert "restarting on a bigger partition (>= 4096 MiB" in log
+    assert "[hw.2 exit 0]" in log and "[hw.1 exit 0]" in log and "[migd exit 0]" in log
+    usage = json.loads((DAEMON_RUN / "usage-hw1.json").read_text())
+    # the job's own process: 2496 MiB allocated by PyTorch plus its context, under 4096
+    [proc] = usage["processes"]
+    assert usage["scope"] == "job" and 2496 < proc["used_mib"] < usage["limit_mib"]
