@@ -10,7 +10,9 @@
 #    limit counts the CUDA context too); migctl status and usage are recorded meanwhile;
 # 3. job hw.2 leases 2 GiB and allocates 3000 MiB: its first run must hit the MPS limit,
 #    the wrapper must classify the CUDA OOM and rerun it on a bigger share, which fits;
-# 4. SIGTERM to migd; then no MPS daemon of ours may be left.
+# 4. job hw.3 runs while migd gets SIGTERM and starts again: the lease must be restored,
+#    its MPS daemon adopted, and the job finish;
+# 5. SIGTERM to migd; then no MPS daemon of ours may be left.
 # It changes no GPU setting (MPS runs in the DEFAULT compute mode); every MPS daemon it
 # starts has its own pipe directory under the private directory.
 # MIGD_SIMULATE=1xV100-32GB runs the same steps on the simulated backend (no GPU).
@@ -97,10 +99,29 @@ step "3. hw.2: a 2 GiB share, 3000 MiB allocated: OOM, then a bigger share"
   -- "$PYTHON" "$ROOT/job.py" 3000 1
 echo "[hw.2 exit $?]"
 ctl explain hw.2 --json >"$OUT/explain-hw2.json" 2>&1 || ctl explain hw.2
-ctl leases --all --json >"$OUT/leases.json"
 ctl status --json >"$OUT/status-end.json"
 
-step "4. SIGTERM"
+step "4. a migd restart while hw.3 runs: the lease and its MPS daemon are adopted"
+MARK=$ROOT/hw3.allocated "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 4G \
+  --mode mps --job-id hw.3 -- "$PYTHON" "$ROOT/job.py" 1000 20 &
+JOB=$!
+for _ in $(seq 300); do [[ -e $ROOT/hw3.allocated ]] && break; sleep 0.2; done
+ctl status --json >"$OUT/status-before-restart.json"
+kill -TERM "$MIGD"
+wait "$MIGD"
+echo "[migd exit $? with hw.3 running]"
+pgrep -a nvidia-cuda-mps || echo "no MPS daemon running"
+"$PYTHON" -m migd --config "$ROOT/migd.toml" "${sim[@]}" >>"$OUT/migd.log" 2>&1 &
+MIGD=$!
+for _ in $(seq 150); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+ctl status
+ctl status --json >"$OUT/status-after-restart.json"
+ctl leases --json
+wait $JOB
+echo "[hw.3 exit $?]"
+ctl leases --all --json >"$OUT/leases.json"
+
+step "5. SIGTERM"
 kill -TERM "$MIGD"
 wait "$MIGD"
 echo "[migd exit $?]"

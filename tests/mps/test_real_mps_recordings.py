@@ -2,7 +2,7 @@
 
 ``tests/data/mps_gpu_check/20261126T015109Z-h200/`` is ``scripts/mps_gpu_check.sh`` on an
 NVIDIA H200 (driver 580.159.04, CUDA 13.0, PyTorch 2.11 clients, MIG off, DEFAULT compute
-mode); ``tests/data/gpu_daemon_check/20261126T015730Z-h200/`` is
+mode); ``tests/data/gpu_daemon_check/20261126T020227Z-h200/`` is
 ``scripts/gpu_daemon_check.sh`` there: migd itself on NVML with the GPU in MPS mode. Each
 test states one fact migd relies on and checks it on the recorded answers, so a change to
 migd's parsing or OOM classifier that would misread the real daemon fails here.
@@ -19,7 +19,7 @@ from migd.core.oom import classify_exit
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RUN = DATA / "mps_gpu_check" / "20261126T015109Z-h200"
-DAEMON_RUN = DATA / "gpu_daemon_check" / "20261126T015730Z-h200"
+DAEMON_RUN = DATA / "gpu_daemon_check" / "20261126T020227Z-h200"
 
 
 def clients() -> dict[str, dict[str, Any]]:
@@ -92,3 +92,14 @@ def test_migd_on_the_h200_restarted_the_oom_job_on_a_bigger_share() -> None:
     # the job's own process: 2496 MiB allocated by PyTorch plus its context, under 4096
     [proc] = usage["processes"]
     assert usage["scope"] == "job" and 2496 < proc["used_mib"] < usage["limit_mib"]
+
+
+def test_migd_restarted_under_a_running_job_adopted_its_mps_daemon() -> None:
+    log = (DAEMON_RUN / "daemon_check.log").read_text()
+    assert "[migd exit 0 with hw.3 running]" in log and "[hw.3 exit 0]" in log
+    status = json.loads((DAEMON_RUN / "status-after-restart.json").read_text())
+    assert any("adopted the MPS daemon" in note for note in status["notes"])
+    assert status["leases"]["active"] == 1
+    leases = json.loads((DAEMON_RUN / "leases.json").read_text())["leases"]
+    hw3 = [x for x in leases if x["job_id"] == "hw.3"]
+    assert [x["state"] for x in hw3] == ["released"], hw3
