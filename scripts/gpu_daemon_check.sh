@@ -42,7 +42,7 @@ log_format = "json"
 log_level = "debug"
 [api]
 socket = "$SOCK"
-[condor]
+[htcondor]
 offline_gpus = false
 [[gpu]]
 match = "0"

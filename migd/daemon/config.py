@@ -270,7 +270,7 @@ class MigdConfig(_Section):
     wrapper: WrapperSection = Field(default_factory=WrapperSection)  # read by migd-wrapper
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
-    condor: CondorSection = Field(default_factory=CondorSection)
+    htcondor: CondorSection = Field(default_factory=CondorSection)
     gpu: list[GpuOverride] = Field(default_factory=list)
 
     def override_for(self, index: int, uuid: str) -> GpuOverride | None:
@@ -292,7 +292,7 @@ RESTART_KEYS = (
     "policy.profiles",
     "metrics",
     "health",
-    "condor",
+    "htcondor",
     "mps.require_exclusive_process",
 )
 

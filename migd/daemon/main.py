@@ -187,13 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         mps.watch_servers(node.procs.track_mps_servers)
 
     startd = None
-    if config.condor.offline_gpus:
+    if config.htcondor.offline_gpus:
         from migd.backends.condor import StartdOffline
 
         startd = StartdOffline(
-            config.condor.offline_path(config.daemon.runtime_dir),
-            reconfig=tuple(config.condor.reconfig_command),
-            config_val=tuple(config.condor.shares_command),
+            config.htcondor.offline_path(config.daemon.runtime_dir),
+            reconfig=tuple(config.htcondor.reconfig_command),
+            config_val=tuple(config.htcondor.shares_command),
         )
 
     async def run() -> int:

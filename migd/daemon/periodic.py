@@ -16,7 +16,7 @@ thread, and call the step (cobald's ``regulate()`` / ``run()`` split):
   it (:meth:`Sampler.read`), :meth:`Sampler.apply` books GPU, instance and lease
   memory for status and OOM evidence;
 * watchdog: :meth:`Watchdog.step` feeds systemd only while every GPU thread answers;
-* startd (every 2 s, when ``condor.offline_gpus``): :class:`OfflineShares` says which
+* startd (every 2 s, when ``htcondor.offline_gpus``): :class:`OfflineShares` says which
   GPUs HTCondor must stop assigning, :class:`StartdSync` tells the startd in a thread.
 """
 

@@ -107,9 +107,9 @@ class DaemonProcess:
             "--set",
             "backend.sim_time_scale=0",
             "--set",
-            f'condor.reconfig_command=["{condor_tool}", "-daemon", "startd"]',
+            f'htcondor.reconfig_command=["{condor_tool}", "-daemon", "startd"]',
             "--set",
-            f'condor.shares_command=["{condor_tool}", "MIGD_SHARES_PER_GPU"]',
+            f'htcondor.shares_command=["{condor_tool}", "MIGD_SHARES_PER_GPU"]',
             *self.extra_args,
         ]
         with self.log_path.open("ab") as log:

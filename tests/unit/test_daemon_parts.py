@@ -57,6 +57,22 @@ def test_precedence_file_env_flag(tmp_path: Path) -> None:
     assert cfg.policy.aging_s == 9
 
 
+def test_environment_names_of_neighbours_are_not_migds(tmp_path: Path) -> None:
+    """MIGD_<section>_* is migd's; the test harness's MIGD_CONDOR_ROOT and the package
+    build's MIGD_PACKAGE_CACHE must never be read as settings (a ``[condor]`` section
+    once made both refuse to start), while a typo in migd's own sections still is."""
+    path = tmp_path / "migd.toml"
+    path.write_text("version = 1\n")
+    env = {"MIGD_CONDOR_ROOT": "/var/tmp/x", "MIGD_PACKAGE_CACHE": "/tmp/p"}
+    assert load_config(path, environ=env).htcondor.offline_gpus is True
+    assert (
+        load_config(path, environ={"MIGD_HTCONDOR_OFFLINE_GPUS": "false"}).htcondor.offline_gpus
+        is False
+    )
+    with pytest.raises(ConfigError, match="MIGD_HTCONDOR_OFFLINE_GPU"):
+        load_config(path, environ={"MIGD_HTCONDOR_OFFLINE_GPU": "false"})
+
+
 @pytest.mark.parametrize(
     ("text", "where"),
     [

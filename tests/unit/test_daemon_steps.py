@@ -210,7 +210,7 @@ def test_a_reload_keeps_every_restart_key_and_takes_every_other(tmp_path: Path) 
             "policy": {"profiles": "classic", "queue": "size"},
             "metrics": {"listen": "127.0.0.1:0"},
             "health": {"xid_events": False},
-            "condor": {"offline_gpus": False},
+            "htcondor": {"offline_gpus": False},
             "mps": {"require_exclusive_process": True},
         }
     )
