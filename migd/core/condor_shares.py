@@ -19,6 +19,7 @@ stays offline until the startd restarts, whatever later reconfigs say.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,6 +50,25 @@ def share_id(uuid: str, n: int) -> str:
     queued there while the other GPU idled.
     """
     return f"GPU-s{n:02d}-{short_uuid(uuid).removeprefix('GPU-')}"
+
+
+_SHARE_SUFFIX = re.compile(r"_s\d+$")
+_SHARE_PREFIX = re.compile(r"^GPU-s\d+-")
+
+
+def physical_gpu(share_id: str) -> str:
+    """``GPU-s03-61342749`` -> ``GPU-61342749``: the GPU behind an advertised share ID
+    (the inverse of :func:`share_id`, as the wrapper reads ``AssignedGPUs``).
+
+    ``migctl gpu-inventory --shares K`` lists each GPU as K distinct IDs because
+    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678). IDs of earlier releases
+    (``GPU-61342749_s3``) are still understood: a startd keeps the IDs it read at
+    its start.
+    """
+    text = share_id.strip()
+    if _SHARE_PREFIX.match(text):
+        return "GPU-" + _SHARE_PREFIX.sub("", text)
+    return _SHARE_SUFFIX.sub("", text)
 
 
 def offline_share_ids(uuids: Iterable[str], shares: int) -> list[str]:

@@ -48,11 +48,11 @@ docs/htcondor-notes.md (q)). A node that turns hiding off may set
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from migd.core.condor_shares import physical_gpu
 from migd.core.units import parse_mib
 from migd.errors import InvalidRequest, JobAdError
 
@@ -99,24 +99,6 @@ def _flag(ad: Mapping[str, Any], key: str) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("true", "yes", "1")
     return bool(value)
-
-
-_SHARE_SUFFIX = re.compile(r"_s\d+$")
-_SHARE_PREFIX = re.compile(r"^GPU-s\d+-")
-
-
-def physical_gpu(share_id: str) -> str:
-    """``GPU-s03-61342749`` -> ``GPU-61342749``: the GPU behind an advertised share ID.
-
-    ``migctl gpu-inventory --shares K`` lists each GPU as K distinct IDs because
-    HTCondor 23.x collapses repeated IDs (HTCONDOR-2678). IDs of earlier releases
-    (``GPU-61342749_s3``) are still understood: a startd keeps the IDs it read at
-    its start.
-    """
-    text = share_id.strip()
-    if _SHARE_PREFIX.match(text):
-        return "GPU-" + _SHARE_PREFIX.sub("", text)
-    return _SHARE_SUFFIX.sub("", text)
 
 
 def job_id_of(job_ad: Mapping[str, Any]) -> str:

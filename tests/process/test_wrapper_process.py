@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from migd.backends.simulated.hardware import MIG_IDLE_USED_MIB
+from migd.core.condor_shares import physical_gpu
 from migd.errors import JobAdError
-from migd.wrapper.jobspec import physical_gpu, spec_from_ads
+from migd.wrapper.jobspec import spec_from_ads
 from migd.wrapper.release_hook import job_id_from_ad_text, slot_from_ad_text
 from tests.process.conftest import DaemonProcess, wait_for
 

@@ -9,6 +9,7 @@ from migd.core.condor_shares import (
     OfflineShares,
     offline_share_ids,
     out_of_service,
+    physical_gpu,
     share_id,
     short_uuid,
 )
@@ -34,6 +35,9 @@ def test_share_ids_are_the_inventory_ids_of_each_gpu() -> None:
         "GPU-s01-11234567",
     ]
     assert offline_share_ids([], 7) == []
+    # the wrapper's reading of AssignedGPUs undoes the naming
+    for uuid in UUIDS:
+        assert {physical_gpu(share_id(uuid, n)) for n in range(48)} == {short_uuid(uuid)}
 
 
 def test_a_gpu_is_out_of_service_for_htcondor_when_migd_gives_it_no_new_lease() -> None:
