@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from migd.policysim.compare import Comparison, compare
+from migd.policysim.compare import DEFAULT_POLICIES, Comparison, compare
 from migd.policysim.engine import PolicySimConfig
 from migd.policysim.progress import ProgressBar
 from migd.policysim.report import (
@@ -37,16 +37,8 @@ from migd.policysim.workloads import WORKLOADS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-BATCH_POLICIES = (
-    "exclusive",
-    "static",
-    "mps",
-    "first-fit",
-    "mcc",
-    "migd",
-    "migd+demand",
-    "migd-noff",
-)
+# The batch cases compare the policies `migctl simulate compare` compares by default.
+BATCH_POLICIES = DEFAULT_POLICIES
 
 
 @dataclass(frozen=True)
