@@ -32,6 +32,20 @@ SOCK=$ROOT/run/migd.sock
 export MIGD_API_SOCKET=$SOCK  # the simulated CUDA job finds the simulated GPU through it
 step() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 ctl() { "$PYTHON" -m migd.cli.migctl --socket "$SOCK" "$@"; }
+# start_migd: migd in the background (pid in MIGD), back once it answers
+start_migd() {
+  "$PYTHON" -m migd --config "$ROOT/migd.toml" "${sim[@]}" >>"$OUT/migd.log" 2>&1 &
+  MIGD=$!
+  for _ in $(seq 150); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+}
+# start_job ID MIB HOLD_S: the job through the wrapper on a 4 GiB MPS share, in the
+# background (pid in JOB), back once it holds its memory (PyTorch takes seconds to start)
+start_job() {
+  MARK=$ROOT/$1.allocated "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 4G \
+    --mode mps --job-id "$1" -- "$PYTHON" "$ROOT/job.py" "$2" "$3" &
+  JOB=$!
+  for _ in $(seq 300); do [[ -e $ROOT/$1.allocated ]] && break; sleep 0.2; done
+}
 
 cat >"$ROOT/migd.toml" <<EOF
 version = 1
@@ -74,18 +88,12 @@ EOF
 step "1. migd (backend ${MIGD_SIMULATE:+simulated }nvml)"
 sim=()
 [[ -n ${MIGD_SIMULATE:-} ]] && sim=(--simulate "$MIGD_SIMULATE")
-"$PYTHON" -m migd --config "$ROOT/migd.toml" "${sim[@]}" >"$OUT/migd.log" 2>&1 &
-MIGD=$!
-for _ in $(seq 150); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+start_migd
 ctl status
 ctl status --json >"$OUT/status-start.json"
 
 step "2. hw.1: a 4 GiB MPS share, 2500 MiB allocated"
-MARK=$ROOT/hw1.allocated "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 4G \
-  --mode mps --job-id hw.1 -- "$PYTHON" "$ROOT/job.py" 2500 8 &
-JOB=$!
-# status and usage once the job holds its memory (PyTorch takes seconds to start)
-for _ in $(seq 300); do [[ -e $ROOT/hw1.allocated ]] && break; sleep 0.2; done
+start_job hw.1 2500 8
 lease=$(ctl leases --json | "$PYTHON" -c 'import json,sys; d=json.load(sys.stdin); print(next(x["lease_id"] for x in d["leases"] if x["job_id"]=="hw.1"))')
 sleep 1.5  # one more round of migd's memory sampler
 ctl status --json >"$OUT/status-running.json"
@@ -102,18 +110,13 @@ ctl explain hw.2 --json >"$OUT/explain-hw2.json" 2>&1 || ctl explain hw.2
 ctl status --json >"$OUT/status-end.json"
 
 step "4. a migd restart while hw.3 runs: the lease and its MPS daemon are adopted"
-MARK=$ROOT/hw3.allocated "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 4G \
-  --mode mps --job-id hw.3 -- "$PYTHON" "$ROOT/job.py" 1000 20 &
-JOB=$!
-for _ in $(seq 300); do [[ -e $ROOT/hw3.allocated ]] && break; sleep 0.2; done
+start_job hw.3 1000 20
 ctl status --json >"$OUT/status-before-restart.json"
 kill -TERM "$MIGD"
 wait "$MIGD"
 echo "[migd exit $? with hw.3 running]"
 pgrep -a nvidia-cuda-mps || echo "no MPS daemon running"
-"$PYTHON" -m migd --config "$ROOT/migd.toml" "${sim[@]}" >>"$OUT/migd.log" 2>&1 &
-MIGD=$!
-for _ in $(seq 150); do ctl status >/dev/null 2>&1 && break; sleep 0.2; done
+start_migd
 ctl status
 ctl status --json >"$OUT/status-after-restart.json"
 ctl leases --json
