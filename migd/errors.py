@@ -38,6 +38,7 @@ HTCondor) into this tree once, at their boundary, with ``raise ... from exc``.
     │   └── LeaseTimeout            queued request passed its deadline
     ├── StateStoreError             SQLite state unreadable or corrupt
     │   └── StateDiskError          the state disk is full, read-only or failing
+    ├── AlreadyRunning              another migd holds the state or runtime directory
     ├── ApiError
     │   ├── ProtocolError           malformed, oversized or unknown message
     │   └── DaemonUnavailable       no daemon answering on the socket
@@ -240,6 +241,17 @@ class StateDiskError(StateStoreError):
     default_hint = (
         "free space on (or remount read-write) the file system of migd's state directory "
         "(`df -h /var/lib/migd`); migd retries by itself and recovers when writes succeed"
+    )
+
+
+class AlreadyRunning(MigdError):
+    """Another migd holds the lock of the state or runtime directory: two daemons on one
+    database would release each other's leases."""
+
+    code = "already_running"
+    default_hint = (
+        "stop the other migd first (`systemctl stop migd`), or give this one its own "
+        "--state-dir and --runtime-dir"
     )
 
 

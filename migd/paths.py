@@ -15,17 +15,24 @@ symlink ``/run/migd/mps -> /root`` made ``/root`` 0755). So:
   the check and the use is refused, not followed (:func:`ensure_dir`).
 
 Every refusal is a :class:`~migd.errors.ConfigError` naming the setting and the path.
+
+One daemon per state: :class:`InstanceLock` holds an exclusive ``flock`` on
+``migd.lock`` in the state and the runtime directory for the life of the process, taken
+before the state db is opened or anything is created in either (two daemons on one
+database released each other's leases).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path, PurePath
 
-from migd.errors import ConfigError
+from migd.errors import AlreadyRunning, ConfigError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -149,3 +156,98 @@ def _open_dir(path: Path, dir_fd: int | None, name: Path | str, where: str) -> i
                 hint=f"remove {path}; migd creates it again",
             ) from exc
         raise ConfigError(f"cannot open {path}: {exc.strerror}", where=where) from exc
+
+
+#: The lock file in the state and the runtime directory; it holds the owner's pid.
+LOCK_NAME = "migd.lock"
+
+
+class InstanceLock:
+    """Exclusive locks on ``<dir>/migd.lock`` of each directory, held until :meth:`release`
+    (or the process ends: the kernel drops a ``flock`` with its last descriptor, so a
+    ``kill -9`` leaves no stale lock behind; the file itself is left in place)."""
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self._fds = list(fds)
+
+    @classmethod
+    def acquire(cls, directories: Sequence[tuple[Path, str]]) -> InstanceLock:
+        """Lock each ``(directory, setting)`` in turn (it must exist and pass
+        :func:`check_directory_chain`); all or none.
+
+        Raises:
+            AlreadyRunning: another process holds one of the locks (its pid is named
+                when its lock file says it).
+            ConfigError: a lock file that is a symlink or cannot be opened.
+        """
+        fds: list[int] = []
+        try:
+            seen: set[Path] = set()
+            for given, where in directories:
+                directory = Path(os.path.normpath(given.absolute()))
+                if directory not in seen:  # one file, one lock: a second flock would block
+                    seen.add(directory)
+                    fds.append(_lock_in(directory, where))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return cls(fds)
+
+    def release(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _lock_in(directory: Path, where: str) -> int:
+    """Open (create 0644) and ``flock`` ``directory/migd.lock``, never through a symlink;
+    write our pid into it. A read-only directory with the file already there is locked
+    read-only (``flock`` needs no write access)."""
+    dir_fd = _open_dir(directory, None, directory, where)
+    path = directory / LOCK_NAME
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(LOCK_NAME, flags | os.O_RDWR | os.O_CREAT, 0o644, dir_fd=dir_fd)
+            writable = True
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.ENOSPC, errno.EDQUOT):
+                raise
+            fd = os.open(LOCK_NAME, flags | os.O_RDONLY, dir_fd=dir_fd)
+            writable = False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{path} is a symlink; migd never follows one",
+                where=where,
+                hint=f"remove {path}; migd creates it again",
+            ) from exc
+        raise ConfigError(f"cannot open the lock file {path}: {exc.strerror}", where=where) from exc
+    finally:
+        os.close(dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise AlreadyRunning(
+            f"another migd{f' (pid {holder})' if holder else ''} is running on {directory} "
+            f"({where}); refusing to start, nothing was changed",
+            holder_pid=holder,
+            lock_file=str(path),
+        ) from None
+    if writable:
+        # Who holds it, for the next one's message; a full disk must not stop the start.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _holder(fd: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+        return int(text) if text else None
+    return None

@@ -14,7 +14,7 @@ import structlog
 from migd import __version__
 from migd.daemon.config import DEFAULT_CONFIG_PATH, MigdConfig, example_toml, load_config
 from migd.daemon.logs import configure_logging
-from migd.errors import ConfigError, MigdError
+from migd.errors import AlreadyRunning, ConfigError, MigdError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,14 +173,23 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
     )
 
+    from migd.backends.accounts import SystemAccounts
+    from migd.daemon.service import Daemon, lock_instance
+
+    try:
+        # First: a second migd must not touch the state, the runtime directory (MPS
+        # stand-in, state file) or the socket of the one running (paths.InstanceLock).
+        lock = lock_instance(config)
+    except MigdError as exc:
+        log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
+        return 2 if isinstance(exc, AlreadyRunning) else 1
     try:
         backend, procs, node = build_ports(config)
         mps = build_mps(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
+        lock.release()
         return 1
-    from migd.backends.accounts import SystemAccounts
-    from migd.daemon.service import Daemon
 
     if node is not None:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             mps=mps,
             accounts=SystemAccounts(),
             startd=startd,
+            lock=lock,
         )
         return await daemon.run()
 

@@ -46,8 +46,8 @@ from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
-from migd.errors import ConfigError, DaemonUnavailable, MigdError
-from migd.paths import ensure_dir
+from migd.errors import AlreadyRunning, ConfigError, DaemonUnavailable, MigdError
+from migd.paths import InstanceLock, ensure_dir
 from migd.ports import (
     Accounts,
     Clock,
@@ -99,6 +99,23 @@ def _hybrid_policy(config: MigdConfig) -> HybridPolicy | None:
     return None
 
 
+def lock_instance(config: MigdConfig) -> InstanceLock:
+    """Create (checked, never through a symlink: paths.py) and lock the state and the
+    runtime directory: the first thing a daemon does, before it opens the state db, binds
+    its socket or writes anything there.
+
+    Raises:
+        AlreadyRunning: another migd holds either directory.
+        ConfigError: a directory that is unsafe or cannot be created.
+    """
+    state_dir, runtime_dir = config.daemon.state_dir, config.daemon.runtime_dir
+    ensure_dir(state_dir.parent, state_dir.name, 0o700, where="daemon.state_dir")
+    ensure_dir(runtime_dir.parent, runtime_dir.name, 0o755, where="daemon.runtime_dir")
+    return InstanceLock.acquire(
+        [(state_dir, "daemon.state_dir"), (runtime_dir, "daemon.runtime_dir")]
+    )
+
+
 def keep_restart_keys(old: MigdConfig, new: MigdConfig) -> MigdConfig:
     """``new`` with the value of every key in ``RESTART_KEYS`` taken from ``old``: what a
     reload applies (``changed_restart_keys`` reports those it could not)."""
@@ -133,8 +150,11 @@ class Daemon:
         mps: MpsControl | None = None,
         accounts: Accounts | None = None,
         startd: StartdControl | None = None,
+        lock: InstanceLock | None = None,
     ) -> None:
         clock = clock or SystemClock()
+        #: Held from :meth:`open` (or given, taken earlier by ``main``) until :meth:`close`.
+        self.lock = lock
         self.accounts = accounts or SystemAccounts()
         self.metrics = MetricsService(config)  # docs/operations.md, Monitoring
         self.ctx = ctx = DaemonContext(
@@ -194,10 +214,8 @@ class Daemon:
         the parts from here with a manual clock)."""
         ctx = self.ctx
         cfg = ctx.config
-        # Checked like the socket's directory, and never through a symlink (paths.py).
-        state_dir, runtime_dir = cfg.daemon.state_dir, cfg.daemon.runtime_dir
-        ensure_dir(state_dir.parent, state_dir.name, 0o700, where="daemon.state_dir")
-        ensure_dir(runtime_dir.parent, runtime_dir.name, 0o755, where="daemon.runtime_dir")
+        if self.lock is None:
+            self.lock = lock_instance(cfg)
         ctx.store = store = StateStore(cfg.daemon.state_dir / "migd.db")
         store.checkpoint_in_background()
         if store.recovered_from is not None:
@@ -306,7 +324,7 @@ class Daemon:
         except MigdError as exc:
             log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
             await self.close()
-            return 1
+            return 2 if isinstance(exc, AlreadyRunning) else 1
         await self.stopping.wait()
         await self.shutdown()
         return 0
@@ -365,3 +383,5 @@ class Daemon:
             self.ctx.backend.close()
         if self.ctx.store is not None:
             self.ctx.store.close()
+        if self.lock is not None:  # last: nothing of ours is open any more
+            self.lock.release()
