@@ -20,6 +20,10 @@ from migd.errors import MigdError, ProtocolError
 from migd.protocol import API_VERSION, MAX_NESTING, decode, encode
 
 JOB_ID = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+#: SQLite's largest INTEGER: ids and counts compared with stored rows stay below it.
+SQLITE_MAX = 2**63 - 1
+#: Process ids: the kernel's pid_max is at most 2^22; anything past an int32 is no pid.
+PID = Annotated[int, Field(gt=0, le=2**31 - 1)]
 LEASE_ID = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 GPU_REF = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
 
@@ -46,7 +50,7 @@ class LeaseRequestMsg(_Request):
     mode: Literal["mig", "mps", "auto"] = "auto"
     gpus: Annotated[list[GPU_REF] | None, Field(max_length=64)] = None
     wait_s: Annotated[float | None, Field(ge=0)] = None  # None: the daemon's default
-    holder_pid: Annotated[int | None, Field(gt=0)] = None
+    holder_pid: PID | None = None
     # MPS shares: CUDA client processes the job runs (each gets the pinned limit), and a
     # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (default: from min_compute, else none).
     mps_clients: Annotated[int, Field(ge=1, le=128)] = 1
@@ -93,7 +97,7 @@ class HistoryRequest(_Request):
     limit: Annotated[int, Field(ge=1, le=10_000)] = 50
     # Paging: rows older than this id (the reply's next_before_id); a page also stops at
     # api.max_reply_bytes, so a reply's size is bounded however large the rows are.
-    before_id: Annotated[int | None, Field(ge=1)] = None
+    before_id: Annotated[int | None, Field(ge=1, le=SQLITE_MAX)] = None
 
 
 class GpuRequest(_Request):
@@ -106,7 +110,7 @@ class SimRequest(_Request):
 
     op: Literal["sim_attach", "sim_alloc", "sim_free", "sim_detach"]
     device_uuid: GPU_REF | None = None
-    pid: Annotated[int, Field(gt=0)]
+    pid: PID
     mib: Annotated[int, Field(ge=0, le=100_000_000)] = 0
     mps_limit_mib: Annotated[int | None, Field(gt=0)] = None
 

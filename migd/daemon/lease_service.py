@@ -316,8 +316,16 @@ class LeaseService:
                 self.record("cancelled", lease, reason=reason)
             raise LeaseTimeout(f"lease {lease.lease_id} not granted: {reason}")
         finally:
-            hangup.cancel()
             self.waiters.pop(lease.lease_id, None)
+            # Nobody awaits these any more. The cancel above ends the lease, which fails
+            # the waiter's future; a reset connection fails the read: retrieve what they
+            # hold (or cancel them), or asyncio logs "Future exception was never
+            # retrieved" at error level for every client that hung up.
+            for pending in (future, hangup):
+                if not pending.done():
+                    pending.cancel()
+                elif not pending.cancelled():
+                    pending.exception()
 
     def resolve_waiters(self) -> None:
         for lease_id, waiter in list(self.waiters.items()):
