@@ -82,8 +82,16 @@ class ReportRequest(_Request):
 
 
 class StatusRequest(_Request):
-    op: Literal["status", "leases", "reload"]
+    op: Literal["status", "leases"]
     all: bool = False
+
+
+class ReloadRequest(_Request):
+    """Re-read the configuration (as SIGHUP). ``allow_removals``: apply it even if it
+    takes rights or GPUs away without naming them (docs/configuration.md, Reload)."""
+
+    op: Literal["reload"]
+    allow_removals: bool = False
 
 
 class ExplainRequest(_Request):
@@ -133,6 +141,7 @@ Request = Annotated[
     | ReleaseJobRequest
     | ReportRequest
     | StatusRequest
+    | ReloadRequest
     | ExplainRequest
     | HistoryRequest
     | GpuRequest

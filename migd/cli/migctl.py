@@ -313,7 +313,8 @@ def cmd_release(client: MigdClient, args: argparse.Namespace) -> int:
 
 
 def cmd_reload(client: MigdClient, args: argparse.Namespace) -> int:
-    result = client.call("reload")
+    # Only sent when asked, so a reload also works against a daemon older than the flag.
+    result = client.call("reload", **({"allow_removals": True} if args.allow_removals else {}))
     if args.json:
         _print_json(result)
     elif result.get("reloaded"):
@@ -325,6 +326,8 @@ def cmd_reload(client: MigdClient, args: argparse.Namespace) -> int:
         print(
             f"reload failed, old configuration kept: {err.get('message', result)}", file=sys.stderr
         )
+        if err.get("hint"):
+            print(f"hint: {err['hint']}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -423,7 +426,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("release", "release a lease (its owner or an admin)", json_flag=False)
     p.add_argument("lease")
     p.add_argument("--reason", default="")
-    add("reload", "re-read the configuration (same as SIGHUP)")
+    p = add("reload", "re-read the configuration (same as SIGHUP)")
+    p.add_argument(
+        "--allow-removals",
+        action="store_true",
+        help="apply it even if it drops access settings or every [[gpu]] table "
+        "(a reload refuses that by default: docs/configuration.md, Reload)",
+    )
     p = add("condor-ad", "ClassAd attributes for a STARTD_CRON job", json_flag=False)
     p.add_argument(
         "--per-gpu", action="store_true", help="also one ad per GPU (one p-slot per GPU layouts)"

@@ -384,12 +384,7 @@ def load_config(
     data: dict[str, Any] = {}
     file = path or DEFAULT_CONFIG_PATH
     if file.exists():
-        try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"not valid TOML: {exc}", where=str(file)) from exc
-        except OSError as exc:
-            raise ConfigError(f"cannot read: {exc.strerror}", where=str(file)) from exc
+        data = read_toml(file)
     elif required or path is not None:
         raise ConfigError(
             "file not found", where=str(file), hint="create it from migd.toml.example"
@@ -405,6 +400,99 @@ def load_config(
         _set_path(data, dotted, value, origins[dotted])
     source = str(file) if file.exists() else "defaults"
     return validate_config(data, source=source, origins=origins)
+
+
+def read_toml(file: Path) -> dict[str, Any]:
+    """The settings of one file, refusing what a cut-short or garbled write leaves.
+
+    Raises:
+        ConfigError: unreadable, not UTF-8 (TOML is UTF-8; one stray byte used to raise
+            an unhandled UnicodeDecodeError), not TOML, or no settings at all: an empty
+            file would mean every default, so batch users would lose their lease rights
+            after a truncated write; ``version = 1`` alone says "all defaults" on purpose.
+    """
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", where=str(file)) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"not UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start} (line {line})",
+            where=str(file),
+            hint="TOML files are UTF-8; re-save the file as UTF-8 or remove that byte",
+        ) from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not valid TOML: {exc}", where=str(file)) from exc
+    if not data:
+        raise ConfigError(
+            "the file has no settings at all (empty, or cut short?)",
+            where=str(file),
+            hint="write `version = 1` for every default on purpose; "
+            "migd never reads an empty file as 'all defaults'",
+        )
+    return data
+
+
+#: The [api] keys that say who may do what (docs/configuration.md, Access).
+ACCESS_KEYS = (
+    "lease_users",
+    "lease_groups",
+    "admin_users",
+    "admin_groups",
+    "hook_users",
+    "status_public",
+    "socket_group",
+)
+
+
+def _taken(key: str, before: Any, after: Any, new: ApiSection) -> bool:
+    """Whether ``key`` going from ``before`` to ``after`` takes something away."""
+    if key == "status_public":  # private status made public: what users may see
+        return bool(after) and not before
+    if key == "socket_group":  # its members can no longer connect to a private socket
+        public = new.status_public or "*" in new.lease_users or "*" in new.lease_groups
+        return not public
+    return bool(set(before) - set(after))  # users or groups that lose a right
+
+
+def removals(old: MigdConfig, new: MigdConfig) -> list[str]:
+    """What going from ``old`` (running) to ``new`` would take away without saying so.
+
+    * an access key that the new configuration does not set any more, whose default
+      takes away a right (or makes a private status public): a file cut short after its
+      first lines turned ``lease_users = ["batch"]`` into ``["root", "condor"]``;
+    * lease rights for no one at all (``lease_users`` and ``lease_groups`` empty), where
+      someone had them;
+    * no ``[[gpu]]`` table left, where there were some.
+
+    An edit that names its keys (``lease_users = ["alice"]`` instead of
+    ``["alice", "bob"]``) is not a removal: it says what it means. A reload refuses any
+    of these unless it is asked for explicitly (``migctl reload --allow-removals``).
+    """
+    found = []
+    for key in ACCESS_KEYS:
+        before, after = getattr(old.api, key), getattr(new.api, key)
+        if (
+            before != after
+            and key not in new.api.model_fields_set
+            and _taken(key, before, after, new.api)
+        ):
+            found.append(
+                f"api.{key} is no longer set, so it would fall back to its default "
+                f"({json.dumps(after)} instead of {json.dumps(before)})"
+            )
+    if (old.api.lease_users or old.api.lease_groups) and not (
+        new.api.lease_users or new.api.lease_groups
+    ):
+        found.append("api.lease_users and api.lease_groups are both empty: no one could lease")
+    if old.gpu and not new.gpu:
+        found.append(f"none of the {len(old.gpu)} [[gpu]] table(s) is left")
+    return found
 
 
 def _origin(loc: str, source: str, origins: Mapping[str, str]) -> str:

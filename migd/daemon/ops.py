@@ -25,6 +25,7 @@ from migd.api import (
     LeaseRef,
     LeaseRequestMsg,
     ReleaseJobRequest,
+    ReloadRequest,
     ReportRequest,
     StatusRequest,
 )
@@ -54,7 +55,7 @@ class Ops:
         leases: LeaseService,
         executor: GpuExecutor,
         mps: MpsSupervisor,
-        reload: Callable[[], Awaitable[dict[str, Any]]],
+        reload: Callable[..., Awaitable[dict[str, Any]]],
     ) -> None:
         self.ctx = ctx
         self.leases = leases
@@ -175,8 +176,8 @@ class Ops:
         }
         return self._for_peer(reply, call.peer)
 
-    async def reload_config(self, call: Call[Any]) -> dict[str, Any]:
-        return await self.reload()
+    async def reload_config(self, call: Call[ReloadRequest]) -> dict[str, Any]:
+        return await self.reload(allow_removals=call.request.allow_removals)
 
     # -- leases -----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
 from migd.daemon.api_server import ApiServer, not_simulated, socket_access
 from migd.daemon.auth import Authorizer
-from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys
+from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys, removals
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.gpu_health import GpuHealthMonitor
@@ -277,23 +277,48 @@ class Daemon:
 
     # -- reload and shutdown ----------------------------------------------------------------
 
-    async def reload(self) -> dict[str, Any]:
+    async def reload(self, *, allow_removals: bool = False) -> dict[str, Any]:
+        """Apply the configuration source again: all of it, or none of it.
+
+        Refused, with the old configuration kept whole: a file that does not load
+        (:func:`~migd.daemon.config.read_toml`: unreadable, not UTF-8, not TOML, empty),
+        an unknown group or demand-prior profile, and, unless ``allow_removals``
+        (``migctl reload --allow-removals``), a change that takes rights or GPUs away
+        without naming them (:func:`~migd.daemon.config.removals`).
+        """
         ctx = self.ctx
         if self.reload_config is None:
             return {"reloaded": False, "reason": "no config source"}
         ctx.notifier.reloading()
+        old = ctx.config
         try:
             new = self.reload_config()
+            taken = [] if allow_removals else removals(old, new)
+            if taken:
+                raise ConfigError(
+                    "refused, it would take away what it does not name: " + "; ".join(taken),
+                    hint="set the keys explicitly in the file, or apply it as it is with "
+                    "`migctl reload --allow-removals`",
+                )
             # Users and groups may have changed with the configuration: forget the cached
             # answers before the new socket group and access rules are looked up.
             self.accounts.forget()
             access = socket_access(new.api, self.accounts)  # an unknown group fails the reload
-        except ConfigError as exc:
-            log.error("config.reload_failed", error=exc.message, hint="kept the old configuration")
+            ctx.config = keep_restart_keys(old, new)
+            self.reconciler.apply_demand_prior()  # checks every name before it changes any
+        except Exception as exc:
+            ctx.config = old  # nothing of the new configuration is applied
+            if isinstance(exc, ConfigError):
+                error = exc
+                log.error(
+                    "config.reload_failed", error=exc.message, hint="kept the old configuration"
+                )
+            else:  # a bug must not leave half a configuration, nor kill the signal's task
+                error = ConfigError(f"reload failed: {exc!r}")
+                log.exception("config.reload_failed", error=repr(exc), hint="kept the old one")
             ctx.notifier.ready("reload failed; old configuration kept")
-            return {"reloaded": False, "error": exc.to_dict()}
-        needs_restart = changed_restart_keys(ctx.config, new)
-        ctx.config = keep_restart_keys(ctx.config, new)
+            return {"reloaded": False, "error": error.to_dict()}
+        needs_restart = changed_restart_keys(old, new)
         ctx.auth = Authorizer(ctx.config.api, self.accounts)
         if self.api.bound:
             try:
@@ -303,10 +328,6 @@ class Daemon:
                     "api.socket_access_failed", socket=str(ctx.config.api.socket), error=str(exc)
                 )
         ctx.sched.set_policy(scheduler_policy(ctx.config))
-        try:
-            self.reconciler.apply_demand_prior()
-        except ConfigError as exc:
-            log.error("config.reload_partial", error=exc.message)
         from migd.daemon.logs import configure_logging
 
         configure_logging(ctx.config.daemon.log_format, ctx.config.daemon.log_level)
