@@ -406,3 +406,8 @@ class ManualClock:
     def advance(self, seconds: float) -> None:
         self.t += seconds
         self.mono += seconds
+
+    def step_wall(self, seconds: float) -> None:
+        """The wall clock is set (an NTP step, an admin's ``date``; backwards when
+        negative): wall time jumps, monotonic time does not."""
+        self.t += seconds

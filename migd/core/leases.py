@@ -165,7 +165,12 @@ class Lease:
     env: dict[str, str] = field(default_factory=dict)
     decision: dict[str, Any] | None = None
     reason: str = ""
-    heartbeat_s: float | None = None
+    heartbeat_s: float | None = None  # wall clock, for display and the record
+    # Monotonic time of the last sign of life (grant, heartbeat; a restored lease: when
+    # the reaper first sees it). The reaper judges silence by it, never by the wall
+    # clock, which an NTP step or an admin's `date` moves; not stored (another boot's
+    # monotonic clock means nothing).
+    alive_mono_s: float | None = field(default=None, compare=False)
     deadline_s: float | None = None  # wall clock, for display
     version: int = 0  # bumped on every change, so callers persist only what changed
     # MPS: the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE granted (explicit or from min_compute).

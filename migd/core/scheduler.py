@@ -705,10 +705,11 @@ class NodeScheduler:
         """
         return not self.mode_ops(gpu).restore(gpu, lease)
 
-    def heartbeat(self, lease_id: str, now_s: float) -> Lease:
+    def heartbeat(self, lease_id: str, now_s: float, mono_s: float) -> Lease:
         lease = self.leases[lease_id]
         lease.event(LeaseEvent.HEARTBEAT, now_s)  # keeps it ACTIVE: not a transition
-        lease.heartbeat_s = now_s
+        lease.heartbeat_s = now_s  # shown and stored
+        lease.alive_mono_s = mono_s  # what the reaper measures silence from
         return lease
 
     def expire(self, now_s: float, mono_s: float) -> Outcome:

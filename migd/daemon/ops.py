@@ -265,7 +265,8 @@ class Ops:
         lease = call.owned
         if lease.state is not LeaseState.ACTIVE:
             raise LeaseNotFound(f"lease {lease.lease_id} is {lease.state.value}, not active")
-        self.ctx.sched.heartbeat(lease.lease_id, self.ctx.clock.now())
+        now, mono = self.ctx.now()
+        self.ctx.sched.heartbeat(lease.lease_id, now, mono)
         self.leases.save(lease)
         return {"state": lease.state.value}
 

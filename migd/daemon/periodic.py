@@ -49,17 +49,27 @@ class Reaper:
         self.executor = executor
         self.leases = leases
 
-    def holders_gone(self, now: float) -> list[tuple[Lease, str]]:
-        """Active leases whose holder process exited, or whose heartbeat is older than
-        ``reaper.heartbeat_timeout_s`` (0: no heartbeats needed), with the reason."""
+    def on_transition(
+        self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
+    ) -> None:
+        """A grant is the lease's first sign of life (a lease observer)."""
+        if new is LeaseState.ACTIVE:
+            lease.alive_mono_s = self.ctx.clock.monotonic()
+
+    def holders_gone(self, mono: float) -> list[tuple[Lease, str]]:
+        """Active leases whose holder process exited, or whose last sign of life is more
+        than ``reaper.heartbeat_timeout_s`` (0: no heartbeats needed) ago on the monotonic
+        clock ``mono`` (a wall-clock step reclaimed healthy leases), with the reason."""
         ctx = self.ctx
         timeout = ctx.config.reaper.heartbeat_timeout_s
         gone = []
         for lease in ctx.sched.active_leases():
             if lease.state is not LeaseState.ACTIVE:
                 continue
+            if lease.alive_mono_s is None:  # restored: a full timeout from now to beat
+                lease.alive_mono_s = mono
             alive = ctx.procs.alive(lease.owner_pid, lease.owner_start_s)
-            stale = timeout > 0 and (now - (lease.heartbeat_s or lease.updated_s)) > timeout
+            stale = timeout > 0 and mono - lease.alive_mono_s > timeout
             if not alive or stale:
                 gone.append((lease, "holder process exited" if not alive else "no heartbeat"))
         return gone
@@ -67,7 +77,7 @@ class Reaper:
     async def reap(self, now: float, mono: float) -> None:
         """Reclaim leases whose holder is gone; never free an instance processes still use."""
         ctx = self.ctx
-        for lease, reason in self.holders_gone(now):
+        for lease, reason in self.holders_gone(mono):
             still_used = False
             if lease.mode is GpuMode.MIG and lease.mig_uuid and lease.gpu is not None:
                 try:

@@ -176,6 +176,7 @@ class Daemon:
         self.mps = MpsSupervisor(ctx, self.executor, self.leases)
         self.leases.release_share = self.mps.release_share
         self.reaper = Reaper(ctx, self.executor, self.leases)
+        self.leases.add_observer(self.reaper)  # a grant starts the heartbeat clock
         self.reconciler = Reconciler(ctx, self.executor, self.leases, self.mps, self.reaper.reap)
         self.executor.leases = self.leases
         self.executor.resync = self.reconciler.resync_gpu

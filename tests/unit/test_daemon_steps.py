@@ -6,6 +6,7 @@ synchronous step the asyncio loop would call, at the times it chooses.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,14 +141,54 @@ def test_timer_housekeeping_runs_every_ten_seconds(parts: Parts) -> None:
 def test_the_reaper_picks_dead_holders_and_silent_ones(parts: Parts) -> None:
     reaper = parts.daemon.reaper
     alive, dead = parts.lease(1000, pid=501), parts.lease(1000, pid=502)
-    assert reaper.holders_gone(parts.clock.now()) == []
+    assert reaper.holders_gone(parts.clock.monotonic()) == []
     parts.procs.dead.add(502)
-    assert reaper.holders_gone(parts.clock.now()) == [(dead, "holder process exited")]
+    assert reaper.holders_gone(parts.clock.monotonic()) == [(dead, "holder process exited")]
     parts.clock.advance(61.0)  # reaper.heartbeat_timeout_s = 60, and nobody beat
-    gone = {lease.lease_id: why for lease, why in reaper.holders_gone(parts.clock.now())}
+    gone = {lease.lease_id: why for lease, why in reaper.holders_gone(parts.clock.monotonic())}
     assert gone == {alive.lease_id: "no heartbeat", dead.lease_id: "holder process exited"}
-    parts.daemon.ctx.sched.heartbeat(alive.lease_id, parts.clock.now())
-    assert [lease for lease, _ in reaper.holders_gone(parts.clock.now())] == [dead]
+    parts.daemon.ctx.sched.heartbeat(alive.lease_id, parts.clock.now(), parts.clock.monotonic())
+    assert [lease for lease, _ in reaper.holders_gone(parts.clock.monotonic())] == [dead]
+
+
+# A wall-clock step (NTP, an admin's `date`) forwards and backwards: a day, an hour, and
+# a step just past the heartbeat timeout.
+WALL_STEPS = [86400.0, -86400.0, 3600.0, -3600.0, 61.0, -61.0]
+
+
+@pytest.mark.parametrize("step_s", WALL_STEPS)
+def test_a_wall_clock_step_neither_reclaims_a_beating_lease_nor_delays_a_silent_one(
+    parts: Parts, step_s: float
+) -> None:
+    reaper, clock, sched = parts.daemon.reaper, parts.clock, parts.daemon.ctx.sched
+    beating, silent = parts.lease(1000, pid=501), parts.lease(1000, pid=502)  # granted at 0
+    for n in range(1, 4):  # monotonic 20, 40, 60 s; the wall clock is set at 20 s
+        clock.advance(20.0)
+        if n == 1:
+            clock.step_wall(step_s)
+        asyncio.run(reaper.reap(clock.now(), clock.monotonic()))  # before this round's beat
+        assert beating.state is LeaseState.ACTIVE, (n, step_s)
+        assert silent.state is LeaseState.ACTIVE, (n, step_s)  # 60 s is not more than 60
+        sched.heartbeat(beating.lease_id, clock.now(), clock.monotonic())
+    clock.advance(0.5)  # the silent one's 60 s timeout has passed: now, not a day later
+    asyncio.run(reaper.reap(clock.now(), clock.monotonic()))
+    assert silent.state is LeaseState.RECLAIMED and silent.reason == "no heartbeat"
+    assert beating.state is LeaseState.ACTIVE
+
+
+@pytest.mark.parametrize("step_s", WALL_STEPS)
+def test_a_wall_clock_step_moves_no_queue_deadline(parts: Parts, step_s: float) -> None:
+    timers, clock = Timers(parts.daemon.ctx, parts.daemon.leases), parts.clock
+    parts.lease(28000)
+    waiting = parts.lease(20000, wait_s=30.0)  # does not fit: waits 30 s (monotonic)
+    clock.advance(10.0)
+    clock.step_wall(step_s)
+    clock.advance(19.9)
+    timers.step(clock.now(), clock.monotonic())
+    assert waiting.state is LeaseState.QUEUED
+    clock.advance(0.2)
+    timers.step(clock.now(), clock.monotonic())
+    assert waiting.state is LeaseState.EXPIRED
 
 
 def test_the_watchdog_step_pings_only_while_every_gpu_thread_answers(parts: Parts) -> None:
