@@ -63,7 +63,10 @@ class ManagedInstance:
     status: InstanceStatus = InstanceStatus.READY
     origin: Origin = Origin.MIGD
     lease_id: str | None = None
-    idle_since_s: float | None = None
+    idle_since_s: float | None = None  # wall clock: shown
+    # (the idle_since_s it was taken for, the monotonic time it went idle): what the idle
+    # timeout is measured from, so a wall-clock step moves no teardown (NodeScheduler).
+    idle_mono: tuple[float, float] | None = field(default=None, compare=False)
     used_mib: int | None = None
     note: str = ""
     # MPS inside MIG: the instance hosts an MPS daemon whose shares are these (no

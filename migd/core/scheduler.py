@@ -456,6 +456,7 @@ class NodeScheduler:
         The outcome has the grants it completes and the queued requests that now fit.
         """
         self._work_done(work, created, now_s)
+        self._stamp_idle(self.gpus[work.gpu], now_s, mono_s)
         return self._outcome(self._schedule(now_s, mono_s))
 
     def _work_done(self, work: Work, created: Created, now_s: float) -> None:
@@ -655,6 +656,7 @@ class NodeScheduler:
         if was.holds_resources and lease.gpu is not None:
             gpu = self.gpus[lease.gpu]
             work.extend(self.mode_ops(gpu).release(gpu, lease, now_s))
+            self._stamp_idle(gpu, now_s, mono_s)
         work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
 
@@ -737,18 +739,35 @@ class NodeScheduler:
             return self._outcome()
         work: list[Work] = []
         for gpu in self.gpus.values():  # only MIG GPUs have instances
+            self._stamp_idle(gpu, now_s, mono_s)
             stale = [
                 i
                 for i in gpu.instances
                 if not i.busy
-                and i.idle_since_s is not None
+                and i.idle_mono is not None
                 # a timer set for idle_since + timeout must find it due, rounding or not
-                and now_s - i.idle_since_s >= self.policy.idle_timeout_s - 1e-6
+                and mono_s - i.idle_mono[1] >= self.policy.idle_timeout_s - 1e-6
             ]
             work.extend(self.teardown(gpu, stale))
         if work:
             work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
+
+    @staticmethod
+    def _stamp_idle(gpu: ManagedGpu, now_s: float, mono_s: float) -> None:
+        """Note on the monotonic clock when each instance went idle (``idle_mono``).
+
+        The mode handlers stamp ``idle_since_s`` in wall time; a release or finished
+        work is stamped here at once (exact). An instance that went idle another way
+        (resync, adoption) is stamped at the next look, as ``now - idle_since_s`` ago:
+        exact unless the wall clock was set in between.
+        """
+        for inst in gpu.instances:
+            since = inst.idle_since_s
+            if since is None:
+                inst.idle_mono = None
+            elif inst.idle_mono is None or inst.idle_mono[0] != since:
+                inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
 
     def discard_incomplete(self, gpu_index: int, own_starts: Iterable[int]) -> Outcome:
         """Destroy GPU instances without a compute instance that migd itself was making.
