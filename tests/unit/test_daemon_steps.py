@@ -313,3 +313,16 @@ def test_lease_observers_see_each_net_transition_and_a_broken_one_stops_nothing(
     ]
     stored = parts.daemon.ctx.db.get_lease(waiting.lease_id)
     assert stored is not None and stored.state is LeaseState.ACTIVE  # the store still saw it
+
+
+def test_a_reload_that_fails_late_applies_nothing_of_the_new_configuration(parts: Parts) -> None:
+    daemon = parts.daemon
+    old = daemon.ctx.config
+    data = old.model_dump(mode="json")
+    data["policy"] |= {"queue": "size", "demand_prior": {"9g.99gb": 1.0}}  # no GPU has it
+    daemon.reload_config = lambda: validate_config(data)
+    reply = asyncio.run(daemon.reload())
+    assert reply["reloaded"] is False
+    assert "policy.demand_prior" in reply["error"]["message"]
+    assert daemon.ctx.config is old  # not policy.queue = "size" with the prior refused
+    assert daemon.ctx.sched.policy.queue.value == "fifo"
