@@ -240,9 +240,11 @@ def _lock_in(directory: Path, where: str) -> int:
         ) from None
     if writable:
         # Who holds it, for the next one's message; a full disk must not stop the start.
+        # Written over the old pid, then cut: on a full disk the old file's blocks take it.
+        pid = f"{os.getpid()}\n".encode()
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
     return fd
 
 
