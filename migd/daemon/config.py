@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from migd.errors import ConfigError
 from migd.wrapper_section import WrapperSection
@@ -110,6 +117,35 @@ class ApiSection(_Section):
     max_reports_per_lease: int = Field(
         200, ge=10, description="reports one lease may record in the history"
     )
+    # What replies not yet read by their clients may hold in migd's memory (issue 23 s5).
+    max_unsent_bytes_per_uid: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="bytes of replies one uid's connections may leave unread in migd's "
+        "memory; its next request is refused until they are read or dropped (root: no limit)",
+    )
+    max_unsent_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=64 * 1024,
+        description="bytes of unread replies all connections together may leave in migd's "
+        "memory; further requests are refused until some are read or dropped (root's "
+        "replies count, root is never refused)",
+    )
+
+    @model_validator(mode="after")
+    def _unsent_holds_a_page(self) -> ApiSection:
+        # A request is admitted only while a full page still fits (api_server.UnsentBytes).
+        if self.max_unsent_bytes_per_uid < self.max_reply_bytes:
+            raise ValueError(
+                f"max_unsent_bytes_per_uid ({self.max_unsent_bytes_per_uid}) is below "
+                f"max_reply_bytes ({self.max_reply_bytes}): no reply would ever be sent"
+            )
+        if self.max_unsent_bytes < self.max_unsent_bytes_per_uid:
+            raise ValueError(
+                f"max_unsent_bytes ({self.max_unsent_bytes}) is below "
+                f"max_unsent_bytes_per_uid ({self.max_unsent_bytes_per_uid})"
+            )
+        return self
 
 
 class PolicySection(_Section):
