@@ -12,6 +12,7 @@ Errors name the exact place: ``policy.queue: Input should be 'fifo' or 'size'``.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -208,6 +209,39 @@ class MetricsSection(_Section):
         description="write DCGM exporter's --hpc-job-mapping-dir files (one per GPU or "
         "GPU.GI, holding the job id) into this directory",
     )
+    # Who may read what /metrics shows (issue 23 s3).
+    bearer_token_file: Path | None = Field(
+        None,
+        description="file holding a token every scrape must send as 'Authorization: Bearer "
+        "<token>' (Prometheus: authorization.credentials_file); the file must not be "
+        "readable by others; unset: no authentication",
+    )
+    identifying_labels: bool = Field(
+        False,
+        description="add lease_id and job_id labels to migd_mig_instance_info (who runs "
+        "where); only with a loopback listen address and bearer_token_file",
+    )
+    max_connections: int = Field(
+        8, ge=1, le=1024, description="metrics connections served at once; more get 503"
+    )
+
+    @model_validator(mode="after")
+    def _identifying_only_when_restricted(self) -> MetricsSection:
+        if not self.identifying_labels:
+            return self
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if not self.listen:
+            problem = "needs a listen address"
+        elif self.bearer_token_file is None:
+            problem = "needs bearer_token_file (scrapes then need the token)"
+        elif not _is_loopback(host):
+            problem = f"needs a loopback listen address, not {host!r}"
+        else:
+            return self
+        raise ValueError(
+            f"identifying_labels {problem}: lease and job ids say which user's job runs "
+            "where, which the API shows to their owners and admins only"
+        )
 
     @field_validator("listen")
     @classmethod
@@ -217,6 +251,15 @@ class MetricsSection(_Section):
             if not sep or not host or not port.isdigit() or int(port) > 65535:
                 raise ValueError(f"{value!r} is not host:port (e.g. '127.0.0.1:9464')")
         return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class HealthSection(_Section):

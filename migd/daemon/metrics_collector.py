@@ -135,6 +135,10 @@ class StateCollector(Collector):
             "MIG GPUs: the reachability of an empty GPU (for a ratio)",
             ["gpu"],
         )
+        # Which user's job runs where is the API's to show to its owner and admins: the
+        # labels only with metrics.identifying_labels (a restricted listener).
+        identify = self.source.config.metrics.identifying_labels
+        identifying = ["lease_id", "job_id"] if identify else []
         i_info = _gauge(
             "migd_mig_instance_info",
             "One series per MIG instance, value 1 (modelled on HAMi's "
@@ -149,8 +153,7 @@ class StateCollector(Collector):
                 "placement_size",
                 "status",
                 "origin",
-                "lease_id",
-                "job_id",
+                *identifying,
             ],
         )
         i_mem = _gauge(
@@ -220,8 +223,11 @@ class StateCollector(Collector):
                         str(inst.profile.memory_slices),
                         inst.status.value,
                         inst.origin.value,
-                        inst.lease_id or "",
-                        lease.request.job_id if lease else "",
+                        *(
+                            [inst.lease_id or "", lease.request.job_id if lease else ""]
+                            if identify
+                            else []
+                        ),
                     ],
                     1.0,
                 )

@@ -1,24 +1,100 @@
 """migd's ``/metrics`` endpoint: a small HTTP server on the daemon's own event loop (why not
 prometheus_client's threaded server: see :mod:`migd.daemon.metrics`), and the exposition it
 serves.
+
+A scrape must never hold up the API, which shares the loop. Collection reads the
+scheduler's books, so it runs on the loop (one consistent state); encoding the collected
+families into text, the bulk of a scrape's time, runs in a thread of its own. Scrapes that
+arrive while one is being collected and encoded share its result, and at most
+``metrics.max_connections`` connections are served at once (more get 503 at once), so 200
+parallel scrapes cost the loop about one collection, not 200.
+
+Who may read it: with ``metrics.bearer_token_file`` every request must carry that token
+(``Authorization: Bearer``); lease and job ids are labels only with
+``metrics.identifying_labels``, which the configuration allows only on a loopback address
+with a token (see :class:`migd.daemon.config.MetricsSection`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from migd.daemon.config import MetricsSection, MigdConfig
+from migd.errors import ConfigError
 
 log = structlog.get_logger("migd.metrics")
 
+Reply = tuple[str, bytes, str, tuple[str, ...]]  # status, body, content type, extra headers
 
-def render(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
+
+def render(registry: Collector, accept: str = "") -> tuple[bytes, str]:
     """The exposition for an ``Accept`` header: OpenMetrics if asked, else Prometheus text."""
     encoder, content_type = choose_encoder(accept)
     return encoder(registry), content_type
+
+
+class _Collected(Collector):
+    """Families already collected (on the loop), for the encoder to read in its thread."""
+
+    def __init__(self, families: Iterable[Any]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterator[Any]:
+        return iter(self.families)
+
+
+def listen_warnings(config: MigdConfig) -> list[str]:
+    """What ``metrics.listen`` exposes that the admin may not mean to (logged at start and
+    printed by ``migd --check-config``)."""
+    listen = config.metrics.listen
+    host = listen.rpartition(":")[0].strip("[]")
+    if listen and host in ("0.0.0.0", "::", "*"):
+        return [
+            f"metrics.listen = {listen!r} serves /metrics on every address of the node "
+            "(every network it is on can read it); bind a loopback or management address"
+            + ("" if config.metrics.bearer_token_file else ", or set metrics.bearer_token_file")
+        ]
+    return []
+
+
+def read_token(section: MetricsSection) -> bytes | None:
+    """The bearer token, or None when unset.
+
+    Raises:
+        ConfigError: the file is missing, empty, or others may read or write it.
+    """
+    path = section.bearer_token_file
+    if path is None:
+        return None
+    where = "metrics.bearer_token_file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}", where=where) from exc
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if info.st_mode & (stat.S_IROTH | stat.S_IWOTH) or not stat.S_ISREG(info.st_mode):
+            raise ConfigError(
+                f"{path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o})",
+                where=where,
+                hint=f"chmod 0600 {path} (0640 with the scraper's group)",
+            )
+        token = f.read().strip()
+    if not token:
+        raise ConfigError(f"{path} is empty", where=where, hint="write the token into it")
+    return token
 
 
 class MetricsServer:
@@ -31,12 +107,20 @@ class MetricsServer:
     MAX_HEAD = 8192
     TIMEOUT_S = 10.0
 
-    def __init__(self, registry: CollectorRegistry, listen: str) -> None:
+    def __init__(self, registry: CollectorRegistry, section: MetricsSection) -> None:
         self.registry = registry
-        host, _, port = listen.rpartition(":")
+        self.section = section
+        host, _, port = section.listen.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
         self._server: asyncio.Server | None = None
+        self._token: bytes | None = None
+        self._encoder: ThreadPoolExecutor | None = None
+        #: The exposition being made, per content type: later scrapes wait for it.
+        self._inflight: dict[str, asyncio.Future[tuple[bytes, str]]] = {}
+        #: Open connections, and scrapes waiting for another one's exposition.
+        self.connections = 0
+        self.sharing = 0
 
     @property
     def bound_port(self) -> int:
@@ -46,8 +130,17 @@ class MetricsServer:
         return port
 
     async def start(self) -> None:
+        """Listen. Raises ConfigError for a bad token file, OSError for a taken port."""
+        self._token = read_token(self.section)
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="metrics")
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        log.info("metrics.listening", address=f"{self.host}:{self.bound_port}", path="/metrics")
+        log.info(
+            "metrics.listening",
+            address=f"{self.host}:{self.bound_port}",
+            path="/metrics",
+            token=self._token is not None,
+            identifying_labels=self.section.identifying_labels,
+        )
 
     async def close(self) -> None:
         if self._server is not None:
@@ -55,46 +148,116 @@ class MetricsServer:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=False, cancel_futures=True)
+            self._encoder = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= self.section.max_connections:
+            # Refused before anything is read or collected: a flood costs one write each.
+            await self._reply(writer, self._busy())
+            return
+        self.connections += 1
+        try:
+            await self._serve_one(reader, writer)
+        finally:
+            self.connections -= 1
+
+    def _busy(self) -> Reply:
+        body = (
+            f"busy: {self.connections} metrics connections open "
+            f"(metrics.max_connections = {self.section.max_connections}); retry later\n"
+        ).encode()
+        return "503 Service Unavailable", body, "text/plain", ("Retry-After: 1",)
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reply: Reply
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.TIMEOUT_S)
-            status, body, content_type = self._answer(head)
+            reply = await self._answer(head)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            status, body, content_type = "400 Bad Request", b"bad request\n", "text/plain"
+            reply = "400 Bad Request", b"bad request\n", "text/plain", ()
         except ConnectionError:
             writer.close()
             return
         except Exception as exc:  # a collector bug must not take the daemon down
             log.exception("metrics.collect_failed", error=str(exc))
-            status, body, content_type = "500 Internal Server Error", b"error\n", "text/plain"
+            reply = "500 Internal Server Error", b"error\n", "text/plain", ()
+        await self._reply(writer, reply)
+
+    async def _reply(self, writer: asyncio.StreamWriter, reply: Reply) -> None:
+        status, body, content_type, extra = reply
         header = (
             f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            + "".join(f"{h}\r\n" for h in extra)
+            + "Connection: close\r\n\r\n"
         ).encode()
         with contextlib.suppress(ConnectionError):
             writer.write(header + body)
-            await writer.drain()
-        writer.close()
+            await asyncio.wait_for(writer.drain(), self.TIMEOUT_S)
+        if not writer.is_closing():
+            writer.close()
         with contextlib.suppress(Exception):
-            await writer.wait_closed()
+            await asyncio.wait_for(writer.wait_closed(), self.TIMEOUT_S)
+        writer.transport.abort()  # a client that never read its reply keeps nothing
 
-    def _answer(self, head: bytes) -> tuple[str, bytes, str]:
+    async def _answer(self, head: bytes) -> Reply:
         if len(head) > self.MAX_HEAD:
-            return "431 Request Header Fields Too Large", b"too large\n", "text/plain"
+            return "431 Request Header Fields Too Large", b"too large\n", "text/plain", ()
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split()
         if len(parts) != 3:
-            return "400 Bad Request", b"bad request\n", "text/plain"
+            return "400 Bad Request", b"bad request\n", "text/plain", ()
         method, target, _ = parts
         if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+            return "405 Method Not Allowed", b"GET /metrics\n", "text/plain", ()
         if target.split("?", 1)[0] not in ("/metrics", "/"):
-            return "404 Not Found", b"migd serves /metrics\n", "text/plain"
-        accept = ""
+            return "404 Not Found", b"migd serves /metrics\n", "text/plain", ()
+        headers: dict[str, str] = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
-            if name.strip().lower() == "accept":
-                accept = value.strip()
-        body, content_type = render(self.registry, accept)
-        return "200 OK", b"" if method == "HEAD" else body, content_type
+            headers[name.strip().lower()] = value.strip()
+        if self._token is not None:
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode("latin-1"), self._token
+            ):
+                body = b"a bearer token is required (metrics.bearer_token_file)\n"
+                return (
+                    "401 Unauthorized",
+                    body,
+                    "text/plain",
+                    ('WWW-Authenticate: Bearer realm="migd"',),
+                )
+        body, content_type = await self._exposition(headers.get("accept", ""))
+        return "200 OK", b"" if method == "HEAD" else body, content_type, ()
+
+    async def _exposition(self, accept: str) -> tuple[bytes, str]:
+        """The exposition, shared with every scrape that asks while it is being made."""
+        _, content_type = choose_encoder(accept)
+        fut = self._inflight.get(content_type)
+        shared = fut is not None
+        if fut is None:
+            fut = asyncio.ensure_future(self._render(accept))
+            self._inflight[content_type] = fut
+
+            def done(f: asyncio.Future[tuple[bytes, str]], key: str = content_type) -> None:
+                if self._inflight.get(key) is f:
+                    del self._inflight[key]
+
+            fut.add_done_callback(done)
+        else:
+            self.sharing += 1
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            if shared:
+                self.sharing -= 1
+
+    async def _render(self, accept: str) -> tuple[bytes, str]:
+        # Collection reads the scheduler: on the loop. Encoding only reads what was
+        # collected: in the encoder's thread, so the loop serves the API meanwhile.
+        families = _Collected(self.registry.collect())
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._encoder, render, families, accept)
