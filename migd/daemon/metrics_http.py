@@ -154,7 +154,11 @@ class MetricsServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.connections >= self.section.max_connections:
-            # Refused before anything is read or collected: a flood costs one write each.
+            # Refused before anything is collected: a flood costs a read and a write each.
+            # The request head is read first (bounded in size and time) so that the close
+            # is a clean end of stream and the client sees the 503, not a reset.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 1.0)
             await self._reply(writer, self._busy())
             return
         self.connections += 1
