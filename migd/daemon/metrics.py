@@ -18,10 +18,11 @@ lease and job ids appear only on gauges that describe what exists now (one serie
 live instance), never on counters, and only when the admin opts in on a restricted
 listener (``metrics.identifying_labels``: they say which user's job runs where).
 
-The endpoint (:mod:`migd.daemon.metrics_http`) is a small HTTP server on the daemon's own
-event loop, not prometheus_client's threaded server: collection reads the scheduler, which only the
-event loop may touch, so a scrape sees one consistent state and never races a lease change;
-the collected families are then encoded in a thread, off the loop.
+The endpoint (:mod:`migd.daemon.metrics_http`) is a small HTTP server with a thread and
+event loop of its own, not prometheus_client's threaded server: collection reads the
+scheduler, which only the daemon's event loop may touch, so it is handed to that loop (a
+scrape sees one consistent state and never races a lease change), while connections are
+handled and the collected families encoded off it.
 
 This module ties the parts together: :class:`MetricsService` is what one daemon holds.
 """

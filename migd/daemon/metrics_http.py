@@ -1,13 +1,14 @@
-"""migd's ``/metrics`` endpoint: a small HTTP server on the daemon's own event loop (why not
-prometheus_client's threaded server: see :mod:`migd.daemon.metrics`), and the exposition it
-serves.
+"""migd's ``/metrics`` endpoint: a small HTTP server (why not prometheus_client's threaded
+server: see :mod:`migd.daemon.metrics`), and the exposition it serves.
 
-A scrape must never hold up the API, which shares the loop. Collection reads the
-scheduler's books, so it runs on the loop (one consistent state); encoding the collected
-families into text, the bulk of a scrape's time, runs in a thread of its own. Scrapes that
-arrive while one is being collected and encoded share its result, and at most
-``metrics.max_connections`` connections are served at once (more get 503 at once), so 200
-parallel scrapes cost the loop about one collection, not 200.
+A scrape must never hold up the API, which runs on the daemon's event loop. So the
+endpoint has a thread and an event loop of its own: connections are accepted, read,
+refused or answered there, and the exposition is encoded there. Only collection runs on
+the daemon's loop (it reads the scheduler's books, which only that loop may touch: one
+consistent state), handed over with ``run_coroutine_threadsafe``. Scrapes that arrive
+while one is being made share its result, and at most ``metrics.max_connections``
+connections are served at once (more get 503), so a flood of scrapes costs the daemon's
+loop about one collection per wave, and none of the connection handling.
 
 Who may read it: with ``metrics.bearer_token_file`` every request must carry that token
 (``Authorization: Bearer``); lease and job ids are labels only with
@@ -18,12 +19,13 @@ with a token (see :class:`migd.daemon.config.MetricsSection`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import os
 import stat
+import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -98,7 +100,7 @@ def read_token(section: MetricsSection) -> bytes | None:
 
 
 class MetricsServer:
-    """``GET /metrics`` on the daemon's event loop (see the module docstring).
+    """``GET /metrics`` from a thread of its own (see the module docstring).
 
     Deliberately minimal HTTP/1.0: one request per connection, a size cap on the request
     head and a timeout, so a stuck or hostile client costs one short-lived task.
@@ -115,7 +117,10 @@ class MetricsServer:
         self.port = int(port)
         self._server: asyncio.Server | None = None
         self._token: bytes | None = None
-        self._encoder: ThreadPoolExecutor | None = None
+        self._daemon_loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the metrics thread's
+        self._thread: threading.Thread | None = None
+        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
         #: The exposition being made, per content type: later scrapes wait for it.
         self._inflight: dict[str, asyncio.Future[tuple[bytes, str]]] = {}
         #: Open connections, and scrapes waiting for another one's exposition.
@@ -130,10 +135,28 @@ class MetricsServer:
         return port
 
     async def start(self) -> None:
-        """Listen. Raises ConfigError for a bad token file, OSError for a taken port."""
+        """Listen, in a thread with its own event loop (see the module docstring).
+
+        Raises:
+            ConfigError: a bad token file.
+            OSError: the address cannot be bound (a taken port).
+        """
         self._token = read_token(self.section)
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="metrics")
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        self._daemon_loop = asyncio.get_running_loop()
+        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrics")
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="metrics-http", daemon=True
+        )
+        self._thread.start()
+        try:
+            await asyncio.wrap_future(ready)
+        except BaseException:
+            await asyncio.to_thread(self._thread.join, self.TIMEOUT_S)
+            self._thread = None
+            self._encoder.shutdown(wait=False)
+            self._encoder = None
+            raise
         log.info(
             "metrics.listening",
             address=f"{self.host}:{self.bound_port}",
@@ -142,12 +165,45 @@ class MetricsServer:
             identifying_labels=self.section.identifying_labels,
         )
 
-    async def close(self) -> None:
+    def _run(self, ready: concurrent.futures.Future[None]) -> None:
+        """The metrics thread: accept and answer scrapes until :meth:`close`."""
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+
+        async def bind() -> None:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+
+        try:
+            loop.run_until_complete(bind())
+        except BaseException as exc:
+            loop.close()
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._shutdown())
+            loop.close()
+
+    async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-            self._server = None
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # the aborted transports' connection_lost callbacks
+
+    async def close(self) -> None:
+        thread, loop = self._thread, self._loop
+        if thread is None or loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # its loop already closed
+            loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, self.TIMEOUT_S)
+        self._thread = self._loop = self._server = None
         if self._encoder is not None:
             self._encoder.shutdown(wait=False, cancel_futures=True)
             self._encoder = None
@@ -166,6 +222,7 @@ class MetricsServer:
             await self._serve_one(reader, writer)
         finally:
             self.connections -= 1
+            writer.transport.abort()  # already closed, or cancelled by close()
 
     def _busy(self) -> Reply:
         body = (
@@ -260,8 +317,14 @@ class MetricsServer:
                 self.sharing -= 1
 
     async def _render(self, accept: str) -> tuple[bytes, str]:
-        # Collection reads the scheduler: on the loop. Encoding only reads what was
-        # collected: in the encoder's thread, so the loop serves the API meanwhile.
-        families = _Collected(self.registry.collect())
+        # Collection reads the scheduler: on the daemon's loop, for one consistent state.
+        # Encoding only reads what was collected: here, in the metrics thread.
+        assert self._daemon_loop is not None
+        collected = asyncio.run_coroutine_threadsafe(self._collect(), self._daemon_loop)
+        families = await asyncio.wait_for(asyncio.wrap_future(collected), self.TIMEOUT_S)
+        # In a worker of this thread's loop, which keeps accepting (and refusing) meanwhile.
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._encoder, render, families, accept)
+
+    async def _collect(self) -> _Collected:
+        return _Collected(self.registry.collect())
