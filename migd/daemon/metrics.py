@@ -83,6 +83,9 @@ class MetricsService:
         return InstrumentedBackend(backend, self.recorder)
 
     async def start(self, source: MetricsSource, **collector_options: Any) -> None:
+        # The endpoint's token and address are read now, once: a reload that turns the
+        # identifying labels on must not add them to an endpoint started without a token.
+        collector_options.setdefault("identifying", self.config.identifying_labels)
         build_registry(source, self.recorder, **collector_options)
         self._sched = lambda: source.sched
         self._counting = True

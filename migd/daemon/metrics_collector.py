@@ -63,8 +63,12 @@ class StateCollector(Collector):
         *,
         mps_status: Callable[[str], list[dict[str, Any]]] | None = None,
         daemon_problem: Callable[[], str] | None = None,
+        identifying: bool | None = None,
     ) -> None:
         self.source = source
+        #: Lease and job id labels: fixed when the endpoint started (its token and address
+        #: are), else the source's configuration decides.
+        self.identifying = identifying
         self.mps_status = mps_status
         self.daemon_problem = daemon_problem or (lambda: "")
 
@@ -137,7 +141,9 @@ class StateCollector(Collector):
         )
         # Which user's job runs where is the API's to show to its owner and admins: the
         # labels only with metrics.identifying_labels (a restricted listener).
-        identify = self.source.config.metrics.identifying_labels
+        identify = self.identifying
+        if identify is None:
+            identify = self.source.config.metrics.identifying_labels
         identifying = ["lease_id", "job_id"] if identify else []
         i_info = _gauge(
             "migd_mig_instance_info",

@@ -294,3 +294,25 @@ def test_starting_on_a_wildcard_address_logs_a_warning() -> None:
         asyncio.run(main())
     (warned,) = [e for e in logs if e["event"] == "metrics.wildcard_address"]
     assert warned["log_level"] == "warning" and "every address" in warned["reason"]
+
+
+def test_a_reload_cannot_add_identifying_labels_to_a_running_endpoint(tmp_path: Path) -> None:
+    """The endpoint's token is read when it starts: labels turned on by a later reload
+    (whose file names a token) would be served without one."""
+    node, lease_id, _ = _leased()
+    started = validate_config({"metrics": {"listen": "127.0.0.1:0"}})
+    source = Source(node, config=started)
+    service = MetricsService(started)
+
+    async def main() -> bytes:
+        await service.start(source)
+        try:
+            source.config = _token_config(tmp_path, identifying_labels=True)  # the reload
+            assert service.server is not None
+            return await _http(service.server.bound_port, b"GET /metrics HTTP/1.0\r\n\r\n")
+        finally:
+            await service.close()
+
+    body = asyncio.run(main())
+    assert body.startswith(b"HTTP/1.0 200") and b"migd_mig_instance_info" in body
+    assert b"lease_id" not in body and lease_id.encode() not in body
