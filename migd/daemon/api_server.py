@@ -47,6 +47,54 @@ log = structlog.get_logger("migd")
 _REFUSAL_GRACE_S = 1.0
 
 
+class UnsentBytes:
+    """Bytes of replies written to clients that have not taken them yet, per uid and in
+    total (api.max_unsent_bytes_per_uid, api.max_unsent_bytes).
+
+    A reply is counted from the moment it is written until its connection is closed or
+    dropped: whatever the kernel has not taken sits in the transport's buffer, in migd's
+    memory. A request is admitted only while its uid's budget and the total still have
+    room for one more full page (api.max_reply_bytes), so a refusal costs no reply built
+    for nothing. Root is never refused; its replies count in the total."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.per_uid: dict[int, int] = {}
+
+    def refusal(self, uid: int, api: ApiSection, need: int) -> MigdError | None:
+        """Why a request of ``uid`` whose reply may be ``need`` bytes is refused now, or
+        None."""
+        if uid == 0:
+            return None
+        held = self.per_uid.get(uid, 0)
+        hint = "read your replies, or close connections you do not read; retry in a few seconds"
+        if held + need > api.max_unsent_bytes_per_uid:
+            return DaemonUnavailable(
+                f"uid {uid} has left {held} bytes of replies unread "
+                f"(api.max_unsent_bytes_per_uid = {api.max_unsent_bytes_per_uid})",
+                hint=hint,
+            )
+        if self.total + need > api.max_unsent_bytes:
+            return DaemonUnavailable(
+                f"migd holds {self.total} bytes of replies its clients have not read "
+                f"(api.max_unsent_bytes = {api.max_unsent_bytes})",
+                hint=hint,
+            )
+        return None
+
+    def take(self, uid: int, size: int) -> None:
+        self.total += size
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + size
+
+    def give(self, uid: int, size: int) -> None:
+        self.total -= size
+        left = self.per_uid[uid] - size
+        if left:
+            self.per_uid[uid] = left
+        else:
+            del self.per_uid[uid]
+
+
 class Access(Enum):
     """Who may call an op; checked by the server before the handler runs."""
 
@@ -109,6 +157,7 @@ class ApiServer:
         self._clients = 0  # open connections, in all
         self._per_uid: dict[int, int] = {}  # open connections per peer uid
         self._readers = 0  # open connections of peers that may not lease
+        self.unsent = UnsentBytes()
 
     def register(self, op: str, handler: Handler, access: Access, verb: str = "") -> None:
         """Serve ``op`` with ``handler`` for callers ``access`` admits."""
@@ -252,9 +301,19 @@ class ApiServer:
             request_id = request.id
             if self.stopping.is_set():
                 raise DaemonUnavailable("migd is stopping", hint="retry in a few seconds")
+            # Before the reply is built: a user whose unread replies fill their budget
+            # costs migd no more memory, and no loop time building replies to drop.
+            refusal = self.unsent.refusal(peer.uid, api, api.max_reply_bytes)
+            if refusal is not None:
+                raise refusal
             began = self.ctx.clock.monotonic()
             result = await self.handle(request, peer, reader)
-            await self._send(writer, ok_reply(request_id, result))
+            reply = ok_reply(request_id, result)
+            # Rarely larger than a page (status of a big node); refused if it does not fit.
+            refusal = self.unsent.refusal(peer.uid, api, len(reply))
+            if refusal is not None:
+                raise refusal
+            await self._send(writer, reply, peer.uid)
             self.ctx.latency_s[latency_class(request.op, result)].append(
                 self.ctx.clock.monotonic() - began
             )
@@ -266,10 +325,22 @@ class ApiServer:
             log.exception("request.crashed", error=str(exc))
             await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
 
-    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes, uid: int = -1) -> None:
         """Write one reply and close. A client that does not read it within
         api.send_timeout_s is dropped: its transport is aborted, which frees what the
-        daemon buffered for it (replies are bounded, and so is this wait)."""
+        daemon buffered for it (replies are bounded, and so is this wait).
+
+        With ``uid``, the reply counts in :attr:`unsent` until the connection is closed
+        or dropped (error replies are small and not counted)."""
+        if uid >= 0:
+            self.unsent.take(uid, len(data))
+        try:
+            await self._write_and_close(writer, data)
+        finally:
+            if uid >= 0:
+                self.unsent.give(uid, len(data))
+
+    async def _write_and_close(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         timeout = self.ctx.config.api.send_timeout_s
         try:
             writer.write(data)
@@ -281,9 +352,17 @@ class ApiServer:
         except OSError:
             writer.transport.abort()
             return
-        with contextlib.suppress(OSError, TimeoutError):
+        # drain() returns once the buffer is below the high-water mark; what is left goes
+        # out before the close. A client that stops reading there is dropped too: a
+        # closing transport with unsent data otherwise keeps its buffer for ever.
+        try:
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), timeout)
+        except TimeoutError:
+            log.info("client.dropped", reason=f"did not read its reply within {timeout:g} s")
+            writer.transport.abort()
+        except OSError:
+            writer.transport.abort()
 
     async def _refuse(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reply: bytes

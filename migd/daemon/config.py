@@ -12,6 +12,7 @@ Errors name the exact place: ``policy.queue: Input should be 'fifo' or 'size'``.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -20,7 +21,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from migd.errors import ConfigError
 from migd.wrapper_section import WrapperSection
@@ -110,6 +118,35 @@ class ApiSection(_Section):
     max_reports_per_lease: int = Field(
         200, ge=10, description="reports one lease may record in the history"
     )
+    # What replies not yet read by their clients may hold in migd's memory (issue 23 s5).
+    max_unsent_bytes_per_uid: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="bytes of replies one uid's connections may leave unread in migd's "
+        "memory; its next request is refused until they are read or dropped (root: no limit)",
+    )
+    max_unsent_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=64 * 1024,
+        description="bytes of unread replies all connections together may leave in migd's "
+        "memory; further requests are refused until some are read or dropped (root's "
+        "replies count, root is never refused)",
+    )
+
+    @model_validator(mode="after")
+    def _unsent_holds_a_page(self) -> ApiSection:
+        # A request is admitted only while a full page still fits (api_server.UnsentBytes).
+        if self.max_unsent_bytes_per_uid < self.max_reply_bytes:
+            raise ValueError(
+                f"max_unsent_bytes_per_uid ({self.max_unsent_bytes_per_uid}) is below "
+                f"max_reply_bytes ({self.max_reply_bytes}): no reply would ever be sent"
+            )
+        if self.max_unsent_bytes < self.max_unsent_bytes_per_uid:
+            raise ValueError(
+                f"max_unsent_bytes ({self.max_unsent_bytes}) is below "
+                f"max_unsent_bytes_per_uid ({self.max_unsent_bytes_per_uid})"
+            )
+        return self
 
 
 class PolicySection(_Section):
@@ -172,6 +209,39 @@ class MetricsSection(_Section):
         description="write DCGM exporter's --hpc-job-mapping-dir files (one per GPU or "
         "GPU.GI, holding the job id) into this directory",
     )
+    # Who may read what /metrics shows (issue 23 s3).
+    bearer_token_file: Path | None = Field(
+        None,
+        description="file holding a token every scrape must send as 'Authorization: Bearer "
+        "<token>' (Prometheus: authorization.credentials_file); the file must not be "
+        "readable by others; unset: no authentication",
+    )
+    identifying_labels: bool = Field(
+        False,
+        description="add lease_id and job_id labels to migd_mig_instance_info (who runs "
+        "where); only with a loopback listen address and bearer_token_file",
+    )
+    max_connections: int = Field(
+        8, ge=1, le=1024, description="metrics connections served at once; more get 503"
+    )
+
+    @model_validator(mode="after")
+    def _identifying_only_when_restricted(self) -> MetricsSection:
+        if not self.identifying_labels:
+            return self
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if not self.listen:
+            problem = "needs a listen address"
+        elif self.bearer_token_file is None:
+            problem = "needs bearer_token_file (scrapes then need the token)"
+        elif not _is_loopback(host):
+            problem = f"needs a loopback listen address, not {host!r}"
+        else:
+            return self
+        raise ValueError(
+            f"identifying_labels {problem}: lease and job ids say which user's job runs "
+            "where, which the API shows to their owners and admins only"
+        )
 
     @field_validator("listen")
     @classmethod
@@ -181,6 +251,15 @@ class MetricsSection(_Section):
             if not sep or not host or not port.isdigit() or int(port) > 65535:
                 raise ValueError(f"{value!r} is not host:port (e.g. '127.0.0.1:9464')")
         return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class HealthSection(_Section):

@@ -18,12 +18,20 @@ every GPU (the usual case); the GPU instance id is NVML's GI id, which DCGM repo
 
 migd owns the directory: files whose names look like mapping files but match no running
 lease are removed (left over from a crash, or from before a restart).
+
+migd writes there as root, so a directory another user can write must not let them aim
+that at a file of their choice: every name is opened relative to a descriptor of the
+directory without following symlinks (a planted link is replaced, never written through),
+files are written to a fresh temporary name then renamed, and a directory owned by
+another user, or writable by group or others without the sticky bit, is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,6 +39,7 @@ import structlog
 
 from migd.core.leases import LeaseState
 from migd.core.scheduler import NodeScheduler
+from migd.errors import ConfigError
 
 log = structlog.get_logger("migd.job_mapping")
 
@@ -75,33 +84,79 @@ class JobMappingWriter:
         if wanted == self._written:
             return
         try:
-            self._write(wanted)
-        except OSError as exc:
+            dir_fd = self._open_directory()
+            try:
+                self._write(dir_fd, wanted)
+            finally:
+                os.close(dir_fd)
+        except (OSError, ConfigError) as exc:
             self._written = None  # try everything again next time
             log.warning(
                 "job_mapping.write_failed",
                 directory=str(self.directory),
                 error=str(exc),
-                hint="check metrics.dcgm_job_mapping_dir exists and is writable by migd",
+                hint=exc.hint
+                if isinstance(exc, ConfigError) and exc.hint
+                else "check metrics.dcgm_job_mapping_dir exists and is writable by migd",
             )
             return
         self._written = wanted
 
-    def _write(self, wanted: Mapping[str, str]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def _open_directory(self) -> int:
+        """A descriptor of the directory (created if missing), after checking that no other
+        user can swap what migd writes there.
+
+        Raises:
+            ConfigError: the directory is a symlink, another user's, or writable by group
+                or others without the sticky bit.
+        """
+        where = "metrics.dcgm_job_mapping_dir"
+        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        try:
+            fd = os.open(
+                self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot open {self.directory} as a directory (a symlink?): {exc.strerror}",
+                where=where,
+                hint="name a real directory, e.g. /run/migd/dcgm-job-map",
+            ) from exc
+        info = os.fstat(fd)
+        problem = ""
+        if info.st_uid not in (0, os.geteuid()):
+            problem = f"belongs to uid {info.st_uid}, not to root or migd"
+        elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+            problem = f"is writable by others (mode {stat.S_IMODE(info.st_mode):04o}, not sticky)"
+        if problem:
+            os.close(fd)
+            raise ConfigError(
+                f"{self.directory} {problem}; refusing to write job mapping files there",
+                where=where,
+                hint=f"use a directory only root (or migd) can write: chmod 0755 {self.directory}",
+            )
+        return fd
+
+    def _write(self, dir_fd: int, wanted: Mapping[str, str]) -> None:
         if self._written is None:  # first sync: whatever is there may be stale
-            present = {p.name for p in self.directory.iterdir() if MAPPING_NAME.fullmatch(p.name)}
+            present = {n for n in os.listdir(dir_fd) if MAPPING_NAME.fullmatch(n)}
             old = dict.fromkeys(present, "")
         else:
             old = self._written
         for name in old.keys() - wanted.keys():
             with contextlib.suppress(FileNotFoundError):
-                (self.directory / name).unlink()
+                os.unlink(name, dir_fd=dir_fd)  # a symlink itself, never its target
         for name, text in wanted.items():
             if old.get(name) == text and self._written is not None:
                 continue
-            # Write then rename, so DCGM exporter never reads half a file.
-            tmp = self.directory / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.chmod(0o644)
-            tmp.replace(self.directory / name)
+            # Write a fresh file then rename, so DCGM exporter never reads half a file and
+            # a name planted as a symlink is replaced, not written through.
+            tmp = f".{name}.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                os.fchmod(f.fileno(), 0o644)  # DCGM exporter need not run as root
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     config_file = args.config or DEFAULT_CONFIG_PATH
     source = str(config_file) if config_file.exists() else f"defaults, no {config_file}"
     if args.check_config:
+        from migd.daemon.metrics_http import listen_warnings
+
+        for warning in listen_warnings(config):
+            print(f"migd: warning: {warning}", file=sys.stderr)
         print(f"configuration OK ({source})")
         return 0
     configure_logging(config.daemon.log_format, config.daemon.log_level)

@@ -15,11 +15,14 @@ with value 1 that carry labels) and HAMi's metric set where one exists: the inst
 gauge is modelled on HAMi's ``hami_node_gpu_mig_instance_info``. Label cardinality stays
 bounded: counters carry only small enumerations (mode, state, error code, operation, XID);
 lease and job ids appear only on gauges that describe what exists now (one series per
-live instance), never on counters.
+live instance), never on counters, and only when the admin opts in on a restricted
+listener (``metrics.identifying_labels``: they say which user's job runs where).
 
-The endpoint (:mod:`migd.daemon.metrics_http`) is a small HTTP server on the daemon's own
-event loop, not prometheus_client's threaded server: collection reads the scheduler, which only the
-event loop may touch, so a scrape sees one consistent state and never races a lease change.
+The endpoint (:mod:`migd.daemon.metrics_http`) is a small HTTP server with a thread and
+event loop of its own, not prometheus_client's threaded server: collection reads the
+scheduler, which only the daemon's event loop may touch, so it is handed to that loop (a
+scrape sees one consistent state and never races a lease change), while connections are
+handled and the collected families encoded off it.
 
 This module ties the parts together: :class:`MetricsService` is what one daemon holds.
 """
@@ -37,9 +40,9 @@ from migd.core.scheduler import Lease, NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics_collector import MetricsSource, StateCollector
-from migd.daemon.metrics_http import MetricsServer
+from migd.daemon.metrics_http import MetricsServer, listen_warnings
 from migd.daemon.metrics_recorder import InstrumentedBackend, MetricsRecorder
-from migd.errors import MigdError
+from migd.errors import ConfigError, MigdError
 from migd.ports import GpuBackend
 
 log = structlog.get_logger("migd.metrics")
@@ -66,6 +69,7 @@ class MetricsService:
 
     def __init__(self, config: MigdConfig) -> None:
         self.config = config.metrics
+        self.full_config = config
         self.recorder = MetricsRecorder()
         directory = self.config.dcgm_job_mapping_dir
         self.job_mapping = JobMappingWriter(directory) if directory is not None else None
@@ -79,12 +83,17 @@ class MetricsService:
         return InstrumentedBackend(backend, self.recorder)
 
     async def start(self, source: MetricsSource, **collector_options: Any) -> None:
+        # The endpoint's token and address are read now, once: a reload that turns the
+        # identifying labels on must not add them to an endpoint started without a token.
+        collector_options.setdefault("identifying", self.config.identifying_labels)
         build_registry(source, self.recorder, **collector_options)
         self._sched = lambda: source.sched
         self._counting = True
         self.sync_job_mapping()
         if self.config.listen:
-            self.server = MetricsServer(self.recorder.registry, self.config.listen)
+            for warning in listen_warnings(self.full_config):
+                log.warning("metrics.wildcard_address", address=self.config.listen, reason=warning)
+            self.server = MetricsServer(self.recorder.registry, self.config)
             try:
                 await self.server.start()
             except OSError as exc:
@@ -95,6 +104,17 @@ class MetricsService:
                     error=str(exc),
                     hint="pick a free metrics.listen address and reload/restart migd",
                 )
+                self.server = None
+            except ConfigError as exc:
+                # A token file others can read: no endpoint rather than an open one.
+                log.error(
+                    "metrics.listen_failed",
+                    address=self.config.listen,
+                    error=exc.message,
+                    where=exc.where,
+                    hint=exc.hint,
+                )
+                await self.server.close()
                 self.server = None
 
     def on_transition(

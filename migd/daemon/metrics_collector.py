@@ -63,8 +63,12 @@ class StateCollector(Collector):
         *,
         mps_status: Callable[[str], list[dict[str, Any]]] | None = None,
         daemon_problem: Callable[[], str] | None = None,
+        identifying: bool | None = None,
     ) -> None:
         self.source = source
+        #: Lease and job id labels: fixed when the endpoint started (its token and address
+        #: are), else the source's configuration decides.
+        self.identifying = identifying
         self.mps_status = mps_status
         self.daemon_problem = daemon_problem or (lambda: "")
 
@@ -135,6 +139,12 @@ class StateCollector(Collector):
             "MIG GPUs: the reachability of an empty GPU (for a ratio)",
             ["gpu"],
         )
+        # Which user's job runs where is the API's to show to its owner and admins: the
+        # labels only with metrics.identifying_labels (a restricted listener).
+        identify = self.identifying
+        if identify is None:
+            identify = self.source.config.metrics.identifying_labels
+        identifying = ["lease_id", "job_id"] if identify else []
         i_info = _gauge(
             "migd_mig_instance_info",
             "One series per MIG instance, value 1 (modelled on HAMi's "
@@ -149,8 +159,7 @@ class StateCollector(Collector):
                 "placement_size",
                 "status",
                 "origin",
-                "lease_id",
-                "job_id",
+                *identifying,
             ],
         )
         i_mem = _gauge(
@@ -220,8 +229,11 @@ class StateCollector(Collector):
                         str(inst.profile.memory_slices),
                         inst.status.value,
                         inst.origin.value,
-                        inst.lease_id or "",
-                        lease.request.job_id if lease else "",
+                        *(
+                            [inst.lease_id or "", lease.request.job_id if lease else ""]
+                            if identify
+                            else []
+                        ),
                     ],
                     1.0,
                 )

@@ -8,6 +8,7 @@ whose authorisation is already checked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from migd.daemon.auth import Peer
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
-from migd.daemon.leftovers import quarantine_leftovers
+from migd.daemon.leftovers import check_handout, quarantine_leftovers
 from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.periodic import known_sum
 from migd.daemon.status import build_status, explain_job
@@ -215,6 +216,28 @@ class Ops:
             mps_clients=req.mps_clients,
             mps_thread_percentage=req.mps_thread_percentage,
         )
+        deadline = ctx.clock.monotonic() + wait_s
+        while True:
+            lease, first_state = await self._grant(request, call, holder)
+            if await check_handout(ctx, self.executor, self.leases, lease):
+                break
+            # A late orphan holds the instance it got (now quarantined): ask again for
+            # what is left of the wait. Each round quarantines one instance, so it ends.
+            left = max(0.0, deadline - ctx.clock.monotonic())
+            request = dataclasses.replace(request, wait_s=left)
+        await self.mps.ensure(lease)
+        view = self.lease_view(lease, peer)
+        view["queued"] = first_state is LeaseState.QUEUED
+        view["prepared"] = first_state is LeaseState.PREPARING
+        return view
+
+    async def _grant(
+        self, request: LeaseRequest, call: Call[LeaseRequestMsg], holder: int
+    ) -> tuple[Lease, LeaseState]:
+        """Submit one lease for ``request`` and wait until it is active; also its first
+        state (queued: it waited for capacity; preparing: NVML made its partition)."""
+        ctx, peer = self.ctx, call.peer
+        wait_s = request.wait_s
         now, mono = ctx.now()
         lease = Lease(
             lease_id=f"{int(now)}-{secrets.token_hex(4)}",
@@ -251,12 +274,8 @@ class Ops:
         # partition is being made for this request (NVML time, not queueing).
         first_state = lease.state
         if lease.state is not LeaseState.ACTIVE:
-            lease = await self.leases.wait_active(lease, call.reader, wait_s)
-        await self.mps.ensure(lease)
-        view = self.lease_view(lease, peer)
-        view["queued"] = first_state is LeaseState.QUEUED
-        view["prepared"] = first_state is LeaseState.PREPARING
-        return view
+            lease = await self.leases.wait_active(lease, call.reader, wait_s or 0.0)
+        return lease, first_state
 
     async def get_lease(self, call: Call[LeaseRef]) -> dict[str, Any]:
         return self.lease_view(call.owned, call.peer)

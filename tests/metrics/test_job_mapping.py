@@ -3,7 +3,11 @@ hpc.go: files named <gpu> or <gpu>.<gi>, one job id per line)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
+import structlog.testing
 
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
@@ -95,3 +99,69 @@ def test_the_service_syncs_on_grants_and_ends(tmp_path: Path) -> None:
     node.release(out.lease.lease_id, 3.0, 3.0)
     service.on_transition(out.lease, LeaseState.ACTIVE, LeaseState.RELEASED, 3.0)
     assert files(tmp_path) == {}
+
+
+# -- issue 23, section 3: a directory a user can write is no way to make root write elsewhere --
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.write_text("root's secret\n")
+    victim.chmod(0o600)
+    return victim
+
+
+def _intact(victim: Path) -> bool:
+    return victim.read_text() == "root's secret\n" and (victim.stat().st_mode & 0o777) == 0o600
+
+
+def test_planted_symlinks_are_replaced_not_written_through(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    directory = tmp_path / "map"
+    directory.mkdir(mode=0o1777)  # sticky and world-writable, like /tmp
+    directory.chmod(0o1777)
+    # a user plants links where migd writes: the file, its temporary name, a stale name
+    for name in ("0.1", ".0.1.tmp", ".1.tmp", "7"):
+        (directory / name).symlink_to(victim)
+    writer = JobMappingWriter(directory)
+    writer.sync({"0.1": ["7.0"], "1": ["8.0"]})
+    assert _intact(victim)
+    assert files(directory) == {"0.1": "7.0\n", "1": "8.0\n"}  # the stale link "7" is gone
+    assert not any(p.is_symlink() for p in directory.iterdir())
+    assert all((p.stat().st_mode & 0o777) == 0o644 for p in directory.iterdir())
+
+
+def test_a_directory_others_can_write_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    directory = tmp_path / "map"
+    directory.mkdir()
+    directory.chmod(0o777)
+    (directory / "0.1").symlink_to(victim)
+    with structlog.testing.capture_logs() as logs:
+        JobMappingWriter(directory).sync({"0.1": ["7.0"]})
+    assert _intact(victim) and (directory / "0.1").is_symlink()
+    (failed,) = [e for e in logs if e["event"] == "job_mapping.write_failed"]
+    assert "writable by others" in failed["error"] and "chmod 0755" in failed["hint"]
+
+
+def test_a_symlinked_directory_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "elsewhere"
+    real.mkdir()
+    (tmp_path / "map").symlink_to(real)
+    with structlog.testing.capture_logs() as logs:
+        JobMappingWriter(tmp_path / "map").sync({"0": ["7.0"]})
+    assert list(real.iterdir()) == []
+    assert [e for e in logs if e["event"] == "job_mapping.write_failed"]
+
+
+def test_another_users_directory_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    directory = tmp_path / "map"
+    directory.mkdir(mode=0o755)
+    os.chown(directory, 4242, 4242)
+    with structlog.testing.capture_logs() as logs:
+        JobMappingWriter(directory).sync({"0": ["7.0"]})
+    assert list(directory.iterdir()) == []
+    (failed,) = [e for e in logs if e["event"] == "job_mapping.write_failed"]
+    assert "uid 4242" in failed["error"]

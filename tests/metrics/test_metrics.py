@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
-from migd.daemon.config import MigdConfig
+from migd.daemon.config import MigdConfig, validate_config
 from migd.daemon.metrics import build_registry
 from migd.daemon.metrics_collector import MIB
 from migd.daemon.metrics_http import MetricsServer, render
@@ -39,6 +39,20 @@ class Source:
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
+#: An endpoint on a loopback port the kernel picks.
+LOCAL = validate_config({"metrics": {"listen": "127.0.0.1:0"}}).metrics
+#: The admin's opt-in to lease and job id labels (loopback and a token; the collector does
+#: not read the token file).
+IDENTIFYING = validate_config(
+    {
+        "metrics": {
+            "listen": "127.0.0.1:9464",
+            "bearer_token_file": "/etc/migd/metrics.token",
+            "identifying_labels": True,
+        }
+    }
+)
+
 
 def scrape(registry: Any, accept: str = "") -> Samples:
     body, _ = render(registry, accept)
@@ -59,7 +73,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def test_instances_memory_and_queue_read_from_the_books() -> None:
     node = NodeScheduler([gpu(0), gpu(1)])
     node.gpus[1].draining = True
-    src = Source(node)
+    src = Source(node, config=IDENTIFYING)
     recorder = MetricsRecorder()
     registry = build_registry(src, recorder)
     first = node.submit(lease(9000), 1000.0, 10.0)
@@ -223,7 +237,7 @@ def test_the_endpoint_answers_get_metrics_and_refuses_the_rest() -> None:
     registry = build_registry(Source(NodeScheduler([gpu(0)])), MetricsRecorder())
 
     async def main() -> list[bytes]:
-        server = MetricsServer(registry, "127.0.0.1:0")
+        server = MetricsServer(registry, LOCAL)
         await server.start()
         try:
             port = server.bound_port
@@ -256,7 +270,7 @@ def test_a_failing_collector_answers_500_and_the_endpoint_keeps_serving() -> Non
     registry = build_registry(source, MetricsRecorder())
 
     async def main() -> tuple[bytes, bytes]:
-        server = MetricsServer(registry, "127.0.0.1:0")
+        server = MetricsServer(registry, LOCAL)
         await server.start()
         try:
             source.sched = None  # type: ignore[assignment]  # a bug in the books

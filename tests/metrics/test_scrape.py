@@ -24,15 +24,27 @@ MIB = 1024 * 1024
 pytestmark = pytest.mark.slow
 
 
+TOKEN = "scrape-token-for-the-test"
+
+
+def _token_file(root: Path) -> Path:
+    path = root / "metrics.token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[DaemonProcess]:
-    """migd on two simulated A100s with the endpoint on a port the kernel picks."""
+    """migd on two simulated A100s with the endpoint on a loopback port the kernel picks,
+    a bearer token and the lease and job id labels (the admin's opt-in, issue 23 s3)."""
     with started_daemon(
         tmp_path,
         "m",
         config=lambda root: (
             "version = 1\n[metrics]\nlisten = '127.0.0.1:0'\n"
             f"dcgm_job_mapping_dir = '{root / 'dcgm-map'}'\n"
+            f"bearer_token_file = '{_token_file(root)}'\nidentifying_labels = true\n"
         ),
         extra_args=["--set", "backend.sim_time_scale=0"],
     ) as proc:
@@ -45,6 +57,12 @@ def metrics_url(node: DaemonProcess) -> str:
         what="metrics.listening in the log",
     )
     return f"http://{event['address']}/metrics"
+
+
+def get(url: str) -> Any:
+    """GET ``url`` with the scrape token."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    return urllib.request.urlopen(request, timeout=10)
 
 
 def load(node: DaemonProcess) -> dict[str, Any]:
@@ -119,7 +137,7 @@ def test_the_endpoint_agrees_with_migctl_status_and_dcgm_names_the_jobs(
 ) -> None:
     url = metrics_url(node)
     leases = load(node)
-    with urllib.request.urlopen(url, timeout=10) as reply:
+    with get(url) as reply:
         assert reply.headers["Content-Type"].startswith("text/plain")
         series = parse(reply.read().decode())
     status = node.status_json()
@@ -154,7 +172,7 @@ def _listening_port(pid: int) -> int | None:
 
 def _query(base: str, expr: str) -> list[dict[str, Any]]:
     url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-    with urllib.request.urlopen(url, timeout=10) as reply:
+    with get(url) as reply:
         data = json.loads(reply.read())
     assert data["status"] == "success", data
     result: list[dict[str, Any]] = data["data"]["result"]
@@ -174,6 +192,7 @@ def test_a_real_prometheus_scrapes_the_node(node: DaemonProcess, tmp_path: Path)
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: migd\n    static_configs:\n"
         f"      - targets: ['{target}']\n"
+        f"    authorization:\n      credentials_file: {node.root / 'metrics.token'}\n"
     )
     log = (tmp_path / "prometheus.log").open("wb")
     prom = subprocess.Popen(
