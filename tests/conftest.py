@@ -22,10 +22,17 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 TESTS = Path(__file__).resolve().parent
 SLOW_DIRECTORIES = ("process",)
 GPU_OPT_IN = "MIGD_GPU_TESTS"
+
+# Hypothesis judges each example by the host's speed (200 ms deadline, a "too slow" health
+# check on generation): on a 2-core host beside other work (load 15) that failed tests whose
+# properties held. The properties are the test; their speed is bench/'s to measure.
+settings.register_profile("migd", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "migd"))
 
 
 def apply_markers(

@@ -114,10 +114,12 @@ def test_migctl_watch_publishes_a_freed_partition_at_once(daemon: DaemonProcess)
         freed = _read_ad(proc.stdout)
         latency = time.monotonic() - released
         assert "MigdLargestPlaceableMB = 40448" in freed
-        assert latency < 2.0, f"the freed partition took {latency:.2f} s to be published"
+        # Published at the next 0.2 s poll, not the 60 s heartbeat: a bound a quarter of the
+        # heartbeat tells the two apart and is far above what a loaded host needs.
+        assert latency < 15.0, f"the freed partition took {latency:.2f} s to be published"
     finally:
         proc.terminate()
-        proc.communicate(timeout=10)
+        proc.communicate(timeout=30)
 
 
 def _read_ad(stream: IO[str]) -> str:

@@ -144,7 +144,7 @@ def test_an_unexplained_note_is_cleared_once_the_instance_is_explained(
 
     assert unexplained()
     daemon.client().call("sim_detach", pid=cuda.pid)
-    wait_for(lambda: not unexplained(), timeout_s=10, what="the note to be cleared")
+    wait_for(lambda: not unexplained(), what="the note to be cleared")
 
 
 # -- 2. the state disk fills up while migd runs ---------------------------------------------------
@@ -185,7 +185,7 @@ def test_a_full_state_disk_while_running_refuses_leases_cleanly_and_recovers(
     assert [x["lease_id"] for x in client.call("leases")["leases"]] == [kept["lease_id"]]
 
     state_disk.free()
-    wait_for(lambda: client.status()["state_disk"]["ok"], timeout_s=10, what="recovery")
+    wait_for(lambda: client.status()["state_disk"]["ok"], what="recovery")
     again = client.lease(job_id="2.y", gpu_memory_mib=4000, wait_s=10, holder_pid=holder.pid)
     assert again["state"] == "active"
     client.release(again["lease_id"])

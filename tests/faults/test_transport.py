@@ -35,7 +35,7 @@ def test_a_client_that_connects_and_closes_leaves_no_descriptor(daemon: DaemonPr
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(daemon.socket_path))
     daemon.client().ping()  # the daemon has accepted them all by now
-    wait_for(lambda: fds(daemon) <= baseline + 2, timeout_s=5, what="descriptors to be closed")
+    wait_for(lambda: fds(daemon) <= baseline + 2, what="descriptors to be closed")
 
 
 # -- 8. the per-user limit answers ---------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_a_duplicate_op_key_is_refused_and_runs_nothing(daemon: DaemonProcess) -
 def test_a_client_that_never_reads_is_dropped_and_costs_no_memory(
     daemon: DaemonProcess, sleepers: list[subprocess.Popen[bytes]]
 ) -> None:
-    daemon.extra_args += ["--set", "api.send_timeout_s=1"]
+    daemon.extra_args += ["--set", "api.send_timeout_s=3"]
     daemon.start()
     seed_history(daemon, sleepers)
     baseline_fds, baseline_rss = fds(daemon), rss_mib(daemon)
@@ -86,11 +86,11 @@ def test_a_client_that_never_reads_is_dropped_and_costs_no_memory(
         began = time.perf_counter()
         daemon.client().ping()
         # others are served meanwhile: a daemon that waited on the ten hogs would take their
-        # 1 s send timeout each, so the bound is one timeout, loose enough for a loaded host
-        assert time.perf_counter() - began < 1.0
+        # 3 s send timeout each (30 s); a third of that is far above a loaded host's ping
+        assert time.perf_counter() - began < 10.0
         wait_for(
             lambda: fds(daemon) <= baseline_fds + 2,
-            timeout_s=10,
+            timeout_s=60,
             what="the daemon to drop the clients that do not read",
         )
         assert rss_mib(daemon) - baseline_rss < 64
@@ -148,8 +148,9 @@ def test_status_stays_small_and_fast_with_a_long_queue(
         assert [item["job_id"] for item in status["queue"]] == [f"5.{n}" for n in range(1, 21)]
         assert len(json.dumps(status)) < 32 * 1024
         # the answer is bounded by size above; its speed is bench_daemon.py's to measure, so
-        # this only rules out a status that walks the queue slowly (seconds)
-        assert sorted(took)[2] < 1.0, took
+        # this only rules out a status that walks the queue slowly (many seconds; a loaded
+        # 2-core host answers in about one)
+        assert sorted(took)[2] < 10.0, took
     finally:
         for sock in waiting:
             sock.close()

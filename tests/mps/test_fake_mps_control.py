@@ -16,8 +16,9 @@ from migd.backends.simulated.mps_control import (
     PID_FILE_NAME,
     fault_path,
 )
+from tests.waiting import wait_for
 
-from .conftest import kill_fake, pid_alive, wait_for
+from .conftest import kill_fake, pid_alive
 
 
 def run(
@@ -28,7 +29,7 @@ def run(
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=10,
+        timeout=60,
         env={
             "PATH": os.environ["PATH"],
             "CUDA_MPS_PIPE_DIRECTORY": str(pipe),

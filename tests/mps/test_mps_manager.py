@@ -22,8 +22,9 @@ from migd.backends.mps import (
 from migd.backends.simulated.mps_control import fault_path
 from migd.core.mps import MpsShare, UserPolicy
 from migd.errors import MpsError
+from tests.waiting import wait_for
 
-from .conftest import Env, kill_fake, pid_alive, wait_for
+from .conftest import Env, kill_fake, pid_alive
 
 # Real fake-daemon processes, started and stopped per test (about 1.4 s each here).
 pytestmark = pytest.mark.slow
@@ -207,7 +208,7 @@ def test_shutdown_stops_own_daemons_only(env: Env, short_dir: Path) -> None:
             "CUDA_MPS_PIPE_DIRECTORY": str(outside_pipe),
             "CUDA_MPS_LOG_DIRECTORY": str(short_dir / "elsewhere" / "log"),
         },
-        timeout=10,
+        timeout=60,
         check=False,
     )
     assert started.returncode == 0
@@ -314,7 +315,9 @@ def test_client_report_of_unavailable_devices_restarts_the_daemon(env: Env) -> N
 
 
 def test_hung_daemon_is_killed_and_replaced(env: Env) -> None:
-    manager = env.manager(command_timeout_s=1.0)
+    # The hang costs one command timeout; 5 s keeps a slow, loaded host's healthy replacement
+    # from being taken for a hung one on the check after it.
+    manager = env.manager(command_timeout_s=5.0)
     manager.ensure_share(GPU, share())
     old = daemon_pid(manager)
     fault_path(manager.pipe_dir(GPU), "hang").touch()
@@ -510,8 +513,6 @@ def test_each_user_has_their_own_log_directory(env: Env) -> None:
 
 
 def test_cached_status_answers_at_once_while_the_daemon_hangs(env: Env) -> None:
-    import time
-
     manager = env.manager(command_timeout_s=2.0)
     manager.ensure_share(GPU, share())
     (early,) = manager.cached_status_for(GPU)  # before any refresh: migd's own record
@@ -522,10 +523,11 @@ def test_cached_status_answers_at_once_while_the_daemon_hangs(env: Env) -> None:
     assert fresh["age_s"] == 7.0 and len(fresh["servers"]) == 1
     assert manager.client_count(GPU) == 0
     fault_path(manager.pipe_dir(GPU), "hang").touch()
-    started = time.monotonic()
+    sent = len(env.runner.calls)
     (cached,) = manager.cached_status_for(GPU)
-    # a call that went to the hung daemon would take its 2 s command timeout
-    assert time.monotonic() - started < 1.0 and cached["servers"] == fresh["servers"]
+    # the answer comes from the cache: no command went to the hung daemon, so nothing could
+    # wait on it (a property, where a time bound would depend on the host's load)
+    assert len(env.runner.calls) == sent and cached["servers"] == fresh["servers"]
     with pytest.raises(MpsError):
         manager.client_count(GPU)
 

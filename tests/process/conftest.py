@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,16 +18,9 @@ import psutil
 import pytest
 
 from migd.client import MigdClient
+from tests.waiting import limit, wait_for
 
-
-def wait_for(cond: Callable[[], Any], timeout_s: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+__all__ = ["DaemonProcess", "limit", "wait_for"]
 
 
 @dataclass
@@ -57,7 +49,7 @@ class DaemonProcess:
     def log_path(self) -> Path:
         return self.root / "migd.log"
 
-    def client(self, timeout_s: float = 10.0) -> MigdClient:
+    def client(self, timeout_s: float = 30.0) -> MigdClient:
         return MigdClient(self.socket_path, timeout_s=timeout_s)
 
     def start(self, *, wait_ready: bool = True) -> None:
@@ -115,7 +107,20 @@ class DaemonProcess:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env)
         if wait_ready:
-            wait_for(lambda: "READY=1" in self.read_notifications(), what="READY=1")
+            # Start-up took 3-7 s on a 2-core host at load 15; a daemon that exited will
+            # never be ready, so that ends the wait at once, with its log's last lines.
+            wait_for(
+                lambda: "READY=1" in self.read_notifications(),
+                timeout_s=120,
+                what="READY=1 from migd",
+                give_up=self._exited,
+            )
+
+    def _exited(self) -> str | None:
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        tail = self.log_path.read_text(errors="replace").splitlines()[-5:]
+        return f"migd exited with {self.proc.returncode}; its log ends: " + " | ".join(tail)
 
     def read_notifications(self) -> str:
         assert self.notify is not None
@@ -130,16 +135,16 @@ class DaemonProcess:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
-    def wait(self, timeout_s: float = 20.0) -> int:
+    def wait(self, timeout_s: float = 60.0) -> int:
         assert self.proc is not None
-        return self.proc.wait(timeout_s)
+        return self.proc.wait(limit(timeout_s))
 
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else None
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(20)
+            return self.proc.wait(limit(60))
         except subprocess.TimeoutExpired:
             self.hung_on_sigterm = True
             self.proc.kill()
@@ -203,7 +208,7 @@ def kill_strays(root: Path) -> None:
     for pgid in set(strays(root).values()) - {os.getpgrp()}:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-    wait_for(lambda: not strays(root), timeout_s=5.0, what=f"the processes of {root} to end")
+    wait_for(lambda: not strays(root), timeout_s=30, what=f"the processes of {root} to end")
 
 
 @contextlib.contextmanager

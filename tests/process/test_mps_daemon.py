@@ -284,7 +284,9 @@ def test_status_answers_at_once_while_the_mps_daemon_hangs(daemon: DaemonProcess
         for _ in range(20):  # about 3 s: every call while the daemon hangs
             began = time.monotonic()
             status = mps_status(daemon)
-            assert time.monotonic() - began < 1.0
+            # one that asked the hung daemon would wait out its 10 s command timeout; half
+            # of that is far above what a loaded host needs for a status
+            assert time.monotonic() - began < 5.0
             (entry,) = status["daemons"]
             assert entry["age_s"] is not None
             time.sleep(0.15)
