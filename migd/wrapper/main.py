@@ -19,6 +19,7 @@ from pathlib import Path
 
 from migd.client import MigdClient
 from migd.errors import ConfigError, JobAdError, MigdError
+from migd.wrapper.entry import exec_job
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
 from migd.wrapper.runner import JobRunner, StopRequested, WrapperFailure
 from migd.wrapper.settings import load_settings
@@ -47,8 +48,10 @@ def _fail(message: str, exit_code: int = 1) -> int:
 
 def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None) -> int:
     if not spec.gpu_job:
-        # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job).
-        os.execvp(spec.command[0], list(spec.command))
+        # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job). Most
+        # get here without this module (migd.wrapper.entry); an ad that entry's parse
+        # was not sure of comes this way.
+        return exec_job(list(spec.command))
     from migd.backends.condor import set_job_attrs
 
     try:
