@@ -24,68 +24,103 @@ import _signal
 import os
 import sys
 
+# Loaded by the interpreter at start-up (collections.abc would import collections, and
+# typing is not loaded at all).
+from _collections_abc import Iterator, Mapping
+
 JOB_AD_ENV = "_CONDOR_JOB_AD"
-# The attributes the decision reads, lower-cased (ClassAd names are case-insensitive).
-_WANTED = {
-    "requestgpus": "RequestGPUs",
-    "requestvram": "RequestVRAM",
-    "globaljobid": "GlobalJobId",
-    "clusterid": "ClusterId",
-    "procid": "ProcId",
-}
 # Python ignores these at start-up and an exec keeps ignored signals ignored; a job
 # started without migd has them at their defaults (subprocess restores the same three).
 _RESTORED = ("SIGPIPE", "SIGXFZ", "SIGXFSZ")
+# ClassAd integers are 64-bit; longer digit strings are left to the bindings.
+_MAX_DIGITS = 18
 
 
-def _plain_number(text: str) -> float | None:
-    """``text`` as a number if it is a plain ClassAd integer or decimal literal, else None."""
-    body = text[1:] if text[:1] in ("+", "-") else text
-    whole, dot, fraction = body.partition(".")
-    if not (whole.isascii() and whole.isdigit()) or (len(whole) > 1 and whole[0] == "0"):
-        return None  # leading zeros: not what HTCondor writes, and the bindings balk at them
-    if dot and not (fraction.isascii() and fraction.isdigit()):
-        return None
-    return float(text)
+class NeedBindings(Exception):
+    """An attribute this parse cannot read as HTCondor's bindings would: use them."""
+
+
+def _literal(raw: str) -> str | int | float | bool:
+    """A plain ClassAd literal as the bindings evaluate it.
+
+    Raises:
+        NeedBindings: anything else (an expression, an escape, an unusual spelling).
+    """
+    if len(raw) >= 2 and raw[0] == raw[-1] == '"':
+        inner = raw[1:-1]
+        if '"' in inner or "\\" in inner:
+            raise NeedBindings(raw)
+        return inner
+    if raw in ("true", "false"):
+        return raw == "true"
+    whole, dot, fraction = raw.removeprefix("-").partition(".")
+    # No leading zeros: not what HTCondor writes, and the bindings balk at some of them.
+    if whole.isascii() and whole.isdigit() and (len(whole) == 1 or whole[0] != "0"):
+        if not dot and len(whole) <= _MAX_DIGITS:
+            return int(raw)
+        if dot and fraction.isascii() and fraction.isdigit():
+            return float(raw)
+    raise NeedBindings(raw)
+
+
+class PlainAd(Mapping[str, object]):
+    """An ad in HTCondor's text form (one ``Name = value`` per line), read without the
+    bindings for whatever is a plain literal.
+
+    It answers like the dict ``migd.backends.condor.read_ad`` returns, for the attributes
+    it can vouch for; where it cannot (the value is an expression or an escaped string,
+    the attribute is repeated or spelt in another case, or the whole ad is enumerated),
+    it raises :class:`NeedBindings`, so a reader that gets an answer got the bindings'.
+    """
+
+    def __init__(self, text: str) -> None:
+        self._lines: dict[str, list[tuple[str, str]]] = {}
+        for line in text.splitlines():
+            name, equals, value = line.partition("=")
+            if equals:
+                key = name.strip()
+                self._lines.setdefault(key.lower(), []).append((key, value.strip()))
+
+    def __getitem__(self, key: str) -> object:
+        found = self._lines.get(key.lower())
+        if not found:
+            raise KeyError(key)
+        if len(found) > 1 or found[0][0] != key:
+            raise NeedBindings(key)
+        return _literal(found[0][1])
+
+    def __iter__(self) -> Iterator[str]:
+        raise NeedBindings("every attribute")
+
+    def __len__(self) -> int:
+        raise NeedBindings("every attribute")
+
+    def __bool__(self) -> bool:
+        # read_ad's dict is empty when no attribute evaluates to a literal; where that
+        # differs from "no lines", reading any attribute raises NeedBindings anyway.
+        return bool(self._lines)
 
 
 def no_gpu_requested(ad_text: str) -> bool:
-    """True when the job ad plainly asks for no GPU: it has a job id, no ``RequestVRAM``
-    and no ``RequestGPUs`` above 0, all as plain literals.
+    """True when the job ad plainly asks for no GPU: a job id, no ``RequestVRAM`` and no
+    ``RequestGPUs`` above 0, all plain literals (the decision of ``spec_from_ads``).
 
     False means "not sure", never "a GPU job": the caller then takes the full path.
     """
-    found: dict[str, str] = {}
-    for line in ad_text.splitlines():
-        name, equals, value = line.partition("=")
-        if not equals:
-            continue
-        key = name.strip()
-        canonical = _WANTED.get(key.lower())
-        if canonical is None:
-            continue
-        # A repeated attribute, or one spelt other than the full path reads it: not sure.
-        if key != canonical or canonical in found:
+    ad = PlainAd(ad_text)
+    try:
+        if ad.get("RequestVRAM") is not None:
             return False
-        found[canonical] = value.strip()
-    if "RequestVRAM" in found:
+        gpus = ad.get("RequestGPUs", 0)
+        if isinstance(gpus, bool) or not isinstance(gpus, int | float) or gpus > 0:
+            return False
+        global_id = ad.get("GlobalJobId")
+        if isinstance(global_id, str) and global_id.strip():
+            return True
+        cluster, proc = ad.get("ClusterId"), ad.get("ProcId")
+    except NeedBindings:
         return False
-    if "RequestGPUs" in found:
-        gpus = _plain_number(found["RequestGPUs"])
-        if gpus is None or gpus > 0:
-            return False
-    global_id = found.get("GlobalJobId")
-    if global_id is not None:
-        # A plain string literal with something in it (escapes would need the real parser).
-        inner = global_id[1:-1]
-        return (
-            len(global_id) >= 2
-            and global_id[0] == global_id[-1] == '"'
-            and '"' not in inner
-            and "\\" not in inner
-            and bool(inner.strip())
-        )
-    return found.get("ClusterId", "").isdigit() and found.get("ProcId", "").isdigit()
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in (cluster, proc))
 
 
 def exec_job(command: list[str]) -> int:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, find, given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from migd.backends.condor import read_ad
 from migd.errors import JobAdError
-from migd.wrapper.entry import no_gpu_requested
+from migd.wrapper.entry import NeedBindings, PlainAd, no_gpu_requested
 from migd.wrapper.jobspec import spec_from_ads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ GPU_AD = "ClusterId = 12\nProcId = 0\nRequestGPUs = 1\nRequestVRAM = 4000\n"
         ("ClusterId = 13\nProcId = 0\nrequestgpus = 1\n", False),  # names are case-insensitive
         ("ClusterId = 13\nProcId = 0\nRequestGPUs = 0\nRequestGPUs = 1\n", False),  # repeated
         ("ProcId = 0\n", False),  # no job id: the full path says so
-        ('ClusterId = 13\nProcId = 0\nGlobalJobId = ""\n', False),
+        ('ClusterId = 13\nProcId = 0\nGlobalJobId = ""\n', True),  # as job_id_of: ClusterId.ProcId
         ('GlobalJobId = "a\\"b#1.0#2"\n', False),  # an escape: the real parser reads it
         ('GlobalJobId = "ap#1.0#2"\n', True),
         ("[ ClusterId = 13; ProcId = 0 ]", False),  # the new ClassAd syntax: not this parse
@@ -209,3 +210,116 @@ def test_the_console_scripts_use_the_light_entry() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["migd-wrapper"] == "migd.wrapper.entry:wrapper_main"
     assert scripts["migd-run"] == "migd.wrapper.entry:run_main"
+
+
+# -- a GPU job's ads, read without the bindings ---------------------------------------------
+
+JOB_NAMES = [
+    "RequestGPUs",
+    "RequestVRAM",
+    "GPUsMinMemory",
+    "MigdMode",
+    "MigdMinCompute",
+    "MigdMaxRestarts",
+    "MigdEarlyRestart",
+    "MigdHorizon",
+    "MigdGrowthFactor",
+    "MigdWaitSeconds",
+    "WantIOProxy",
+    "MigdOomExits",
+    "MigdOomExit",
+    "MigdStartFailures",
+    "MigdGpuLosses",
+    "RequestCpus",
+]
+JOB_VALUES = [
+    "4096",
+    "0",
+    "1",
+    "-1",
+    "2.5",
+    "1.0",
+    '"mps"',
+    '"MIG"',
+    '"turbo"',
+    "true",
+    "false",
+    '"true"',
+    '"4096"',
+    "undefined",
+    "RequestCpus * 1024",
+    '"a\\"b"',
+    "1e3",
+    "007",
+    "99999999999999999999",
+]
+MACHINE_VALUES = {
+    "Name": ['"slot1_3@node"', '""', 'strcat("a", "b")'],
+    "AssignedGPUs": ['"GPU-s03-61342749"', '"GPU-61342749_s3, GPU-aaaa"', '""', "undefined"],
+    "MigdPinToAssignedGPU": ["true", "false", '"no"', "1"],
+}
+
+
+@st.composite
+def gpu_ads(draw: st.DrawFn) -> tuple[str, str | None]:
+    ids = draw(
+        st.sampled_from(
+            [['GlobalJobId = "ap#7.0#1700000000"'], ["ClusterId = 7", "ProcId = 0"], []]
+        )
+    )
+    name = st.sampled_from(JOB_NAMES).flatmap(lambda n: st.sampled_from([n, n, n, n.lower()]))
+    attrs = draw(st.lists(st.tuples(name, st.sampled_from(JOB_VALUES)), max_size=6))
+    job = ids + [f"{n} = {v}" for n, v in attrs]
+    machine = draw(
+        st.none()
+        | st.lists(
+            st.sampled_from(list(MACHINE_VALUES)).flatmap(
+                lambda n: st.tuples(st.just(n), st.sampled_from(MACHINE_VALUES[n]))
+            ),
+            max_size=3,
+        ).map(lambda pairs: "".join(f"{n} = {v}\n" for n, v in pairs) + "Cpus = 1\n")
+    )
+    return "".join(f"{line}\n" for line in draw(st.permutations(job))) + "Cpus = 1\n", machine
+
+
+def decision(read: Any, job: Any, machine: Any) -> object:
+    try:
+        return spec_from_ads(["/bin/true"], read(job), None if machine is None else read(machine))
+    except JobAdError as exc:
+        return exc.message
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(gpu_ads())
+def test_ads_read_without_the_bindings_give_the_same_job(
+    tmp_path: Path, ads: tuple[str, str | None]
+) -> None:
+    """Where the plain reading answers, the job (or the refusal) is the bindings' one."""
+    job_text, machine_text = ads
+    if not well_formed(job_text) or not (machine_text is None or well_formed(machine_text)):
+        return  # HTCondor writes well-formed ads; the bindings drop lines after a bad one
+    try:
+        plain = decision(PlainAd, job_text, machine_text)
+    except NeedBindings:
+        return
+    (tmp_path / "job.ad").write_text(job_text)
+    (tmp_path / "machine.ad").write_text(machine_text or "")
+    machine_path = None if machine_text is None else tmp_path / "machine.ad"
+    assert plain == decision(read_ad, tmp_path / "job.ad", machine_path), ads
+
+
+def test_the_plain_reading_answers_for_usual_gpu_ads() -> None:
+    """The property above is not vacuous: a usual GPU job's ads need no bindings."""
+    job = PlainAd(GPU_AD + 'MigdMode = "mps"\nWantIOProxy = true\nRequirements = (Cpus > 0)\n')
+    machine = PlainAd('Name = "slot1_3@node"\nAssignedGPUs = "GPU-s03-61342749"\nStart = true\n')
+    spec = spec_from_ads(["/bin/true"], job, machine)
+    assert (spec.memory_mib, spec.mode, spec.want_chirp, spec.gpus) == (
+        4000,
+        "mps",
+        True,
+        ("GPU-61342749",),
+    )
+    with pytest.raises(NeedBindings):
+        spec_from_ads(["/bin/true"], PlainAd(GPU_AD + 'MigdMode = toLower("MPS")\n'), None)
