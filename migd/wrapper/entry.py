@@ -4,16 +4,17 @@ HTCondor runs ``USER_JOB_WRAPPER`` for every job on the node, CPU-only jobs incl
 what the wrapper costs before it steps aside is paid by every job. This module decides
 "no GPU requested" from the job ad's text with a few string operations and then
 ``exec``\\ s the job: the same pid, the job's own exit status and signals, as if migd were
-not there. Its top level imports nothing but ``os`` and ``sys`` (already loaded by the
-interpreter) and ``_signal`` (built in); pydantic, the HTCondor bindings, the client and
-the supervising runner are imported only when the job asks for a GPU
+not there. Its top level imports only modules the interpreter has loaded before it runs
+(``os``, ``sys``, ``_signal``, ``_collections_abc``); pydantic, the HTCondor bindings,
+the client and the supervising runner are imported only when the job asks for a GPU
 (:mod:`migd.wrapper.main`). tests/unit/test_wrapper_entry.py holds it to that.
 
 The decision is the one :func:`migd.wrapper.jobspec.spec_from_ads` makes (neither
 ``RequestGPUs`` > 0 nor ``RequestVRAM``: not a GPU job), taken here only where the ad
-says so in plain literals. Whatever this parse is not sure of (an expression, a
-repeated or oddly spelt attribute, no job id, an unreadable ad) goes to the full path,
-which parses the ad with HTCondor's own bindings and decides as before.
+says so in plain literals (:class:`PlainAd`, which the GPU path uses too). Whatever it
+is not sure of (an expression, a repeated or oddly spelt attribute, no job id, an
+unreadable ad) goes to the full path, which parses the ad with HTCondor's own bindings
+and decides as before.
 """
 
 from __future__ import annotations
