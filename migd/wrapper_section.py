@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from migd.core.forecast import ForecastPolicy
 from migd.core.oom import OomPolicy
 from migd.errors import ConfigError
+from migd.wrapper_options import policies
 
 
 class WrapperSection(BaseModel):
@@ -77,17 +78,8 @@ class WrapperSection(BaseModel):
     def _build_policies(self) -> WrapperSection:
         """Build the forecast and OOM policies once; a value they refuse is invalid."""
         try:
-            self._forecast = ForecastPolicy(
-                **{
-                    name.removeprefix("forecast_"): getattr(self, name)
-                    for name in type(self).model_fields
-                    if name.startswith("forecast_") and name != "forecast_time_warmup_s"
-                }
-            )
-            self._oom = OomPolicy(
-                weak_fraction=self.oom_weak_fraction,
-                corroborate_fraction=self.oom_corroborate_fraction,
-                weak_retries=self.oom_weak_retries,
+            self._forecast, self._oom = policies(
+                {name: getattr(self, name) for name in type(self).model_fields}
             )
         except ConfigError as exc:
             raise ValueError(exc.message) from exc

@@ -10,15 +10,14 @@ job's environment; the request comes from ``$_CONDOR_JOB_AD`` and
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import socket
 import sys
 from pathlib import Path
 
 from migd.client import MigdClient
 from migd.errors import ConfigError, JobAdError, MigdError
+from migd.wrapper.entry import NeedBindings, PlainAd, exec_job
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
 from migd.wrapper.runner import JobRunner, StopRequested, WrapperFailure
 from migd.wrapper.settings import load_settings
@@ -47,8 +46,10 @@ def _fail(message: str, exit_code: int = 1) -> int:
 
 def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None) -> int:
     if not spec.gpu_job:
-        # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job).
-        os.execvp(spec.command[0], list(spec.command))
+        # Not a GPU job: the wrapper steps aside (USER_JOB_WRAPPER wraps every job). Most
+        # get here without this module (migd.wrapper.entry); an ad that entry's parse
+        # was not sure of comes this way.
+        return exec_job(list(spec.command))
     from migd.backends.condor import set_job_attrs
 
     try:
@@ -76,6 +77,18 @@ def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None)
         return 128 + exc.signum  # pragma: no cover - reraise does not return
 
 
+def _plain_ad(path: str) -> PlainAd:
+    """The ad at ``path`` for reading without the bindings (NeedBindings: read_ad says
+    what is wrong with a missing, unreadable or empty file)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as exc:
+        raise NeedBindings(path) from exc
+    if not text.strip():
+        raise NeedBindings(path)
+    return PlainAd(text)
+
+
 def wrapper_main(argv: list[str] | None = None) -> int:
     command = list(sys.argv[1:] if argv is None else argv)
     job_ad_path = os.environ.get("_CONDOR_JOB_AD")
@@ -85,23 +98,34 @@ def wrapper_main(argv: list[str] | None = None) -> int:
             "(outside HTCondor use `migd-run --gpu-memory SIZE -- cmd`)",
             2,
         )
-    from migd.backends.condor import read_ad
-
     notes = []
+    machine_path = os.environ.get("_CONDOR_MACHINE_AD")
+    if not machine_path:
+        # Documented: without it there is no slot name, VRAM fallback or GPU pinning.
+        notes.append("no $_CONDOR_MACHINE_AD: no slot name, VRAM fallback or GPU pinning")
     try:
-        job_ad = read_ad(job_ad_path, "job ad")
-        machine_path = os.environ.get("_CONDOR_MACHINE_AD")
-        machine_ad = read_ad(machine_path, "machine ad") if machine_path else None
-        if machine_ad is None:
-            # Documented: without it there is no slot name, VRAM fallback or GPU pinning.
-            notes.append("no $_CONDOR_MACHINE_AD: no slot name, VRAM fallback or GPU pinning")
-        spec = spec_from_ads(command, job_ad, machine_ad)
+        try:
+            # What the wrapper reads is nearly always a plain literal: read it without
+            # loading HTCondor's bindings; anything else (NeedBindings), with them.
+            spec = spec_from_ads(
+                command, _plain_ad(job_ad_path), _plain_ad(machine_path) if machine_path else None
+            )
+        except NeedBindings:
+            from migd.backends.condor import read_ad
+
+            job_ad = read_ad(job_ad_path, "job ad")
+            machine_ad = read_ad(machine_path, "machine ad") if machine_path else None
+            spec = spec_from_ads(command, job_ad, machine_ad)
     except JobAdError as exc:
         return _fail(f"migd-wrapper: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
     return _run(spec, os.environ.get("MIGD_API_SOCKET"), notes)
 
 
 def run_main(argv: list[str] | None = None) -> int:
+    # Here, not at the top: migd-wrapper (every HTCondor GPU job) parses no flags.
+    import argparse
+    import socket
+
     parser = argparse.ArgumentParser(
         prog="migd-run",
         description="Run a command on a right-sized GPU partition from migd.",

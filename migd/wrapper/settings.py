@@ -11,6 +11,11 @@ the per-job attributes and ``migd-run`` flags (``MigdEarlyRestart``,
 
 Invalid values are a :class:`~migd.errors.ConfigError` naming the key and where it
 came from; the wrapper then refuses the job with that message instead of guessing.
+
+Plainly valid values (the usual case, the shipped file's included) are read without
+pydantic (:func:`migd.wrapper_options.quick_options`): importing it and building the
+section's model would cost every GPU job more CPU than the rest of its start. Anything
+else is validated by the model, ``WrapperSection``, as the daemon does.
 """
 
 from __future__ import annotations
@@ -20,16 +25,17 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from migd.core.forecast import ForecastPolicy
 from migd.core.oom import OomPolicy
 from migd.errors import ConfigError
-from migd.wrapper_section import WrapperSection
+from migd.wrapper_options import RULES, WrapperOptions, quick_options
 
-__all__ = ["WrapperSection", "WrapperSettings", "load_settings"]
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+__all__ = ["WrapperOptions", "WrapperSettings", "load_settings"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/migd/migd.toml")
 CONFIG_ENV = "MIGD_CONFIG"
@@ -42,7 +48,7 @@ LEGACY_ENV = {"MIGD_SAMPLE_INTERVAL_S": "sample_interval_s"}
 class WrapperSettings:
     """The validated settings and where they came from (for the debug log)."""
 
-    section: WrapperSection = field(default_factory=WrapperSection)
+    section: WrapperOptions = field(default_factory=WrapperOptions)
     sources: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -104,7 +110,7 @@ def load_settings(
         data.update(section)
         origin.update({key: str(file) for key in section})
         sources.append(str(file))
-    keys = WrapperSection.model_fields
+    keys = RULES
     for var, key in LEGACY_ENV.items():
         if var in environ and f"{ENV_PREFIX}{key.upper()}" not in environ:
             data[key], origin[key] = environ[var], var
@@ -126,12 +132,24 @@ def load_settings(
         )
     env_vars = sorted(v for k, v in origin.items() if v.startswith("MIGD_"))
     sources.extend(env_vars)
+    options = quick_options(data)
+    if options is None:
+        options = _validated(data, origin)
+    return WrapperSettings(options, tuple(sources), tuple(notes))
+
+
+def _validated(data: Mapping[str, Any], origin: Mapping[str, str]) -> WrapperOptions:
+    """``data`` through the section's model: what it accepts, or what is wrong with it."""
+    from pydantic import ValidationError
+
+    from migd.wrapper_section import WrapperSection
+
     try:
-        section_model = WrapperSection.model_validate(data)
+        model = WrapperSection.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(
             _problems(exc, origin),
             hint="fix [wrapper] in migd.toml or the MIGD_WRAPPER_* variable "
             "(docs/wrapper.md, Settings)",
         ) from exc
-    return WrapperSettings(section_model, tuple(sources), tuple(notes))
+    return WrapperOptions(**{name: getattr(model, name) for name in RULES})
