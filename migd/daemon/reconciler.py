@@ -260,8 +260,9 @@ class Reconciler:
         for _ in range(self.READ_TRIES):
             read_at = sched.books_version(index)
             try:
-                instances = await self.executor.on_gpu(index, ctx.backend.list_instances, index)
-                in_use = await self.executor.on_gpu(index, self._instances_in_use, index, instances)
+                # One call in the GPU's thread: work queued there cannot run between the
+                # list and the process reads (a destroy did, and the process read failed).
+                instances, in_use = await self.executor.on_gpu(index, self._read_gpu, index)
             except (MigdError, TimeoutError) as exc:
                 reason = f"cannot read instances: {exc}"
                 gpu.health.raise_("resync", reason, ctx.clock.now())
@@ -367,6 +368,11 @@ class Reconciler:
             notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
         self.leases.apply(teardown)
         return notes
+
+    def _read_gpu(self, index: int) -> tuple[list[MigInstance], set[int]]:
+        """The GPU's instances and those in use, read together (GPU thread)."""
+        instances = self.ctx.backend.list_instances(index)
+        return instances, self._instances_in_use(index, instances)
 
     def _instances_in_use(self, index: int, instances: list[MigInstance]) -> set[int]:
         """GPU instance ids with processes on any of their compute instances (GPU thread)."""

@@ -12,7 +12,7 @@ A100, choosing every next step from ``random.Random(seed)``. After every step:
 * no lease is reclaimed as "disappeared" while its instance is on the GPU;
 * after a restart, the db's live leases are the books' and the books' instances the GPU's.
 
-The normal run is ``MIGD_INTERLEAVINGS`` seeds (default 600) of 40 steps (about 30 s of
+The normal run is ``MIGD_INTERLEAVINGS`` seeds (default 500) of 40 steps (about 35 s of
 CPU); a longer one, e.g. ``MIGD_INTERLEAVINGS=200000 MIGD_INTERLEAVING_STEPS=200``, runs
 more and longer ones. A failure names its seed; ``World(seed, tmp).step()`` replays it.
 Before the fix (books versions, ``NodeScheduler.resync(read_at=...)``) seeds 19 and 23
@@ -28,7 +28,7 @@ import pytest
 
 from tests.interleave.harness import World, quiet_logs, run_seed
 
-SEEDS = int(os.environ.get("MIGD_INTERLEAVINGS", "600"))
+SEEDS = int(os.environ.get("MIGD_INTERLEAVINGS", "500"))
 STEPS = int(os.environ.get("MIGD_INTERLEAVING_STEPS", "40"))
 CHUNKS = 6  # separate tests, so progress shows and one failure does not hide the rest
 
