@@ -130,6 +130,8 @@ class Outcome:
     refusal: NoCapacity | None = None
     #: ``resync``: what changed, in words.
     notes: list[str] = field(default_factory=list)
+    #: ``resync``: the read was older than the books (nothing changed): read again.
+    stale: bool = False
 
     @property
     def grants(self) -> list[Lease]:
@@ -176,6 +178,8 @@ class NodeScheduler:
         }
         # Leases changed by the mutation in progress, with their state before it.
         self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
+        # Per GPU, a number every change of its books bumps (see books_version).
+        self._books_version: dict[int, int] = dict.fromkeys(self.gpus, 0)
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -199,7 +203,30 @@ class NodeScheduler:
             if lease.state is not old
         ]
         self._changed.clear()
+        # Besides the bumps where the books change, every GPU an outcome names (its work,
+        # its leases') counts as changed: a missed bump would let a stale read through.
+        for item in work or ():
+            self._touch(item.gpu)
+        for t in transitions:
+            self._touch(t.lease.gpu)
         return Outcome(work=work or [], transitions=transitions, **fields)
+
+    # -- the books' versions ----------------------------------------------------------------
+
+    def books_version(self, gpu_index: int) -> int:
+        """A number that changes whenever the books of GPU ``gpu_index`` change (its
+        instances, their status, origin and leases; work planned, done or failed there).
+
+        Whoever reads a GPU (NVML) to correct its books takes this before the read and
+        hands it to :meth:`resync`, which refuses a read older than the books: what the
+        read missed (a create that finished and was granted meanwhile) would otherwise be
+        undone, its lease reclaimed as "disappeared" and the instance handed out twice.
+        """
+        return self._books_version.get(gpu_index, 0)
+
+    def _touch(self, gpu_index: int | None) -> None:
+        if gpu_index is not None:
+            self._books_version[gpu_index] = self._books_version.get(gpu_index, 0) + 1
 
     def set_policy(self, policy: SchedulerPolicy) -> None:
         """Swap the policy (config reload); queued requests keep their arrival times."""
@@ -425,6 +452,7 @@ class NodeScheduler:
 
     def new_work(self, gpu: int, lease_id: str | None, ops: tuple[Op, ...] = ()) -> Work:
         work = Work(gpu, ops, lease_id, "grant", next(self._work_ids))
+        self._touch(gpu)
         if ops:
             self._pending_work[work.work_id] = work
         return work
@@ -466,6 +494,7 @@ class NodeScheduler:
         self._pending_work.pop(work.work_id, None)
         if work.lease_id:
             self._placed_items.pop(work.lease_id, None)
+        self._touch(work.gpu)
         gpu = self.gpus[work.gpu]
         self.mode_ops(gpu).work_done(gpu, work, created, now_s)
 
@@ -485,6 +514,7 @@ class NodeScheduler:
             self._stale_work.discard(work.work_id)
             return
         self._pending_work.pop(work.work_id, None)
+        self._touch(work.gpu)
         gpu = self.gpus[work.gpu]
         # Only MIG GPUs get work with NVML operations; other grants have none to undo.
         instances = gpu.mig.instances if gpu.mig is not None else []
@@ -552,27 +582,46 @@ class NodeScheduler:
         observed: Iterable[tuple[Profile, int, int | None, str | None, int]],
         busy_uuids: set[str],
         now_s: float,
+        *,
+        read_at: int,
     ) -> Outcome:
         """Make a GPU's bookkeeping match what the backend reports.
 
-        ``observed`` holds ``(profile, start, gi_id, mig_uuid, memory_mib)`` per instance.
+        ``observed`` holds ``(profile, start, gi_id, mig_uuid, memory_mib)`` per instance,
+        read when the GPU's :meth:`books_version` was ``read_at``. A read older than the
+        books changes nothing: the outcome is ``stale`` and the caller reads again (what
+        changed since, a create granted or a destroy planned, is not in the read, and
+        judging it from there would reclaim a live lease or hand an instance out twice).
+
         Instances we know keep their lease; new ones are adopted (idle) unless processes
         run on them without a lease, which makes them UNEXPLAINED: reported, never
-        destroyed. The outcome's notes say what changed, in words; leases of instances
+        destroyed. Work still pending keeps its instances as they are (CREATING,
+        DESTROYING). The outcome's notes say what changed, in words; leases of instances
         that disappeared are reclaimed. No scheduling pass: the caller runs
         :meth:`schedule` once it has judged the GPU (see the daemon's reconciler).
         """
         gpu = self.gpus[gpu_index]
         mig = gpu.mig
         assert mig is not None and mig.space is not None, "only MIG GPUs have instances"
+        if read_at != self.books_version(gpu_index):
+            return self._outcome(stale=True, notes=["the GPU changed while it was read"])
+        self._touch(gpu_index)
         notes: list[str] = []
-        known = {i.start: i for i in mig.instances}
+        # A start can be in the books twice while work is pending (an instance being
+        # destroyed and the one planned in its place): each is matched by its profile.
+        known: dict[tuple[int, int], ManagedInstance] = {
+            (i.start, i.profile.profile_id): i for i in mig.instances
+        }
         fresh: list[ManagedInstance] = []
         for profile, start, gi_id, uuid, memory in observed:
-            inst = known.pop(start, None)
-            if inst is not None and inst.profile.profile_id == profile.profile_id:
+            inst = known.pop((start, profile.profile_id), None)
+            if inst is not None:
                 inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
-                if inst.status is not InstanceStatus.CREATING:
+                if inst.status is InstanceStatus.DESTROYING and self._pending_destroy(
+                    gpu_index, start
+                ):
+                    pass  # its destroy is queued: it stays out of reach until then
+                elif inst.status is not InstanceStatus.CREATING:
                     inst.status = InstanceStatus.READY
                 if (
                     inst.origin is Origin.UNEXPLAINED
@@ -617,6 +666,10 @@ class NodeScheduler:
             if gone.status is InstanceStatus.CREATING:
                 fresh.append(gone)  # creation still in flight
                 continue
+            if gone.status is InstanceStatus.DESTROYING and self._pending_destroy(
+                gpu_index, gone.start
+            ):
+                continue  # destroyed on the GPU; its work's result is on its way
             notes.append(f"{gone} disappeared")
             for lease in self._leases_on(gone):
                 if lease.state.holds_resources:
@@ -632,6 +685,14 @@ class NodeScheduler:
             gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
             notes.append(reason)
         return self._outcome(notes=notes)
+
+    def _pending_destroy(self, gpu_index: int, start: int) -> bool:
+        """Whether pending work destroys the instance at ``start`` of a GPU."""
+        return any(
+            work.gpu == gpu_index
+            and any(isinstance(op, DestroyOp) and op.start == start for op in work.ops)
+            for work in self._pending_work.values()
+        )
 
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
 
@@ -654,6 +715,7 @@ class NodeScheduler:
         self.queue.remove(lease_id)
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
+            self._touch(lease.gpu)
             gpu = self.gpus[lease.gpu]
             work.extend(self.mode_ops(gpu).release(gpu, lease, now_s))
             self._stamp_idle(gpu, now_s, mono_s)
@@ -669,6 +731,7 @@ class NodeScheduler:
         reclaimed; any other is bound to its instance, share or GPU again.
         """
         self.leases[lease.lease_id] = lease
+        self._touch(lease.gpu)
         if lease.state in (LeaseState.QUEUED, LeaseState.PREPARING):
             reason = "daemon restarted while waiting"
             self.transition(lease, LeaseEvent.RELEASE, now_s, reason=reason)
@@ -695,6 +758,7 @@ class NodeScheduler:
         inst = self.gpus[lease.gpu].instance_of(lease_id)
         if inst is None:
             return None
+        self._touch(lease.gpu)
         inst.origin, inst.note = Origin.UNEXPLAINED, why
         return str(inst)
 
@@ -705,6 +769,7 @@ class NodeScheduler:
         A share inside a MIG instance goes back to its host instance (which becomes an
         MPS host again, explained by the lease). False: that instance is gone.
         """
+        self._touch(gpu.index)
         return not self.mode_ops(gpu).restore(gpu, lease)
 
     def heartbeat(self, lease_id: str, now_s: float, mono_s: float) -> Lease:
@@ -801,6 +866,7 @@ class NodeScheduler:
         once, and the work is pending until done."""
         if not instances:
             return []
+        self._touch(gpu.index)
         for inst in instances:
             assert not inst.busy
             inst.status = InstanceStatus.DESTROYING

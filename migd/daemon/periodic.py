@@ -29,7 +29,7 @@ import structlog
 
 from migd.core.condor_shares import OfflineShares
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu, Origin
+from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
@@ -95,11 +95,13 @@ class Reaper:
             if still_used and lease.gpu is not None:
                 # Mark it before the release: the release schedules queued requests, and
                 # none of them may be given an instance a dead holder's process still uses.
-                inst = ctx.sched.gpus[lease.gpu].instance_of(lease.lease_id)
-                if inst is not None:
-                    inst.origin = Origin.UNEXPLAINED
-                    inst.note = f"holder of {lease.lease_id} died but processes remain"
-                    log.warning("reaper.instance_in_use", gpu=lease.gpu, instance=str(inst))
+                # Through the scheduler, so the GPU's books version changes with it (a
+                # resync that read the GPU before this must not undo it).
+                where = ctx.sched.quarantine(
+                    lease.lease_id, f"holder of {lease.lease_id} died but processes remain"
+                )
+                if where is not None:
+                    log.warning("reaper.instance_in_use", gpu=lease.gpu, instance=where)
             self.leases.release(lease, reason, reclaim=True)
 
 
@@ -314,19 +316,25 @@ class PeriodicTasks:
         ctx = self.ctx
         while True:
             await asyncio.sleep(ctx.config.reaper.interval_s)
-            now, mono = ctx.now()
             try:
-                await self.reaper.reap(now, mono)
-                self.mps.kick_housekeeping()
-                for gpu in list(ctx.sched.gpus.values()):
-                    if self.reconciler.needs_resync(gpu):
-                        for note in await self.reconciler.resync_gpu(gpu.index):
-                            log.info("resync", gpu=gpu.index, note=note)
-                        self.reconciler.forget_explained(gpu.index)
-                        # Judged afresh, the GPU may take work again: place what fits.
-                        self.leases.apply(ctx.sched.schedule(now, mono))
+                await self.reaper_round()
             except Exception as exc:
                 log.exception("reaper.crashed", error=str(exc))
+
+    async def reaper_round(self) -> None:
+        """One round of the reaper loop (the interleaving tests step it directly)."""
+        ctx = self.ctx
+        now, mono = ctx.now()
+        await self.reaper.reap(now, mono)
+        self.mps.kick_housekeeping()
+        for gpu in list(ctx.sched.gpus.values()):
+            if self.reconciler.needs_resync(gpu):
+                for note in await self.reconciler.resync_gpu(gpu.index):
+                    log.info("resync", gpu=gpu.index, note=note)
+                self.reconciler.forget_explained(gpu.index)
+                # Judged afresh, the GPU may take work again: place what fits.
+                now, mono = ctx.now()
+                self.leases.apply(ctx.sched.schedule(now, mono))
 
     async def timer_loop(self) -> None:
         while True:

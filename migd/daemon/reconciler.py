@@ -52,6 +52,8 @@ class Reconciler:
         self.mps = mps
         self.reap = reap
         self._configured_space: dict[int, StateSpace] = {}  # GPU -> its policy.profiles space
+        # GPUs whose last resync found only reads older than their books: read again.
+        self._unsettled: set[int] = set()
 
     # -- how each GPU is managed ------------------------------------------------------------
 
@@ -230,8 +232,10 @@ class Reconciler:
     def needs_resync(self, gpu: ManagedGpu) -> bool:
         """Instances that had processes without a lease are adopted once they empty;
         a GPU an earlier resync found wanting is judged again."""
-        return "resync" in gpu.health.conditions or any(
-            i.origin is Origin.UNEXPLAINED for i in gpu.instances
+        return (
+            "resync" in gpu.health.conditions
+            or gpu.index in self._unsettled
+            or any(i.origin is Origin.UNEXPLAINED for i in gpu.instances)
         )
 
     async def resync_gpu(self, index: int) -> list[str]:
@@ -249,15 +253,46 @@ class Reconciler:
         gpu = sched.gpus[index]
         assert gpu.space is not None
         configured = self._configured_space.setdefault(index, gpu.space)
-        try:
-            instances = await self.executor.on_gpu(index, ctx.backend.list_instances, index)
-            in_use = await self.executor.on_gpu(index, self._instances_in_use, index, instances)
-        except (MigdError, TimeoutError) as exc:
-            reason = f"cannot read instances: {exc}"
-            gpu.health.raise_("resync", reason, ctx.clock.now())
-            return [reason]
-        # Nothing below waits: the books and the health change in one step. An earlier
-        # resync's verdict is judged afresh below (no other source's is touched).
+        # The GPU is read in its thread while the event loop goes on: work finishes and is
+        # granted, leases end, teardowns are planned. The read is applied only if the
+        # books did not change since it began (NodeScheduler.books_version); otherwise it
+        # is read again, and after READ_TRIES the reaper's next round tries again.
+        for _ in range(self.READ_TRIES):
+            read_at = sched.books_version(index)
+            try:
+                # One call in the GPU's thread: work queued there cannot run between the
+                # list and the process reads (a destroy did, and the process read failed).
+                instances, in_use = await self.executor.on_gpu(index, self._read_gpu, index)
+            except (MigdError, TimeoutError) as exc:
+                reason = f"cannot read instances: {exc}"
+                gpu.health.raise_("resync", reason, ctx.clock.now())
+                return [reason]
+            if sched.books_version(index) == read_at:
+                break
+        else:
+            self._unsettled.add(index)
+            log.info("resync.deferred", gpu=index, reason="the GPU's books kept changing")
+            return []
+        self._unsettled.discard(index)
+        return self._apply_read(index, configured, instances, in_use, read_at)
+
+    #: Reads of one resync before it leaves the GPU to the reaper's next round.
+    READ_TRIES = 5
+
+    def _apply_read(
+        self,
+        index: int,
+        configured: StateSpace,
+        instances: list[MigInstance],
+        in_use: set[int],
+        read_at: int,
+    ) -> list[str]:
+        """Judge one read of GPU ``index`` taken at books version ``read_at`` (no awaits:
+        the books and the health change in one step)."""
+        ctx = self.ctx
+        sched = ctx.sched
+        gpu = sched.gpus[index]
+        # An earlier resync's verdict is judged afresh below (no other source's is touched).
         gpu.health.clear("resync")
         observed: list[tuple[Profile, int, int | None, str | None, int]] = []
         notes: list[str] = []
@@ -297,7 +332,8 @@ class Reconciler:
         )
         now, _ = ctx.now()
         own = ctx.db.own_instances(gpu.uuid)
-        resynced = sched.resync(index, observed, busy, now)
+        resynced = sched.resync(index, observed, busy, now, read_at=read_at)
+        assert not resynced.stale, "read and applied with no await between the check and here"
         notes += resynced.notes
         self.leases.apply(resynced)
         for managed in gpu.instances:
@@ -332,6 +368,11 @@ class Reconciler:
             notes.append(f"destroying {', '.join(str(op) for op in work.ops)} (incomplete)")
         self.leases.apply(teardown)
         return notes
+
+    def _read_gpu(self, index: int) -> tuple[list[MigInstance], set[int]]:
+        """The GPU's instances and those in use, read together (GPU thread)."""
+        instances = self.ctx.backend.list_instances(index)
+        return instances, self._instances_in_use(index, instances)
 
     def _instances_in_use(self, index: int, instances: list[MigInstance]) -> set[int]:
         """GPU instance ids with processes on any of their compute instances (GPU thread)."""

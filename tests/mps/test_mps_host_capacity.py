@@ -43,7 +43,13 @@ def test_a_host_restored_after_a_restart_keeps_the_reported_total() -> None:
     gpu = mig_gpu(mps_in_mig=True)
     node = NodeScheduler([gpu])
     profile = gpu.space.member("1g.5gb")  # type: ignore[union-attr]
-    node.resync(0, [(profile, 6, 13, "MIG-host", REPORTED_MIB)], {"MIG-host"}, 1.0)
+    node.resync(
+        0,
+        [(profile, 6, 13, "MIG-host", REPORTED_MIB)],
+        {"MIG-host"},
+        1.0,
+        read_at=node.books_version(0),
+    )
     share = Lease(
         "a",
         LeaseRequest("job", 1000, mode="mps"),

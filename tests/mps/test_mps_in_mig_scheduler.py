@@ -176,6 +176,7 @@ def test_restart_restores_a_share_onto_its_host_instance() -> None:
         [(host.profile, host.start, host.gi_id, host.uuid, host.memory_mib)],
         {host.uuid or ""},
         5.0,
+        read_at=fresh.books_version(0),
     )
     (found,) = fresh_gpu.instances
     assert found.origin is Origin.UNEXPLAINED  # processes without a lease, until restored
@@ -303,7 +304,7 @@ def test_mps_in_mig_invariants(idle: str, steps: list[tuple[str, int, str, int]]
                     for i in g.instances
                     if i.status is InstanceStatus.READY
                 ]
-                node.resync(work.gpu, observed, set(), now)
+                node.resync(work.gpu, observed, set(), now, read_at=node.books_version(work.gpu))
             take(node.schedule(now, now).work)
         elif action == "idle":
             take(node.idle_teardown(now, now).work)

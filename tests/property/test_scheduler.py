@@ -146,7 +146,7 @@ def test_scheduler_invariants(
                     for i in gpu.instances
                     if i.status is InstanceStatus.READY
                 ]
-                node.resync(work.gpu, observed, set(), now)
+                node.resync(work.gpu, observed, set(), now, read_at=node.books_version(work.gpu))
                 take(node.schedule(now, now).work)
         elif action == "idle":
             take(node.idle_teardown(now, now).work)

@@ -72,9 +72,9 @@ def test_a_quarantined_instance_is_not_reused_until_its_processes_exit() -> None
         for w in node.idle_teardown(100.0, 100.0).work
         for op in w.ops
     )
-    node.resync(0, _observed(node), {inst.uuid}, 101.0)
+    node.resync(0, _observed(node), {inst.uuid}, 101.0, read_at=node.books_version(0))
     assert inst.origin is Origin.UNEXPLAINED  # still in use
-    node.resync(0, _observed(node), set(), 102.0)
+    node.resync(0, _observed(node), set(), 102.0, read_at=node.books_version(0))
     assert inst.origin is Origin.ADOPTED and not inst.busy  # the processes exited
     third = _grant(node, "C", 4000, 103.0)
     assert third.start == inst.start  # usable again
@@ -89,7 +89,7 @@ def test_a_resync_quarantines_an_idle_instance_that_has_processes() -> None:
     assert inst is not None and inst.uuid is not None
     _run(node, node.release("A", 2.0, 2.0).work, 2.0)
     assert not inst.busy
-    resynced = node.resync(0, _observed(node), {inst.uuid}, 3.0)
+    resynced = node.resync(0, _observed(node), {inst.uuid}, 3.0, read_at=node.books_version(0))
     assert inst.busy and inst.origin is Origin.UNEXPLAINED
     assert any("without a migd lease" in n for n in resynced.notes)
     assert _grant(node, "B", 4000, 4.0).start != inst.start
