@@ -591,3 +591,40 @@ def share_environment(
         pipe_dir=pipe_dir,
         log_dir=log_dir,
     )
+
+
+#: The first driver branch with MPS v3 memory partitioning (CUDA 13.4): per-cgroup
+#: device-memory limits through ``nvmlDeviceSetMemoryLimits_v1``
+#: (docs.nvidia.com/deploy/mps/latest/mpsv3-memory-partitioning.html).
+MPS_V3_MIN_DRIVER_MAJOR = 615
+#: The NVML entry point that sets them (docs.nvidia.com/deploy/nvml-api/api/
+#: structnvmlSetMemoryLimits__v1__t.html).
+MPS_V3_NVML_SYMBOL = "nvmlDeviceSetMemoryLimits_v1"
+
+
+def mps_v3_unsupported(
+    driver_version: str, *, has_symbol: bool, mig_enabled: bool, cgroup_v2: bool
+) -> str | None:
+    """Why per-cgroup memory limits cannot be used on a GPU, or ``None`` if they can.
+
+    NVIDIA's requirements: driver r615 / CUDA 13.4 or later, cgroup v2, "a non-MIG
+    device" (mpsv3-memory-partitioning), and NVML's ``nvmlDeviceSetMemoryLimits_v1``
+    ("MIG handles are not supported"). Both the driver version and the symbol are
+    checked: a library can be newer or older than the kernel driver it talks to.
+    """
+    try:
+        major = int(driver_version.split(".", 1)[0])
+    except ValueError:
+        return f"driver version {driver_version!r} cannot be read"
+    if major < MPS_V3_MIN_DRIVER_MAJOR:
+        return (
+            f"driver {driver_version} is older than r{MPS_V3_MIN_DRIVER_MAJOR} "
+            "(MPS v3 memory partitioning needs r615 / CUDA 13.4)"
+        )
+    if not has_symbol:
+        return f"the NVML library has no {MPS_V3_NVML_SYMBOL}"
+    if mig_enabled:
+        return "MIG is enabled: per-cgroup memory limits need a non-MIG device"
+    if not cgroup_v2:
+        return "the host does not use cgroup v2 (unified hierarchy)"
+    return None
