@@ -221,7 +221,7 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
         capture_output=True,
         text=True,
         env=env,
-        timeout=400,
+        timeout=900,
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
@@ -237,5 +237,12 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
         record = json.loads((out / "calibrate.json").read_text())
         assert record["status"] == "complete" and record["left_on_gpu"] == []
         assert (out / "calibrate.json.steps.jsonl").read_text().count('"step": "placement"')
-        assert "set GPU_UUID=MIG-" in log  # no MIG device to run MPS in: said, not guessed
-    assert "no MPS daemon left running" in log
+        assert record["in_use"]["nvml_error"] == "NVML_ERROR_IN_USE"  # the busy destroy
+        # MPS inside a MIG device the check made and destroyed, and migd in MIG mode
+        assert "[mps_gpu_check in a MIG device exit 0]" in log
+        assert "[gpu_probe with an instance exit 0]" in log
+        assert "[gpu_daemon_check (mig) exit 0]" in log
+    if "mig=off" in description:
+        assert "[gpu_daemon_check (mps) exit 0]" in log
+    assert "no nv-hostengine (DCGM) running" in log
+    assert log.rstrip().count("no MPS daemon left running") >= 2
