@@ -122,9 +122,10 @@ class Steps:
         line = {"step": kind, **entry}
         self.lines.append(line)
         if self._file is not None:
-            self._file.write(json.dumps(line, sort_keys=True) + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with stop_signals_held():  # whole lines only: a signal waits for the write
+                self._file.write(json.dumps(line, sort_keys=True) + "\n")
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is not None:
@@ -280,20 +281,34 @@ class Calibration:
                 geometry = self.backend.geometry(self.gpu)
                 for profile in geometry.profiles:
                     for start in self.starts(profile.profile_id):
-                        record["placements"].append(
-                            self._step(
-                                steps, "placement", self._placement, profile.profile_id, start
-                            )
+                        self._step(
+                            steps,
+                            "placement",
+                            record["placements"].append,
+                            self._placement,
+                            profile.profile_id,
+                            start,
                         )
                 for profile in geometry.profiles:
-                    record["overlaps"].append(
-                        self._step(steps, "overlap", self._overlap, profile.profile_id, geometry)
+                    self._step(
+                        steps,
+                        "overlap",
+                        record["overlaps"].append,
+                        self._overlap,
+                        profile.profile_id,
+                        geometry,
                     )
                 for profile in geometry.profiles:
-                    record["limits"].append(
-                        self._step(steps, "limit", self._limit, profile.profile_id)
+                    self._step(
+                        steps, "limit", record["limits"].append, self._limit, profile.profile_id
                     )
-                record["in_use"] = self._step(steps, "in_use", self._in_use, geometry)
+                self._step(
+                    steps,
+                    "in_use",
+                    lambda e: record.__setitem__("in_use", e),
+                    self._in_use,
+                    geometry,
+                )
             record["status"] = "complete"
         except Interrupted as sig:
             record["status"] = f"interrupted by {sig}"
@@ -306,7 +321,12 @@ class Calibration:
         return record
 
     def _step(
-        self, steps: Steps, kind: str, measure: Callable[..., dict[str, Any]], *args: Any
+        self,
+        steps: Steps,
+        kind: str,
+        keep: Callable[[dict[str, Any]], None],
+        measure: Callable[..., dict[str, Any]],
+        *args: Any,
     ) -> dict[str, Any]:
         """One measurement; an unexpected error is its result, and what it made is undone."""
         try:
@@ -319,6 +339,9 @@ class Calibration:
             left = self.reclaim()
             if left:
                 entry["left_on_gpu"] = left
+        # Into the record first, then onto disk: whatever the steps file shows, the record
+        # written at the end has too (a signal can come between the two).
+        keep(entry)
         steps.write(kind, entry)
         return entry
 
