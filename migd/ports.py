@@ -329,6 +329,42 @@ class MpsControl(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class CgroupMemoryLimit:
+    """A cgroup's device-memory limits on one GPU (``nvmlGetMemoryLimits_v1_t``), in MiB.
+
+    ``hard_mib`` ``None``: no limit (NVML: soft 0, hard ``NVML_DEVICE_MEMORY_LIMIT_MAX``).
+    """
+
+    cgroup: str
+    soft_mib: int
+    hard_mib: int | None
+    used_mib: int
+
+
+class CgroupMemoryLimits(Protocol):
+    """Per-cgroup device-memory limits: MPS v3 memory partitioning (driver r615 /
+    CUDA 13.4, ``nvmlDeviceSetMemoryLimits_v1`` with a cgroup path; docs/mps.md, "MPS v3").
+
+    Behind detection only: :meth:`support` says whether this GPU can have them; the other
+    methods raise :class:`~migd.errors.GpuError` subclasses where NVML refuses.
+    """
+
+    def support(self, gpu: int) -> str | None:
+        """``None`` if the GPU takes per-cgroup limits, else why not (for ``migctl``)."""
+        ...
+
+    def set_limit(self, gpu: int, cgroup: str, hard_mib: int, soft_mib: int = 0) -> None:
+        """Limit what the processes of ``cgroup`` (a cgroup v2 directory) may allocate."""
+        ...
+
+    def get_limit(self, gpu: int, cgroup: str) -> CgroupMemoryLimit: ...
+
+    def clear_limit(self, gpu: int, cgroup: str) -> None:
+        """Remove the limits (NVML: soft 0, hard ``NVML_DEVICE_MEMORY_LIMIT_MAX``)."""
+        ...
+
+
 class Accounts(Protocol):
     """The host's users and groups, as the API's access rules need them (names in the
     configuration, memberships of a peer). The real one reads the passwd and group

@@ -16,12 +16,15 @@
 # It changes no GPU setting (MPS runs in the DEFAULT compute mode); every MPS daemon it
 # starts has its own pipe directory under the private directory.
 # MIGD_SIMULATE=1xV100-32GB runs the same steps on the simulated backend (no GPU).
+# MIGD_MODE=mig runs them with GPU 0 in migd's MIG mode (the GPU must already be in MIG
+# mode and empty; migd makes and destroys the jobs' instances); default mps.
 # Results: OUT_DIR/daemon_check.log, migd.log, status-*.json, usage-hw1.json,
 # explain-hw2.json, leases.json.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_daemon_check.sh OUT_DIR}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHON=${PYTHON:-python3}
+MODE=${MIGD_MODE:-mps}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/daemon_check.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$HERE/..${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,7 +45,7 @@ start_migd() {
 # background (pid in JOB), back once it holds its memory (PyTorch takes seconds to start)
 start_job() {
   MARK=$ROOT/$1.allocated "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 4G \
-    --mode mps --job-id "$1" -- "$PYTHON" "$ROOT/job.py" "$2" "$3" &
+    --mode "$MODE" --job-id "$1" -- "$PYTHON" "$ROOT/job.py" "$2" "$3" &
   JOB=$!
   for _ in $(seq 300); do [[ -e $ROOT/$1.allocated ]] && break; sleep 0.2; done
 }
@@ -60,7 +63,7 @@ socket = "$SOCK"
 offline_gpus = false
 [[gpu]]
 match = "0"
-mode = "mps"
+mode = "$MODE"
 EOF
 # The job: allocate TARGET MiB in 64 MiB pieces with PyTorch, hold it, exit 0; a CUDA OOM
 # goes to stderr as PyTorch prints it, exit 1. On the simulated backend: its CUDA job.
@@ -85,7 +88,7 @@ if os.environ.get("MARK"):
 time.sleep(hold)
 EOF
 
-step "1. migd (backend ${MIGD_SIMULATE:+simulated }nvml)"
+step "1. migd (backend ${MIGD_SIMULATE:+simulated }nvml, GPU 0 mode $MODE)"
 sim=()
 [[ -n ${MIGD_SIMULATE:-} ]] && sim=(--simulate "$MIGD_SIMULATE")
 start_migd
@@ -103,7 +106,7 @@ wait $JOB
 echo "[hw.1 exit $?]"
 
 step "3. hw.2: a 2 GiB share, 3000 MiB allocated: OOM, then a bigger share"
-"$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 2G --mode mps --job-id hw.2 \
+"$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 2G --mode "$MODE" --job-id hw.2 \
   -- "$PYTHON" "$ROOT/job.py" 3000 1
 echo "[hw.2 exit $?]"
 ctl explain hw.2 --json >"$OUT/explain-hw2.json" 2>&1 || ctl explain hw.2

@@ -33,6 +33,10 @@
 #                server has a client (step 7c); skipped when unset.
 #   SECOND_PYTHON interpreter for that user's client (default /usr/bin/python3: the first
 #                user's may sit in a private directory).
+#   CAP_CLIENTS  how many light clients (driver API, no PyTorch) step 10 starts at once to
+#                find the client cap (default 50: NVIDIA documents 48 since Volta)
+# A client that is to be held writes a mark file once it has its memory; the script waits
+# for that mark (never a fixed sleep: a client took from 45 ms to seconds to connect).
 # Each step appends to the summary on its own, on purpose (SC2129).
 # shellcheck disable=SC2129
 set -uo pipefail
@@ -47,6 +51,10 @@ MPS_CONTROL=${MPS_CONTROL:-nvidia-cuda-mps-control}
 PYTHON=${PYTHON:-python3}
 LIMIT_MIB=${LIMIT_MIB:-1024}
 DEFAULT_MIB=${DEFAULT_MIB:-2048}
+CAP_CLIENTS=${CAP_CLIENTS:-50}
+# Above a CUDA context (about 514 MiB with PyTorch on CUDA 13, H200 recording) and below
+# the daemon's limit: a client under it starts and then runs out at this limit.
+MB_LIMIT=$((LIMIT_MIB + 256))
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 problems=()
@@ -77,14 +85,17 @@ plan (GPU_UUID=${GPU_UUID:-?} MPS_CONTROL=$MPS_CONTROL LIMIT_MIB=$LIMIT_MIB DEFA
  3. server list, thread percentage, pinned limits by UUID and by index, a malformed command
  4. a client over its env limit (0=${LIMIT_MIB}M)
  5. a client without the variable (the daemon's default, ${DEFAULT_MIB}M)
- 6. a client whose variable is above the default; one with the MB suffix (0=$((LIMIT_MIB / 2))MB)
+ 6. a client whose variable is above the default; one with the MB suffix (0=${MB_LIMIT}MB,
+    above a CUDA context so that it shows the allocation limit)
  7. a held client with a compute share: its server's clients, limit and percentage, and
     NVML's process listing meanwhile (scripts/gpu_probe.py -> probe_during_mps.json)
  7b. two clients of one job at once, each under the job's limit (is the limit per process?)
  7c. a second user's client while the first user's client runs (SECOND_USER=${SECOND_USER:-unset})
  7d. a client that faults (illegal address in a kernel), then the server and a new client
- 8. quit while a client still runs (does quit wait?), kill by pid if it will not go,
-    the front end again
+ 8. quit while a connected client still holds memory (does quit wait?), kill by pid if it
+    will not go, the front end again
+ 10. the client cap: $CAP_CLIENTS light clients at once on a fresh daemon (how many connect?)
+ 11. -M (multi-user) daemon with a non-root client (SECOND_USER=${SECOND_USER:-unset})
  9. migd's MpsManager on the device: a share of $LIMIT_MIB MiB, clients classified by
     migd.core.oom (scripts/mps_migd_check.py), the daemon stopped
 results: $OUT_ROOT/<UTC>-<host>/ summary.txt clients.jsonl migd_check.json result.json *.log
@@ -191,11 +202,14 @@ import ctypes, json, os, sys, time
 label, target_mib = sys.argv[1], int(sys.argv[2])
 chunk_mib = int(os.environ.get("CHUNK_MIB", "64"))
 hold_s = float(os.environ.get("HOLD_S", "0"))
+mark = os.environ.get("MARK", "")
 result = {
     "label": label, "pid": os.getpid(), "target_mib": target_mib,
     "env": {k: v for k, v in os.environ.items() if k.startswith("CUDA_")},
 }
 try:
+    if os.environ.get("FORCE_DRIVER_API"):
+        raise ImportError("driver API asked for")
     import torch
     result["api"] = f"torch {torch.__version__}"
     free, total = torch.cuda.mem_get_info()
@@ -251,10 +265,25 @@ except ImportError:
     except RuntimeError as exc:
         result["outcome"], result["error"] = "error", str(exc.args[0])
         print(result["error"], file=sys.stderr, flush=True)
+if mark:  # connected (or failed): whoever waits for this client may go on
+    open(mark, "w").close()
 if hold_s:
     time.sleep(hold_s)
 print(json.dumps(result), flush=True)
 PY
+
+# wait_mark FILE PID: until the client PID wrote FILE (it is connected) or is gone
+wait_mark() {
+  local i
+  for i in $(seq 1200); do
+    [[ -e $1 ]] && return 0
+    kill -0 "$2" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "[waited $((i / 10)) s for $1 of client $2: $([[ -e $1 ]] && echo there || echo missing)]" \
+    >>"$SUMMARY"
+  [[ -e $1 ]]
+}
 
 # record CMD...: run a client program; its one JSON line goes to clients.jsonl and the
 # summary in a single write each, so clients running at once never interleave their lines.
@@ -325,14 +354,14 @@ note "6. client whose env limit is above the daemon default (NVIDIA: it does not
 client env_above_default $((DEFAULT_MIB + 512)) \
   CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=$((DEFAULT_MIB + 1024))M"
 
-note "6b. client with the suffix of NVIDIA's example, 0=$((LIMIT_MIB / 2))MB (expect OOM there)"
-client env_MB_suffix "$LIMIT_MIB" CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=$((LIMIT_MIB / 2))MB"
+note "6b. client with the suffix of NVIDIA's example, 0=${MB_LIMIT}MB (expect OOM there, context included)"
+client env_MB_suffix $((MB_LIMIT * 2)) CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${MB_LIMIT}MB"
 
 note "7. client with a compute share, and the server/client lists while it runs"
-HOLD_S=5 client held 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" \
+HOLD_S=5 MARK=$WORK/held.mark client held 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" \
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 &
 held=$!
-sleep 3
+wait_mark "$WORK/held.mark" "$held"
 servers=$(ctl get_server_list)
 for server in $servers; do
   ctl "get_client_list $server" "get_device_pinned_mem_limit $server 0" \
@@ -353,9 +382,9 @@ wait "$first"
 note "7c. a second user's client while the first user's client runs"
 if [[ -n ${SECOND_USER:-} && $(id -u) == 0 ]]; then
   chmod 755 "$WORK" && chmod 644 "$WORK/client.py"
-  HOLD_S=10 client first_user 256 &
+  HOLD_S=10 MARK=$WORK/first_user.mark client first_user 256 &
   holder=$!
-  sleep 3
+  wait_mark "$WORK/first_user.mark" "$holder"
   note "client second_user ($SECOND_USER): expect it to wait for the first user's server"
   start=$(date +%s)
   record timeout 60 runuser -u "$SECOND_USER" -- env CUDA_MPS_PIPE_DIRECTORY="$PIPE" \
@@ -401,19 +430,19 @@ except OSError as exc:
     result["error"] = f"no CUDA driver library: {exc}"
 print(json.dumps(result), flush=True)
 PY
-HOLD_S=8 client bystander 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
+HOLD_S=8 MARK=$WORK/bystander.mark client bystander 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
 bystander=$!
-sleep 2
+wait_mark "$WORK/bystander.mark" "$bystander"
 record env CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" \
   CUDA_VISIBLE_DEVICES="$GPU_UUID" timeout 60 "$PYTHON" "$WORK/fault.py"
 wait "$bystander"
 ctl get_server_list >/dev/null
 client after_fault 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M"
 
-note "8. quit while a client runs (does quit wait for it?), then the front end again"
-HOLD_S=10 client live_at_quit 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
+note "8. quit while a connected client holds memory (does quit wait for it?), then the front end again"
+HOLD_S=10 MARK=$WORK/live.mark client live_at_quit 256 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
 live=$!
-sleep 3
+wait_mark "$WORK/live.mark" "$live" && echo "[client $live is connected and holds its memory]" >>"$SUMMARY"
 start=$(date +%s)
 note "stop: quit daemon ${DAEMON_PID:-?} while client $live runs"
 ctl quit >/dev/null
@@ -429,6 +458,50 @@ note "9. migd's MpsManager against $MPS_CONTROL (scripts/mps_migd_check.py)"
   --limit-mib "$LIMIT_MIB" --out "$RUN_DIR/migd_check.json" -- "$PYTHON" "$WORK/client.py" \
   >>"$SUMMARY" 2>&1
 echo "[exit $?]" >>"$SUMMARY"
+
+# start_private_daemon [-M]: a fresh daemon on the private pipe directory (DAEMON_PID)
+start_private_daemon() {
+  CUDA_MPS_PIPE_DIRECTORY="$PIPE" CUDA_MPS_LOG_DIRECTORY="$LOGD" CUDA_VISIBLE_DEVICES="$GPU_UUID" \
+    timeout 60 "$MPS_CONTROL" -d "$@" >>"$SUMMARY" 2>&1
+  echo "[exit $? of -d $*]" >>"$SUMMARY"
+  for _ in $(seq 100); do
+    [[ -s "$PIPE/nvidia-cuda-mps-control.pid" ]] && break
+    sleep 0.1
+  done
+  DAEMON_PID=$(cat "$PIPE/nvidia-cuda-mps-control.pid" 2>/dev/null)
+}
+
+note "10. the client cap: $CAP_CLIENTS light clients (driver API) at once on a fresh daemon"
+start_private_daemon
+caps=()
+for i in $(seq "$CAP_CLIENTS"); do
+  FORCE_DRIVER_API=1 HOLD_S=20 MARK=$WORK/cap$i.mark CHUNK_MIB=16 \
+    client "cap_$i" 16 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" &
+  caps+=($!)
+done
+for i in $(seq "$CAP_CLIENTS"); do
+  wait_mark "$WORK/cap$i.mark" "${caps[$((i - 1))]}"
+done
+servers=$(ctl get_server_list)
+for server in $servers; do
+  connected=$(ctl "get_client_list $server" | grep -c '^[0-9]')
+  echo "[client cap: $connected of $CAP_CLIENTS clients connected to server $server]" >>"$SUMMARY"
+done
+wait "${caps[@]}"
+stop_daemon
+
+note "11. a -M (multi-user) daemon and a non-root client"
+if [[ -n ${SECOND_USER:-} && $(id -u) == 0 ]]; then
+  start_private_daemon -M
+  chmod 755 "$WORK" "$PIPE" && chmod 644 "$WORK/client.py"
+  record timeout 60 runuser -u "$SECOND_USER" -- env CUDA_MPS_PIPE_DIRECTORY="$PIPE" \
+    CUDA_VISIBLE_DEVICES="$GPU_UUID" CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=${LIMIT_MIB}M" \
+    "${SECOND_PYTHON:-/usr/bin/python3}" "$WORK/client.py" multi_user_non_root 256
+  ctl get_server_list >/dev/null
+  stop_daemon
+else
+  echo "skipped: set SECOND_USER and run as root" >>"$SUMMARY"
+fi
 
 "$PYTHON" - "$RUN_DIR" "$GPU_UUID" >>"$SUMMARY" 2>&1 <<'PY'
 """Everything in one file for tests/data/: the raw clients, migd's check, the host."""

@@ -62,6 +62,33 @@ MPS_MAX_CLIENTS_NEWER = 60
 #: docs.nvidia.com/deploy/mps/latest/appendix-environment-variables.html).
 MPS_CLIENT_DEVICE_INDEX = 0
 
+# What MPS costs in device memory, measured on an NVIDIA H200 (driver 580.159.04, CUDA 13.0,
+# PyTorch 2.11 clients; tests/data/mps_gpu_check/20261126T015109Z-h200/):
+#: The MPS server's own memory: NVML listed it at 66 MiB (probe_during_mps.json, pid 595;
+#: PyTorch's OOM messages say "Process 595 has 66.00 MiB memory in use").
+MPS_SERVER_MIB = 66
+#: A client's CUDA context, which counts inside its pinned limit: with ``0=1024M``
+#: cudaMemGetInfo said 510 MiB free before any allocation (clients.jsonl, over_env_limit,
+#: same_job_a/b), so 514 MiB of the limit is the context at 100 % of the threads...
+MPS_CLIENT_CONTEXT_MIB = 514
+#: ...and 271 MiB at 50 % (the held client: 753 MiB free of 1024, NVML 530 MiB used with
+#: 256 MiB allocated). The per-thread stacks scale with the SMs a client may use.
+MPS_CLIENT_CONTEXT_MIB_AT_HALF = 271
+
+
+def client_context_mib(thread_percentage: int | None = None) -> int:
+    """Device memory a client's CUDA context takes out of its pinned limit.
+
+    A line through the two recorded points (514 MiB at 100 %, 271 MiB at 50 %): a fixed
+    part plus one in proportion to the active thread percentage. Between and below the
+    points it is inferred, and it was measured on one GPU model and one PyTorch: other
+    models (SM counts) and frameworks differ (docs/mps.md).
+    """
+    pct = 100 if thread_percentage is None else max(1, min(100, thread_percentage))
+    per_pct = (MPS_CLIENT_CONTEXT_MIB - MPS_CLIENT_CONTEXT_MIB_AT_HALF) / 50
+    fixed = MPS_CLIENT_CONTEXT_MIB - 100 * per_pct
+    return round(fixed + per_pct * pct)
+
 
 class UserPolicy(StrEnum):
     """How shares of different Linux users may use one MPS device."""
@@ -444,16 +471,35 @@ def parse_limit_mib(text: str) -> int | None:
     return None
 
 
-def limit_applied(read_back: str, target_mib: int) -> bool:
-    """Whether a limit read back with ``get_*_pinned_mem_limit`` is the one that was set.
+def readable_limit_mib(memory_mib: int) -> int:
+    """The limit migd sets on an MPS daemon or server for a share of ``memory_mib``.
 
-    Drivers print limits of 1 GiB and more as whole ``G``, rounded down
-    (:func:`parse_limit_mib`), so ``4500M`` may read back as ``4G``.
+    Drivers print limits of 1 GiB and more as whole, rounded-down ``G`` (an H200,
+    driver 580.159.04, showed 1536M as ``1G``: tests/data/mps_gpu_check/), so a read-back
+    of ``1G`` cannot tell a 1536M limit that took effect from an old 1024M one that
+    stayed. The daemon's bound is therefore set to a value that reads back exactly: as
+    is below 1 GiB, rounded *up* to whole GiB from 1 GiB on. The job's own
+    ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` stays exact (``0=<N>M``), and only lowers the
+    server's; the rounding only lets a job that drops its variable reach up to 1023 MiB
+    past the largest share (docs/mps.md).
+    """
+    if memory_mib <= 0:
+        raise InvalidRequest(f"MPS memory limit must be positive, got {memory_mib}")
+    if memory_mib < 1024:
+        return memory_mib
+    return -(-memory_mib // 1024) * 1024
+
+
+def limit_applied(read_back: str, target_mib: int) -> bool:
+    """Whether a limit read back with ``get_*_pinned_mem_limit`` is ``target_mib``, exactly.
+
+    Exact on purpose: a target the driver cannot show exactly (1 GiB or more, not whole
+    GiB) is never confirmed, since ``1G`` is what 1024 to 2047 MiB all read back as. migd
+    sets only :func:`readable_limit_mib` values, which read back exactly (``"1536M"`` from
+    an older driver still matches 1536).
     """
     read = parse_limit_mib(read_back)
-    if read is None:
-        return False
-    return read == target_mib or (read % 1024 == 0 and read == target_mib // 1024 * 1024)
+    return read is not None and read == target_mib
 
 
 def parse_pinned_limit_env(value: str, device_uuid: str | None = None) -> int | None:
@@ -545,3 +591,40 @@ def share_environment(
         pipe_dir=pipe_dir,
         log_dir=log_dir,
     )
+
+
+#: The first driver branch with MPS v3 memory partitioning (CUDA 13.4): per-cgroup
+#: device-memory limits through ``nvmlDeviceSetMemoryLimits_v1``
+#: (docs.nvidia.com/deploy/mps/latest/mpsv3-memory-partitioning.html).
+MPS_V3_MIN_DRIVER_MAJOR = 615
+#: The NVML entry point that sets them (docs.nvidia.com/deploy/nvml-api/api/
+#: structnvmlSetMemoryLimits__v1__t.html).
+MPS_V3_NVML_SYMBOL = "nvmlDeviceSetMemoryLimits_v1"
+
+
+def mps_v3_unsupported(
+    driver_version: str, *, has_symbol: bool, mig_enabled: bool, cgroup_v2: bool
+) -> str | None:
+    """Why per-cgroup memory limits cannot be used on a GPU, or ``None`` if they can.
+
+    NVIDIA's requirements: driver r615 / CUDA 13.4 or later, cgroup v2, "a non-MIG
+    device" (mpsv3-memory-partitioning), and NVML's ``nvmlDeviceSetMemoryLimits_v1``
+    ("MIG handles are not supported"). Both the driver version and the symbol are
+    checked: a library can be newer or older than the kernel driver it talks to.
+    """
+    try:
+        major = int(driver_version.split(".", 1)[0])
+    except ValueError:
+        return f"driver version {driver_version!r} cannot be read"
+    if major < MPS_V3_MIN_DRIVER_MAJOR:
+        return (
+            f"driver {driver_version} is older than r{MPS_V3_MIN_DRIVER_MAJOR} "
+            "(MPS v3 memory partitioning needs r615 / CUDA 13.4)"
+        )
+    if not has_symbol:
+        return f"the NVML library has no {MPS_V3_NVML_SYMBOL}"
+    if mig_enabled:
+        return "MIG is enabled: per-cgroup memory limits need a non-MIG device"
+    if not cgroup_v2:
+        return "the host does not use cgroup v2 (unified hierarchy)"
+    return None

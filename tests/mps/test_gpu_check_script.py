@@ -122,6 +122,7 @@ def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
     stand_in_nvidia_smi(bin_dir, mig="Disabled")
     env = script_env(bin_dir, fake_binary)
     env["PYTHONPATH"] = str(REPO)
+    env["CAP_CLIENTS"] = "3"  # step 10's light clients: few, on a shared 2-core machine
     run = subprocess.run(
         ["bash", str(SCRIPT), str(tmp_path / "out")],
         capture_output=True,
@@ -137,7 +138,11 @@ def test_a_whole_run_against_stand_ins_leaves_no_daemon_and_writes_result_json(
     assert "An instance of this daemon is already running" in summary
     result = json.loads((run_dir / "result.json").read_text())
     labels = [c["label"] for c in result["clients"]]
-    assert result["device"] == GPU and len(labels) == 11, labels
+    assert result["device"] == GPU and len(labels) == 14, labels
+    assert {"cap_1", "cap_2", "cap_3"} <= set(labels)
+    # Step 8 waits for the client's mark (it is connected), not a fixed sleep.
+    assert "sleep 3" not in SCRIPT.read_text()
+    assert "[client cap: " in summary or "client cap" in summary
     # Issue 13's additions: two clients of one job, a fault, a quit with a live client.
     assert {"same_job_a", "same_job_b", "fault", "after_fault", "live_at_quit"} <= set(labels)
     assert "quit returned after" in summary
@@ -185,3 +190,59 @@ def test_migd_check_classifies_the_clients_oom_and_stops_its_daemon(
     assert mb["client"]["limit_seen_mib"] == 512 and mb["verdict"]["kind"] == "strong"
     assert result["summary"]["migd_handles_the_oom"] is True
     assert result["stopped"] is True and not pid_alive(result["daemon"]["pid"])
+
+
+GPU_CHECKS = REPO / "scripts" / "gpu_checks.sh"
+
+
+@pytest.mark.slow  # every check script, end to end, on the simulated backend
+@pytest.mark.parametrize(
+    ("description", "mig_says"),
+    [
+        ("1xA100-40GB:mig=off", "STAY UNVERIFIED"),
+        ("1xA100-40GB", "[mig_calibrate exit 0]"),
+    ],
+)
+def test_gpu_checks_runs_every_step_on_the_simulated_backend(
+    tmp_path: Path, description: str, mig_says: str
+) -> None:
+    """``MIGD_SIMULATE=`` runs gpu_checks.sh without a GPU: the probe and the calibration on
+    the simulated node, the MPS check against the stand-in daemon; nothing is left running."""
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "MIGD_SIMULATE": description,
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+        "CAP_CLIENTS": "2",
+    }
+    run = subprocess.run(
+        ["bash", str(GPU_CHECKS), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    log = (out / "checks.log").read_text()
+    assert "SIMULATED: " + description in log and "[gpu_probe exit 0]" in log
+    assert mig_says in log
+    assert json.loads((out / "probe.json").read_text())["gpus"]
+    if "mig=off" in description:
+        assert "[mig_calibrate exit 3]" in log and "[mps_gpu_check exit 0]" in log
+        (mps_run,) = (out / "mps").iterdir()
+        assert json.loads((mps_run / "result.json").read_text())["migd"]["stopped"] is True
+    else:
+        record = json.loads((out / "calibrate.json").read_text())
+        assert record["status"] == "complete" and record["left_on_gpu"] == []
+        assert (out / "calibrate.json.steps.jsonl").read_text().count('"step": "placement"')
+        assert record["in_use"]["nvml_error"] == "NVML_ERROR_IN_USE"  # the busy destroy
+        # MPS inside a MIG device the check made and destroyed, and migd in MIG mode
+        assert "[mps_gpu_check in a MIG device exit 0]" in log
+        assert "[gpu_probe with an instance exit 0]" in log
+        assert "[gpu_daemon_check (mig) exit 0]" in log
+    if "mig=off" in description:
+        assert "[gpu_daemon_check (mps) exit 0]" in log
+    assert "no nv-hostengine (DCGM) running" in log
+    assert log.rstrip().count("no MPS daemon left running") >= 2

@@ -78,7 +78,7 @@ def test_daemon_starts_with_the_first_share_and_the_job_env_reaches_it(
     assert status["visible_devices"] == GPU
     assert status["multi_user"] is False
     # default limit for future servers and the pre-started server of the share's user
-    assert status["default_pinned_limits"] == {"0": "4096M"}
+    assert status["default_pinned_limits"] == {"0": "4096M", GPU: "4096M"}
     assert [(s["uid"], s["pinned_limits"]) for s in status["servers"]] == [(1000, {"0": "4096M"})]
     # a client using the job's pipe dir reaches that very daemon and server
     assert register_client(env, manager, client_procs(), 1000) == str(status["servers"][0]["pid"])
@@ -101,13 +101,13 @@ def test_limits_follow_the_largest_active_share_on_default_and_running_server(en
     manager.ensure_share(GPU, share("small", memory_mib=2048))
     manager.ensure_share(GPU, share("big", memory_mib=8192))
     status = fake_status(env, manager)
-    assert status["default_pinned_limits"] == {"0": "8192M"}
+    assert status["default_pinned_limits"] == {"0": "8192M", GPU: "8192M"}
     assert [s["pinned_limits"] for s in status["servers"]] == [{"0": "8192M"}]
     (entry,) = manager.status()
     assert entry.default_limit_mib == 8192
     manager.release_share(GPU, "big")
     status = fake_status(env, manager)
-    assert status["default_pinned_limits"] == {"0": "2048M"}
+    assert status["default_pinned_limits"] == {"0": "2048M", GPU: "2048M"}
     assert [s["pinned_limits"] for s in status["servers"]] == [{"0": "2048M"}]
 
 
@@ -274,29 +274,79 @@ def test_dead_control_daemon_is_restarted_with_its_shares_and_limits(env: Env) -
     assert new != old and pid_alive(new)
     assert manager.ensure_share(GPU, share("job-1", memory_mib=6144)) == job_env
     status = fake_status(env, manager)
-    assert status["default_pinned_limits"] == {"0": "6144M"}
+    assert status["default_pinned_limits"] == {"0": "6144M", GPU: "6144M"}
     assert len(status["servers"]) == 1
 
 
-def test_daemon_refusing_clients_is_restarted(env: Env, client_procs: Callable[[], int]) -> None:
+def test_daemon_refusing_its_only_client_is_restarted_at_no_cost(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
+    """Nobody connected and a client refused: the server is sick, and a restart loses
+    nobody (issue 25: the event does not flag any lease)."""
     manager = env.manager()
     manager.ensure_share(GPU, share())
     old = daemon_pid(manager)
     fault_path(manager.pipe_dir(GPU), "refuse-clients").touch()
     assert "busy or unavailable" in register_client(env, manager, client_procs(), 1000)
 
-    (event,) = manager.check_health().events
-    assert (event.problem, event.action, event.ok) == (
+    report = manager.check_health()
+    (event,) = report.events
+    assert (event.problem, event.action, event.ok, event.clients_lost) == (
         "devices_unavailable",
         "restarted_daemon",
         True,
+        False,
     )
+    assert report.affected_devices == ()
     assert "all CUDA-capable devices are busy or unavailable" in event.detail
     wait_for(lambda: not pid_alive(old), what="old daemon gone")
     assert register_client(env, manager, client_procs(), 1000).isdigit()
 
 
-def test_client_report_of_unavailable_devices_restarts_the_daemon(env: Env) -> None:
+def test_a_refused_client_never_restarts_a_daemon_that_serves_others(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
+    """Issue 25: the client cap (here 2) refuses a third client. The daemon keeps serving
+    the two, no lease is flagged; it is restarted only once they are gone."""
+    manager = env.manager(env={"PATH": os.environ["PATH"], "FAKE_MPS_MAX_CLIENTS": "2"})
+    manager.ensure_share(GPU, share(memory_mib=4096))
+    old = daemon_pid(manager)
+    first, second = client_procs(), client_procs()
+    assert register_client(env, manager, first, 1000).isdigit()
+    assert register_client(env, manager, second, 1000).isdigit()
+    assert "busy or unavailable" in register_client(env, manager, client_procs(), 1000)
+    # the wrapper of the refused job reports it too
+    manager.report_client_error(
+        GPU, "RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable"
+    )
+
+    report = manager.check_health()
+    (event,) = report.events
+    assert (event.problem, event.action, event.ok, event.clients_lost) == (
+        "devices_unavailable",
+        "none",
+        True,
+        False,
+    )
+    assert "2 client(s) connected" in event.detail and report.affected_devices == ()
+    assert daemon_pid(manager) == old and pid_alive(old)
+    (entry,) = manager.status()
+    assert (entry.refused_clients, entry.clients_at_refusal) == (1, 2)
+    assert sorted(fake_status(env, manager)["servers"][0]["clients"]) == sorted([first, second])
+    # Later checks leave it alone while the clients run...
+    assert manager.check_health().events == ()
+    assert daemon_pid(manager) == old
+    # ...and restart it once they are gone, at no cost.
+    env.control(manager.pipe_dir(GPU), f"fake_unregister_client {first}")
+    env.control(manager.pipe_dir(GPU), f"fake_unregister_client {second}")
+    (event,) = manager.check_health().events
+    assert (event.action, event.clients_lost) == ("restarted_daemon", False)
+    assert daemon_pid(manager) != old
+
+
+def test_a_client_report_of_unavailable_devices_restarts_an_idle_daemon_only(
+    env: Env,
+) -> None:
     manager = env.manager()
     manager.ensure_share(GPU, share())
     old = daemon_pid(manager)
@@ -306,10 +356,11 @@ def test_client_report_of_unavailable_devices_restarts_the_daemon(env: Env) -> N
         GPU, "RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable"
     )
     (event,) = manager.check_health().events
-    assert (event.problem, event.action, event.ok) == (
+    assert (event.problem, event.action, event.ok, event.clients_lost) == (
         "devices_unavailable",
         "restarted_daemon",
         True,
+        False,
     )
     assert daemon_pid(manager) != old
 
@@ -438,7 +489,7 @@ def test_daemon_facing_methods_work_with_the_schedulers_lease_and_gpu(env: Env) 
     assert not manager.pipe_dir(GPU).exists()
     assert promised["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
     assert manager.ensure_share(gpu.uuid, manager.share_for(lease)) == promised
-    assert fake_status(env, manager)["default_pinned_limits"] == {"0": "6144M"}
+    assert fake_status(env, manager)["default_pinned_limits"] == {"0": "6144M", GPU: "6144M"}
     (entry,) = manager.status_for(GPU)
     assert entry["shares"] == 1 and entry["device_uuid"] == GPU
     assert manager.status_for(GPU2) == []
@@ -461,14 +512,22 @@ def test_shutdown_keeps_daemons_of_devices_with_running_jobs(env: Env) -> None:
 # -- fidelity fixes: limits by index, normal exits, empty command lines, per-user logs ---------
 
 
-def test_limits_are_set_by_device_index_not_uuid(env: Env) -> None:
-    # NVIDIA/k8s-device-plugin#572: limits set by UUID were not applied; the daemon sees
-    # one device (CUDA_VISIBLE_DEVICES), index 0.
+def test_the_default_limit_is_set_by_uuid_and_by_index_and_the_server_by_index(
+    env: Env,
+) -> None:
+    # Issue 25: on an H200 the default set by UUID was the one clients got, while
+    # NVIDIA/k8s-device-plugin#572 saw UUID limits not apply: both, to one value.
     manager = env.manager()
     manager.ensure_share(GPU, share(memory_mib=2048))
     sent = "".join(stdin or "" for _argv, stdin, _as in env.runner.calls)
+    assert f"set_default_device_pinned_mem_limit {GPU} 2048M" in sent
     assert "set_default_device_pinned_mem_limit 0 2048M" in sent
-    assert f"pinned_mem_limit {GPU}" not in sent and f"limit {GPU}" not in sent
+    assert f"get_default_device_pinned_mem_limit {GPU}" in sent
+    assert "set_device_pinned_mem_limit" not in sent.replace("set_default_device", "")
+    manager.ensure_share(GPU, share("b", memory_mib=3000))  # a running server now
+    sent = "".join(stdin or "" for _argv, stdin, _as in env.runner.calls)
+    (server,) = (s["pid"] for s in fake_status(env, manager)["servers"])
+    assert f"set_device_pinned_mem_limit {server} 0 3072M" in sent
 
 
 def test_a_server_that_exits_normally_is_not_a_crash(env: Env) -> None:

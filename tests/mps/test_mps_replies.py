@@ -14,7 +14,7 @@ import pytest
 
 from migd.backends.mps import MpsCommandFailed, MpsManager
 from migd.backends.simulated.mps_control import fault_path
-from migd.core.mps import MpsShare, limit_applied
+from migd.core.mps import MpsShare, limit_applied, readable_limit_mib
 
 from .conftest import Env
 
@@ -37,7 +37,7 @@ def test_informational_output_of_set_commands_is_not_a_rejection(env: Env) -> No
     manager.ensure_share(GPU, share("big", 8192))
 
     status = fake_status(env, manager)
-    assert status["default_pinned_limits"] == {"0": "8192M"}
+    assert status["default_pinned_limits"] == {"0": "8192M", GPU: "8192M"}
     assert [s["pinned_limits"] for s in status["servers"]] == [{"0": "8192M"}]
 
 
@@ -71,14 +71,17 @@ def test_a_limit_the_daemon_silently_did_not_apply_is_an_error(env: Env) -> None
     [
         ("4096M", 4096, True),
         ("4G", 4096, True),
-        ("4G", 4500, True),  # printed as whole G, rounded down
-        ("5G", 4500, False),
+        # 4500M would print as 4G, like 4096M..5119M: a read-back cannot confirm it, so it
+        # is never taken for applied (issue 25); migd sets readable_limit_mib(4500) = 5120
+        ("4G", 4500, False),
+        ("5G", 5120, True),
+        ("4500M", 4500, True),  # a driver that prints MiB
         ("2048M", 4096, False),
         ("", 4096, False),
         ("Invalid arguments", 4096, False),
     ],
 )
-def test_limit_read_back_allows_the_whole_gib_rounding(
+def test_limit_read_back_is_exact_and_never_guesses_through_the_gib_rounding(
     read_back: str, target: int, applied: bool
 ) -> None:
     assert limit_applied(read_back, target) is applied
@@ -123,3 +126,21 @@ def test_the_schedulers_mps_environment_is_the_managers_without_the_pipe() -> No
     assert env == client_environment(GPU, 6144, 40)
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=6144M"
     assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == GPU
+
+
+def test_the_daemon_bound_is_set_to_a_value_the_read_back_shows_exactly(env: Env) -> None:
+    """A 1536 MiB share: the daemon gets 2048M (2G), the job's own variable keeps 1536M."""
+    manager = env.manager()
+    job_env = manager.ensure_share(GPU, share("odd", 1536))
+    assert job_env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1536M"
+    status = fake_status(env, manager)
+    assert status["default_pinned_limits"] == {"0": "2048M", GPU: "2048M"}
+    assert [s["pinned_limits"] for s in status["servers"]] == [{"0": "2048M"}]
+    assert [readable_limit_mib(m) for m in (512, 1023, 1024, 1025, 2047, 2048)] == [
+        512,
+        1023,
+        1024,
+        2048,
+        2048,
+        2048,
+    ]

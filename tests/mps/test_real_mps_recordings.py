@@ -11,10 +11,22 @@ migd's parsing or OOM classifier that would misread the real daemon fails here.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
-from migd.core.mps import limit_applied, parse_limit_mib
+from migd.backends.nvml import NvmlBackend
+from migd.backends.simulated import FakePynvml, SimNode
+from migd.core.mps import (
+    MPS_CLIENT_CONTEXT_MIB,
+    MPS_CLIENT_CONTEXT_MIB_AT_HALF,
+    MPS_SERVER_MIB,
+    client_context_mib,
+    limit_applied,
+    parse_limit_mib,
+    readable_limit_mib,
+)
 from migd.core.oom import classify_exit
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -39,10 +51,65 @@ def test_limits_read_back_as_whole_g_and_migd_accepts_them() -> None:
     # set 1536M by UUID, read it back by UUID: the daemon shows whole G, rounded down
     assert replies("set_default_device_pinned_mem_limit\\ GPU-") == ["1G"]
     assert parse_limit_mib("1G") == 1024
-    assert limit_applied("1G", 1536)  # what migd's read-back check must accept
+    # 1G is also what 1024..2047 read back as: it confirms none of them but 1024, so migd
+    # sets the daemon's bound in whole G from 1 GiB on, which reads back exactly
+    assert not limit_applied("1G", 1536) and limit_applied("1G", 1024)
+    assert readable_limit_mib(1536) == 2048
     # and by index: 2048M reads back as 2G (the UUID's own value is kept apart)
     assert replies("set_default_device_pinned_mem_limit\\ 0\\ 2048M") == ["2G", "1G"]
     assert limit_applied("2G", 2048)
+
+
+def test_the_default_set_by_uuid_is_the_one_clients_got_and_the_fake_agrees(
+    fake_binary: Path, short_dir: Path
+) -> None:
+    """Recorded: 1536M by UUID, then 2048M by index 0; the server's limit read 1G and a
+    client without its variable had 1536 MiB (964 + 64 > ... its OOM at 1.44 GiB in use).
+    The stand-in daemon, driven with the same commands, gives its client 1536 MiB."""
+    no_env = clients()["no_env"]
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in no_env["env"]
+    assert "this process has 1.44 GiB memory in use" in no_env["error"]  # 1474 + 64 > 1536
+    assert replies("get_client_list\\ ")[1] == "1G"  # the server's limit for device 0
+    uuid = "GPU-10bbb7e6-0cd0-8edb-1fb8-c43fb177c923"
+    pipe, log = short_dir / "p", short_dir / "l"
+    env = {
+        **os.environ,
+        "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+        "CUDA_MPS_LOG_DIRECTORY": str(log),
+        "CUDA_VISIBLE_DEVICES": uuid,
+    }
+    subprocess.run([str(fake_binary), "-d"], env=env, check=True, timeout=60)
+
+    def ctl(*commands: str) -> str:
+        return subprocess.run(
+            [str(fake_binary)],
+            input="".join(c + "\n" for c in commands),
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+
+    try:
+        assert ctl(
+            f"set_default_device_pinned_mem_limit {uuid} 1536M",
+            f"get_default_device_pinned_mem_limit {uuid}",
+            "get_default_device_pinned_mem_limit 0",
+        ).split() == ["1G"]
+        ctl("set_default_device_pinned_mem_limit 0 2048M")
+        assert ctl(
+            "get_default_device_pinned_mem_limit 0", f"get_default_device_pinned_mem_limit {uuid}"
+        ).split() == ["2G", "1G"]
+        server = ctl(f"fake_register_client {os.getpid()} {os.getuid()}").strip()
+        assert ctl(f"get_device_pinned_mem_limit {server} 0").strip() == "1G"
+        assert ctl(f"fake_client_limit {os.getpid()}").strip() == "1536"
+        assert (
+            "No default pinned memory limit set for the device!"
+            in (log / "control.log").read_text()
+        )
+    finally:
+        ctl("quit -t 1")
 
 
 def test_the_limit_is_per_client_process_and_counts_its_cuda_context() -> None:
@@ -103,3 +170,41 @@ def test_migd_restarted_under_a_running_job_adopted_its_mps_daemon() -> None:
     leases = json.loads((DAEMON_RUN / "leases.json").read_text())["leases"]
     hw3 = [x for x in leases if x["job_id"] == "hw.3"]
     assert [x["state"] for x in hw3] == ["released"], hw3
+
+
+def test_the_simulator_charges_the_mps_server_and_the_client_context_as_recorded() -> None:
+    """Replays probe_during_mps.json: NVML listed the MPS server at 66 MiB and the held
+    client (50 % of the threads, 256 MiB allocated by PyTorch) at 530 MiB. The simulated
+    GPU, given the same server and client, lists the server at 66 MiB and the client at
+    its allocation plus the context migd.core.mps models (271 MiB at 50 %)."""
+    probe = json.loads((RUN / "probe_during_mps.json").read_text())
+    (gpu,) = probe["gpus"]
+    server_rec = next(p for p in gpu["processes"] if not p["mps"])
+    client_rec = next(p for p in gpu["processes"] if p["mps"])
+    held = clients()["held"]
+    assert held["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert (server_rec["used_mib"], held["allocated_mib"]) == (66, 256)
+    # The two context figures the model is built from: 1024 - 510 and 1024 - 753.
+    assert clients()["over_env_limit"]["mem_get_info_mib"][0] == 1024 - MPS_CLIENT_CONTEXT_MIB
+    assert held["mem_get_info_mib"][0] == 1024 - MPS_CLIENT_CONTEXT_MIB_AT_HALF
+    assert client_context_mib(100) == 514 and client_context_mib(50) == 271
+    assert server_rec["used_mib"] == MPS_SERVER_MIB
+
+    node = SimNode.from_probe(DATA / "gpu" / "h200-141gb-probe.json")
+    uuid = node.gpus[0].uuid
+    server = subprocess.Popen(["sleep", "300"])  # the server must be a live host process
+    try:
+        node.procs.track_mps_servers(uuid, [server.pid])
+        client_pid = 4_000_002
+        node.attach(client_pid, uuid, mps_pinned_limit_mib=1024)
+        node.alloc(client_pid, client_context_mib(50))  # what the simulated job does at init
+        node.alloc(client_pid, held["allocated_mib"])
+        listed = {p.pid: p for p in NvmlBackend(FakePynvml(node)).processes(0)}
+        assert listed[server.pid].used_mib == server_rec["used_mib"]
+        # NVML counted 3 MiB more than cudaMemGetInfo's context: within 1 %
+        assert abs(listed[client_pid].used_mib - client_rec["used_mib"]) <= 5
+        # and the rest of the 1024M limit is what the job can still allocate
+        assert 1024 - listed[client_pid].used_mib == 1024 - 271 - 256
+    finally:
+        server.kill()
+        server.wait()

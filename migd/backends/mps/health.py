@@ -51,6 +51,9 @@ class HealthEvent:
     detail: str
     action: str  # restarted_daemon, restarted_server, restart_failed, none
     ok: bool  # the device serves again
+    # Whether clients were (or may have been) lost. A refused client (client cap, a
+    # transient refusal) costs only itself: the others keep running, nothing to flag.
+    clients_lost: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +66,7 @@ class HealthReport:
     @property
     def affected_devices(self) -> tuple[str, ...]:
         """Devices whose clients were (or may have been) lost: their leases need a look."""
-        return tuple(dict.fromkeys(e.device_uuid for e in self.events))
+        return tuple(dict.fromkeys(e.device_uuid for e in self.events if e.clients_lost))
 
     @property
     def failed_devices(self) -> tuple[str, ...]:

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from migd.core.mps import MPS_CLIENT_DEVICE_INDEX, format_limit_mib, limit_applied
+from migd.core.mps import (
+    MPS_CLIENT_DEVICE_INDEX,
+    format_limit_mib,
+    limit_applied,
+    readable_limit_mib,
+)
 
 from .commands import DaemonCommands
 from .errors import MpsCommandFailed
@@ -28,7 +33,9 @@ def percentage_is(text: str, wanted: int) -> bool:
 def apply_limits(cmds: DaemonCommands, daemon: Daemon) -> list[int] | None:
     """Limits on the daemon and each running server := the largest active share's.
 
-    * Pinned memory: the largest share's per-client limit.
+    * Pinned memory: the largest share's per-client limit, as
+      :func:`~migd.core.mps.readable_limit_mib` (rounded up to whole GiB from 1 GiB on,
+      so that the read-back can confirm it).
     * Active thread percentage: the largest share's (a share without one counts as
       100). A client can only lower it through its environment (MPS docs,
       topic_5_2_5), and a job can unset that variable, so the server carries the
@@ -47,24 +54,30 @@ def apply_limits(cmds: DaemonCommands, daemon: Daemon) -> list[int] | None:
         MpsCommandFailed: the daemon did not apply a limit.
     """
     record = daemon.record
-    target = max((s.memory_mib for s in daemon.shares.values()), default=0)
+    largest = max((s.memory_mib for s in daemon.shares.values()), default=0)
+    target = readable_limit_mib(largest) if largest > 0 else 0
     threads = max((s.thread_percentage or 100 for s in daemon.shares.values()), default=100)
     memory_changes = target > 0 and target != record.default_limit_mib
     threads_change = bool(daemon.shares) and threads != record.thread_percentage
     if not memory_changes and not threads_change:
         return None
-    # By index, not UUID: the daemon sees one device (CUDA_VISIBLE_DEVICES), index 0,
-    # and limits set by UUID were seen not to apply (NVIDIA/k8s-device-plugin#572).
+    # The daemon's default by the device's UUID *and* by index 0: they are separate
+    # settings, and on an H200 (driver 580.159.04) the UUID's was the one new servers gave
+    # their clients (1536M by UUID, then 2048M by index 0: clients got 1536M;
+    # tests/data/mps_gpu_check/20261126T015109Z-h200/). NVIDIA/k8s-device-plugin#572 saw
+    # UUID limits not apply on its drivers and moved to indices. Both set to one value:
+    # whichever a driver gives clients, it is this one.
     dev = MPS_CLIENT_DEVICE_INDEX
     # Default first, then list: a server that starts in between already has it.
     if memory_changes:
-        set_checked(
-            cmds,
-            daemon,
-            f"set_default_device_pinned_mem_limit {dev} {format_limit_mib(target)}",
-            f"get_default_device_pinned_mem_limit {dev}",
-            lambda read: limit_applied(read, target),
-        )
+        for name in (record.device_uuid, str(dev)):
+            set_checked(
+                cmds,
+                daemon,
+                f"set_default_device_pinned_mem_limit {name} {format_limit_mib(target)}",
+                f"get_default_device_pinned_mem_limit {name}",
+                lambda read: limit_applied(read, target),
+            )
     if threads_change:
         set_checked(
             cmds,

@@ -516,10 +516,22 @@ class MpsManager:
             if daemon.known_servers - seen:  # started by the control daemon for a client
                 self._servers_seen(daemon)
             daemon.healthy = True
+            if daemon.restart_when_drained and self._connected_clients(daemon) == 0:
+                # A client was refused while others ran; they are gone now: restart the
+                # daemon that may be sick, at no cost to anyone.
+                return [
+                    self._restart_refusing(
+                        daemon,
+                        f"drained after a refused client ({daemon.last_error})",
+                        clients_lost=False,
+                    )
+                ]
             return []
         problem, detail = found
         if problem == "server_crashed":
             return [self._recover_server(daemon, detail)]
+        if problem == "devices_unavailable":
+            return [self._client_refused(daemon, detail)]
         daemon.healthy, daemon.last_error = False, detail
         try:
             self._restart(daemon)
@@ -530,6 +542,67 @@ class MpsManager:
                 self._daemons.setdefault(uuid, daemon)
             return [HealthEvent(uuid, problem, daemon.last_error, "restart_failed", False)]
         return [HealthEvent(uuid, problem, detail, "restarted_daemon", True)]
+
+    def _connected_clients(self, daemon: Daemon) -> int | None:
+        """Clients connected to the daemon's servers now; ``None``: it cannot say."""
+        listed = self._commands.try_command(daemon, "get_server_list")
+        if listed is None:
+            return None
+        total = 0
+        for server in live_pids(listed):
+            clients = self._commands.try_command(daemon, f"get_client_list {server}")
+            if clients is None:
+                return None
+            total += len(live_pids(clients))
+        return total
+
+    def _client_refused(self, daemon: Daemon, detail: str) -> HealthEvent:
+        """A client was refused (``all CUDA-capable devices are busy or unavailable``).
+
+        That is what a client past the cap gets (48 on Volta and later, fewer on small MIG
+        instances) as much as one of a sick server, and a restart kills every client of the
+        device. So: while clients are connected, the refusal costs only the refused client
+        (no restart; counted, with the clients connected then, in ``migctl status``), and
+        the daemon is restarted once those clients are gone if it still refuses then. With
+        no client connected nobody is lost: the daemon is restarted at once if its server
+        cannot be started (or it cannot say how many clients it has).
+        """
+        uuid = daemon.record.device_uuid
+        connected = self._connected_clients(daemon)
+        daemon.last_error = detail
+        if connected:
+            daemon.refusals += 1
+            daemon.clients_at_refusal = max(daemon.clients_at_refusal or 0, connected)
+            daemon.restart_when_drained = True
+            daemon.healthy = True
+            return HealthEvent(
+                uuid,
+                "devices_unavailable",
+                f"{detail}; {connected} client(s) connected: only the refused client is "
+                "affected, the daemon is not restarted while clients run",
+                "none",
+                True,
+                clients_lost=False,
+            )
+        # Nobody connected (or the daemon cannot say): a server that refuses its only
+        # would-be client is sick, and a restart now loses nothing it can know of.
+        return self._restart_refusing(daemon, detail, clients_lost=connected is None)
+
+    def _restart_refusing(self, daemon: Daemon, detail: str, *, clients_lost: bool) -> HealthEvent:
+        uuid = daemon.record.device_uuid
+        daemon.healthy, daemon.restart_when_drained = False, False
+        try:
+            self._restart(daemon)
+        except MpsError as exc:
+            daemon.last_error = f"{detail}; restart failed: {exc}"
+            with self._registry_lock:
+                self._daemons.setdefault(uuid, daemon)
+            return HealthEvent(
+                uuid, "devices_unavailable", daemon.last_error, "restart_failed", False
+            )
+        return HealthEvent(
+            uuid, "devices_unavailable", detail, "restarted_daemon", True, clients_lost=clients_lost
+        )
 
     def _recover_server(self, daemon: Daemon, detail: str) -> HealthEvent:
         uuid = daemon.record.device_uuid

@@ -136,6 +136,13 @@ class Daemon:
     healthy: bool = True
     last_error: str = ""
     reported: tuple[str, str] | None = None  # (problem, detail) from a client's report
+    # Refused clients while the server served others (client cap, or a sick server):
+    # how many, and the most clients connected at a refusal (the device's cap as seen).
+    refusals: int = 0
+    clients_at_refusal: int | None = None
+    # A refusal came while clients were connected: restart once they are gone (a restart
+    # now would kill every one of them), if the device still refuses then.
+    restart_when_drained: bool = False
 
 
 def write_record(record: DaemonRecord) -> None:

@@ -34,6 +34,10 @@ class MpsDaemonStatus:
     started_at: float
     idle_for_s: float | None
     scope_unit: str = ""
+    # Clients refused while others ran (not restarted for), and the most clients that
+    # were connected at such a refusal: the device's client cap as seen.
+    refused_clients: int = 0
+    clients_at_refusal: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -62,6 +66,8 @@ def recorded_status(daemon: Daemon) -> MpsDaemonStatus:
         started_at=record.started_at,
         idle_for_s=None,
         scope_unit=record.scope_unit,
+        refused_clients=daemon.refusals,
+        clients_at_refusal=daemon.clients_at_refusal,
     )
 
 
@@ -105,6 +111,8 @@ def cached_status(
         data["age_s"] = None
     # Shares and health change under migd's own hand: always current.
     data["shares"] = len(daemon.shares)
+    data["refused_clients"] = daemon.refusals
+    data["clients_at_refusal"] = daemon.clients_at_refusal
     data["healthy"] = daemon.healthy and bool(data.get("healthy", True))
     if daemon.last_error:
         data["last_error"] = daemon.last_error

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from migd.backends.holders import Holder, describe_holders, device_file_holders
 from migd.backends.nvml.discovery import (
     degradable,
     read_driver_versions,
@@ -115,8 +116,10 @@ class NvmlBackend:
         destroy_retries: int = 3,
         retry_backoff_s: float = 0.2,
         sleep: Callable[[float], None] = time.sleep,
+        holders: Callable[[], list[Holder]] = device_file_holders,
     ) -> None:
         self._given: Any = nvml
+        self._holders = holders  # who has /dev/nvidia* open: named when a destroy is refused
         self._nvml: Any = None
         self._initialized = False
         self._destroy_retries = max(0, destroy_retries)
@@ -568,13 +571,17 @@ class NvmlBackend:
             self._mig.forget_gpu_instance(gpu, gi_id)
             return
         pids = self._pids_on_gi(gpu, gi_id)
+        # No process listed: another NVML client holds the instance (DCGM#276); say who
+        # the host shows holding the device files, so migctl status names the cause.
+        holders = "" if pids else describe_holders(self._holders())
         raise GpuBusy(
             f"GPU instance {gi_id} on GPU {gpu} is still in use after {attempts} attempts"
-            + (f" (processes {', '.join(map(str, pids))})" if pids else ""),
+            + (f" (processes {', '.join(map(str, pids))})" if pids else f"; {holders}"),
             gpu=gpu,
             gi_id=gi_id,
             attempts=attempts,
             pids=pids,
+            holders=holders,
         ) from last
 
     def _destroy_once(self, gpu: int, gi_id: int) -> None:

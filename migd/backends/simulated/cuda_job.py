@@ -49,6 +49,44 @@ def _connect_mps(pid: int) -> tuple[bool, int | None, str]:
     return True, got[1], ""
 
 
+def context_mib() -> int:
+    """The CUDA context this MPS client holds inside its pinned limit: as recorded on an
+    H200 (:func:`migd.core.mps.client_context_mib`, by its thread percentage), or
+    ``MIGD_SIM_CUDA_CONTEXT_MIB`` (a test's choice, 0 for none)."""
+    from migd.core.mps import client_context_mib
+
+    override = os.environ.get("MIGD_SIM_CUDA_CONTEXT_MIB")
+    if override is not None:
+        return max(0, int(override))
+    pct = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
+    try:
+        return client_context_mib(round(float(pct)) if pct else None)
+    except ValueError:
+        return client_context_mib(None)
+
+
+def _charge_context(client: MigdClient, pid: int) -> bool:
+    """CUDA init under MPS: the context is allocated first, inside the pinned limit. A
+    limit below it fails at init, as a real client with ``0=512MB`` did (an
+    AcceleratorError "CUDA error: out of memory" from its first CUDA call)."""
+    mib = context_mib()
+    if not mib:
+        return True
+    reply = client.call("sim_alloc", pid=pid, mib=mib)
+    if reply.get("oom"):
+        print(
+            "torch.AcceleratorError: CUDA error: out of memory (the CUDA context, "
+            f"{mib} MiB, does not fit in the MPS pinned limit)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    if reply.get("cuda_error"):
+        print(f"RuntimeError: {reply['cuda_error']}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="simjob", description=__doc__)
     parser.add_argument("--start", default="512M", help="memory allocated at start")
@@ -86,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if reply.get("cuda_error"):
         print(f"RuntimeError: {reply['cuda_error']}", file=sys.stderr)
+        return 1
+    if mps and not _charge_context(client, pid):
         return 1
     memstats = os.environ.get("MIGD_MEMSTATS_FILE")
     total = 0

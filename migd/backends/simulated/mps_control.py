@@ -214,7 +214,7 @@ class _Daemon:
         server = _Server(
             pid=pid,
             uid=uid,
-            pinned_limits=dict(self.default_limits),
+            pinned_limits=self.server_defaults(),
             thread_percentage=self.default_thread_percentage,
         )
         self.servers[pid] = server
@@ -230,6 +230,27 @@ class _Daemon:
         if limits:
             self.log(f"Device pinned memory limits set to {limits}", who="Server", pid=pid)
         return server
+
+    def server_defaults(self) -> dict[str, str]:
+        """A new server's limit for its device 0, from the daemon's defaults.
+
+        Defaults set by UUID and by index are separate settings, and the UUID's is the one
+        a server gives its clients: on an H200 (driver 580.159.04) 1536M was set by the
+        GPU's UUID and then 2048M by index 0; ``get_default_device_pinned_mem_limit 0``
+        showed 2G and by UUID 1G, the new server's limit for device 0 read back 1G, and
+        clients without their own variable ran out at 1536 MiB (context included)
+        (tests/data/mps_gpu_check/20261126T015109Z-h200/summary.txt, steps 3, 5 and 7).
+        """
+        visible = [d for d in self.visible_devices.split(",") if d]
+        value = self.default_limits.get(visible[0]) if visible else None
+        if value is None:
+            value = self.default_limits.get("0")
+        return {} if value is None else {"0": value}
+
+    def _default_key(self, dev: str) -> str:
+        """The daemon-default key of ``dev``: an index as given, a UUID as itself."""
+        self._check_device(dev)  # unknown devices are refused
+        return dev
 
     def _become_server(self) -> None:
         try:
@@ -416,13 +437,19 @@ class _Daemon:
     def cmd_set_default_device_pinned_mem_limit(self, args: list[str]) -> str:
         if self.fault("ignore-limits"):
             return ""
-        device = self._check_device(args[0])
+        device = self._default_key(args[0])
         if self._limit_or_none(args[1]) is not None:
             self.default_limits[device] = args[1]
+        else:
+            self.log(f"Invalid pinned memory limit: {args[1]}")  # made-up wording
         return ""
 
     def cmd_get_default_device_pinned_mem_limit(self, args: list[str]) -> str:
-        return self._show_limit(self.default_limits.get(self._check_device(args[0])))
+        value = self.default_limits.get(self._default_key(args[0]))
+        if value is None:
+            # The real daemon printed nothing and logged this (H200 control.log).
+            self.log("No default pinned memory limit set for the device!")
+        return self._show_limit(value)
 
     def cmd_set_device_pinned_mem_limit(self, args: list[str]) -> str:
         server = self._server(args[0])

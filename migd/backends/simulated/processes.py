@@ -13,14 +13,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from migd.backends.simulated.state import SimProcess
+from migd.core.mps import MPS_SERVER_MIB
 from migd.ports import ProcessTable
 
 if TYPE_CHECKING:
     from migd.backends.simulated.node import SimNode
 
-#: Memory an MPS server holds on its device in the simulator (its own context). Unknown
-#: on real GPUs until a probe records one (scripts/gpu_probe.py --mps).
-MPS_SERVER_USED_MIB = 0
+#: Memory an MPS server holds on its device: 66 MiB as NVML listed it on an H200
+#: (migd.core.mps.MPS_SERVER_MIB, tests/data/mps_gpu_check/).
+MPS_SERVER_USED_MIB = MPS_SERVER_MIB
 
 #: PIDs of processes left behind (Processes.leave_behind) start above Linux's largest
 #: pid_max (2^22), so they are never a host process.
@@ -174,8 +175,8 @@ class Processes:
         against it (docs.nvidia.com/deploy/mps, "Architecture"); NVML lists the server
         on the device it runs on, so a MIG instance that hosted MPS is IN_USE until the
         server has exited, which happens a moment after its control daemon's ``quit``.
-        The simulated server holds :data:`MPS_SERVER_USED_MIB` (unknown on real GPUs
-        until a probe records one). Known PIDs are ignored; a PID that is not a live
+        The simulated server holds :data:`MPS_SERVER_USED_MIB` (66 MiB, as recorded on an
+        H200). Known PIDs are ignored; a PID that is not a live
         host process is not added.
 
         Raises:
