@@ -257,6 +257,9 @@ class World:
         self.executors = {}
         assert self.daemon.ctx.store is not None
         self.daemon.ctx.store.close()
+        # the kernel drops a dead process's flock on the state and runtime directories
+        if self.daemon.lock is not None:
+            self.daemon.lock.release()
         self._start_daemon()
         self.settle_all()
         self.check_restart()
@@ -276,6 +279,8 @@ class World:
         self.loop.close()
         if self.daemon.ctx.store is not None:
             self.daemon.ctx.store.close()
+        if self.daemon.lock is not None:
+            self.daemon.lock.release()
 
     # -- running the loop -------------------------------------------------------------------
 
