@@ -130,6 +130,10 @@ class Outcome:
     refusal: NoCapacity | None = None
     #: ``resync``: what changed, in words.
     notes: list[str] = field(default_factory=list)
+    #: Every lease the mutation changed, a net transition or not (a placement that fell
+    #: through and was placed again is PREPARING before and after, on another slice):
+    #: what the caller persists, so it never scans every lease.
+    touched: list[Lease] = field(default_factory=list)
 
     @property
     def grants(self) -> list[Lease]:
@@ -200,8 +204,9 @@ class NodeScheduler:
             for lease, old in self._changed.values()
             if lease.state is not old
         ]
+        touched = [lease for lease, _ in self._changed.values()]
         self._changed.clear()
-        return Outcome(work=work or [], transitions=transitions, **fields)
+        return Outcome(work=work or [], transitions=transitions, touched=touched, **fields)
 
     def set_policy(self, policy: SchedulerPolicy) -> None:
         """Swap the policy (config reload); queued requests keep their arrival times."""

@@ -146,6 +146,10 @@ class LeaseService:
         self.event_observers: list[EventObserver] = []
         self.waiters: dict[str, Waiter] = {}
         self._saved: dict[str, int] = {}  # lease id -> version last written
+        # Leases the state disk refused (written again by the next apply or flush), and
+        # ended leases kept in memory until written and answered (see _forget_if_done).
+        self._unsaved: dict[str, Lease] = {}
+        self._ended: dict[str, Lease] = {}
         self._disk_logged = False  # the current state disk failure is logged
         self.work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
@@ -160,12 +164,24 @@ class LeaseService:
 
     def apply(self, outcome: Outcome) -> None:
         """Observe the outcome's transitions, persist leases that changed, run its work,
-        answer waiting clients, prune."""
+        answer waiting clients, prune.
+
+        Only what the outcome touched (and leases the state disk refused before) is
+        visited: the cost follows the outcome, not the number of leases and waiters."""
         self.notify(outcome.transitions)
-        self._save_changed()
+        touched = outcome.touched
+        for lease in [*self._unsaved.values(), *touched]:
+            if self._saved.get(lease.lease_id) != lease.version:
+                self.save(lease)
         self.dispatch(outcome.work)
-        self.resolve_waiters()
-        self.prune()
+        for lease in touched:
+            waiter = self.waiters.get(lease.lease_id)
+            if waiter is not None:
+                self._resolve(waiter, lease)
+        for lease in touched:
+            if lease.state.terminal:
+                self._ended[lease.lease_id] = lease
+                self._forget_if_done(lease.lease_id)
 
     def notify(self, transitions: Iterable[Transition]) -> None:
         now = self.ctx.clock.now()
@@ -191,8 +207,12 @@ class LeaseService:
             self.ctx.db.save_lease(lease)
         except StateDiskError as exc:
             self._disk_failed(exc)
+            if lease.lease_id in self.ctx.sched.leases:
+                self._unsaved[lease.lease_id] = lease
         else:
             self._saved[lease.lease_id] = lease.version
+            if self._unsaved.pop(lease.lease_id, None) is not None:
+                self._forget_if_done(lease.lease_id)
 
     def restored(self, lease: Lease) -> None:
         """A lease reloaded from the store as it was there: nothing to write."""
@@ -261,9 +281,25 @@ class LeaseService:
                 and (all_terminal or lease_id not in self.waiters)
             ):
                 sched.forget(lease_id)
-        for book in (self._saved, self.work_seconds, self.peaks):
+        for book in (self._saved, self.work_seconds, self.peaks, self._unsaved, self._ended):
             for lease_id in [k for k in book if k not in sched.leases]:
                 del book[lease_id]
+
+    def _forget_if_done(self, lease_id: str) -> None:
+        """:meth:`prune` for one lease: forget it once it has ended, is written and no
+        client waits for it (its waiter's end calls this again)."""
+        lease = self._ended.get(lease_id)
+        if lease is None:
+            return
+        if self.ctx.sched.leases.get(lease_id) is not lease:
+            del self._ended[lease_id]
+            return
+        if self._saved.get(lease_id) != lease.version or lease_id in self.waiters:
+            return
+        del self._ended[lease_id]
+        self.ctx.sched.forget(lease_id)
+        for book in (self._saved, self.work_seconds, self.peaks):
+            book.pop(lease_id, None)
 
     def note_peak(self, lease_id: str, used_mib: int | None) -> None:
         lease = self.ctx.sched.leases.get(lease_id)
@@ -318,21 +354,29 @@ class LeaseService:
         finally:
             hangup.cancel()
             self.waiters.pop(lease.lease_id, None)
+            self._forget_if_done(lease.lease_id)
 
     def resolve_waiters(self) -> None:
+        """Answer every waiting client whose lease is active or ended (all of them;
+        :meth:`apply` answers only those of the leases it touched)."""
         for lease_id, waiter in list(self.waiters.items()):
             lease = self.ctx.sched.leases.get(lease_id)
-            if waiter.future.done() or lease is None:
-                continue
-            if lease.state is LeaseState.ACTIVE:
-                waiter.future.set_result(lease)
-            elif lease.state.terminal:
-                error: MigdError = LeaseTimeout(
-                    f"lease {lease_id} ended while waiting: {lease.state.value} ({lease.reason})"
-                )
-                if lease.state is LeaseState.FAILED:
-                    error = GpuError(f"could not prepare a partition: {lease.reason}")
-                waiter.future.set_exception(error)
+            if lease is not None:
+                self._resolve(waiter, lease)
+
+    @staticmethod
+    def _resolve(waiter: Waiter, lease: Lease) -> None:
+        if waiter.future.done():
+            return
+        if lease.state is LeaseState.ACTIVE:
+            waiter.future.set_result(lease)
+        elif lease.state.terminal:
+            error: MigdError = LeaseTimeout(
+                f"lease {lease.lease_id} ended while waiting: {lease.state.value} ({lease.reason})"
+            )
+            if lease.state is LeaseState.FAILED:
+                error = GpuError(f"could not prepare a partition: {lease.reason}")
+            waiter.future.set_exception(error)
 
     def fail_waiters(self, error: MigdError, reason: str) -> None:
         """migd stops: cancel every lease a client still waits for, and tell the client."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from migd.backends.accounts import SystemAccounts
 from migd.backends.mps import HealthEvent, HealthReport
@@ -154,19 +155,49 @@ def test_the_watchdog_step_pings_only_while_every_gpu_thread_answers(parts: Part
     executor, clock = parts.daemon.executor, parts.clock
     watchdog = Watchdog(parts.daemon.ctx, executor)  # WatchdogSec 2 s: stale after 1 s
     worker = executor.workers[0]
-    worker.last_ok_mono = clock.monotonic()
     assert watchdog.step(clock.monotonic()) and parts.notifier.sent == ["WATCHDOG=1"]
+    worker.heartbeat_sent, worker.heartbeat_sent_mono = 1, clock.monotonic()  # not answered
     clock.advance(1.5)  # the thread did not answer its heartbeat
     assert not watchdog.step(clock.monotonic())
     worker.busy_since_mono = clock.monotonic()  # ... because a create runs: that is fine
     assert watchdog.step(clock.monotonic())
     clock.advance(parts.daemon.config.daemon.work_timeout_s)  # until the create overruns
     assert not watchdog.step(clock.monotonic())
-    worker.busy_since_mono, worker.last_ok_mono = None, clock.monotonic()
+    worker.busy_since_mono, worker.heartbeat_answered = None, 1  # it answers
     assert watchdog.step(clock.monotonic())
     executor.tripped = "an NVML call hung"  # a timed-out call: never fed again
     assert not watchdog.step(clock.monotonic())
     assert parts.notifier.sent.count("WATCHDOG=1") == 3
+
+
+def test_the_watchdog_blames_a_busy_loop_on_the_loop_and_a_silent_thread_on_nvml(
+    parts: Parts,
+) -> None:
+    """The loop ran the step late, but every heartbeat it sent was answered (in the GPU
+    thread, even if the loop has not yet run the answer's callback): that is loop lag,
+    logged as such, and systemd is fed. A heartbeat owed longer than half WatchdogSec is
+    the GPU thread's: starved, no ping."""
+    executor, clock = parts.daemon.executor, parts.clock
+    watchdog = Watchdog(parts.daemon.ctx, executor)  # WatchdogSec 2 s: tick 0.5 s
+    watchdog.started(clock.monotonic())
+    for worker in executor.workers.values():  # sent, and answered in the thread at once
+        worker.heartbeat_pending, worker.heartbeat_sent_mono = True, clock.monotonic()
+        worker.heartbeat_sent = worker.heartbeat_answered = 1
+    clock.advance(162.0)  # the loop was busy for 162 s (issue 23)
+    with structlog.testing.capture_logs() as events:
+        assert watchdog.step(clock.monotonic())
+    [lag] = [e for e in events if str(e["event"]).startswith("watchdog.")]
+    assert lag["event"] == "watchdog.loop_lag" and lag["cause"] == "event_loop"
+    assert lag["lag_s"] == pytest.approx(161.5)
+    worker = executor.workers[0]  # now one thread owes an answer
+    worker.heartbeat_sent, worker.heartbeat_sent_mono = 2, clock.monotonic()
+    clock.advance(1.5)  # the step is 1 s late, too, but the thread is to blame
+    with structlog.testing.capture_logs() as events:
+        assert not watchdog.step(clock.monotonic())
+    [starved] = [e for e in events if str(e["event"]).startswith("watchdog.")]
+    assert starved["event"] == "watchdog.starved" and starved["cause"] == "gpu_thread"
+    assert starved["gpus"] == [0]
+    assert parts.notifier.sent.count("WATCHDOG=1") == 1
 
 
 def test_an_mps_health_report_flags_leases_and_marks_the_gpu_until_it_serves(
