@@ -683,6 +683,13 @@ class NodeScheduler:
             work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
 
+    def withdraw(self, lease_id: str) -> None:
+        """Stop placing a queued lease whose client is gone; :meth:`release` ends it
+        later (the daemon releases hung-up requests in batches, off the hot path)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.state is LeaseState.QUEUED:
+            self.queue.remove(lease_id)
+
     def _pass_after_leaving(self, lease_id: str) -> bool:
         """Whether a queued request that leaves (cancelled, its client gone) can let
         another be placed: only if it ended the last pass, or an MPS device is held for

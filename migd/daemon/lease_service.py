@@ -24,6 +24,7 @@ history record of every transition) is the built-in one.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -156,6 +157,10 @@ class LeaseService:
         # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
         # jobs shorter than its own sampling; see the periodic sampler.
         self.peaks: dict[str, int] = {}
+        # Queued requests whose client hung up, released in batches by one task that
+        # yields between them (see _drain_hangups).
+        self._hangups: deque[tuple[Lease, str]] = deque()
+        self._draining: asyncio.Task[None] | None = None
 
     def add_observer(self, observer: LeaseObserver) -> None:
         self.observers.append(observer)
@@ -345,16 +350,48 @@ class LeaseService:
             )
             if future in done:
                 return future.result()
-            now, mono = self.ctx.now()
             reason = "client disconnected while waiting" if hangup in done else "wait timed out"
-            if not lease.state.terminal:
-                self.apply(self.ctx.sched.release(lease.lease_id, now, mono, reason=reason))
-                self.record("cancelled", lease, reason=reason)
+            if lease.state is LeaseState.QUEUED:
+                # Thousands may hang up at once (a schedd restarts): out of the queue now,
+                # released (written, logged, recorded) in batches that let the loop serve
+                # pings and the watchdog between them.
+                self.ctx.sched.withdraw(lease.lease_id)
+                self._hangups.append((lease, reason))
+                if self._draining is None or self._draining.done():
+                    self._draining = asyncio.create_task(self._drain_hangups(), name="hangups")
+            elif not lease.state.terminal:
+                self._cancel(lease, reason)
             raise LeaseTimeout(f"lease {lease.lease_id} not granted: {reason}")
         finally:
             hangup.cancel()
             self.waiters.pop(lease.lease_id, None)
             self._forget_if_done(lease.lease_id)
+
+    def _cancel(self, lease: Lease, reason: str) -> None:
+        now, mono = self.ctx.now()
+        self.apply(self.ctx.sched.release(lease.lease_id, now, mono, reason=reason))
+        self.record("cancelled", lease, reason=reason)
+
+    #: Hung-up requests released per turn of the event loop.
+    HANGUP_BATCH = 32
+
+    async def _drain_hangups(self) -> None:
+        while self._hangups:
+            for _ in range(min(self.HANGUP_BATCH, len(self._hangups))):
+                lease, reason = self._hangups.popleft()
+                if not lease.state.terminal and lease.lease_id in self.ctx.sched.leases:
+                    try:
+                        self._cancel(lease, reason)
+                    except Exception as exc:  # one lease's failure must not strand the rest
+                        log.exception(
+                            "lease.cancel_failed", lease_id=lease.lease_id, error=str(exc)
+                        )
+            await asyncio.sleep(0)
+
+    @property
+    def hangups_pending(self) -> int:
+        """Hung-up requests not yet released (they are out of the queue already)."""
+        return len(self._hangups)
 
     def resolve_waiters(self) -> None:
         """Answer every waiting client whose lease is active or ended (all of them;
@@ -379,8 +416,18 @@ class LeaseService:
             waiter.future.set_exception(error)
 
     def fail_waiters(self, error: MigdError, reason: str) -> None:
-        """migd stops: cancel every lease a client still waits for, and tell the client."""
+        """migd stops: cancel every lease a client still waits for, and tell the client
+        (and end the hung-up requests not yet released)."""
         now, mono = self.ctx.now()
+        while self._hangups:
+            gone, why = self._hangups.popleft()
+            if not gone.state.terminal and gone.lease_id in self.ctx.sched.leases:
+                # Observed and saved, but its work is not run: migd is stopping.
+                self.notify(
+                    self.ctx.sched.release(gone.lease_id, now, mono, reason=why).transitions
+                )
+                self.save(gone)
+                self.record("cancelled", gone, reason=why)
         for lease_id, waiter in list(self.waiters.items()):
             lease = self.ctx.sched.leases.get(lease_id)
             if lease is not None and not lease.state.terminal:
