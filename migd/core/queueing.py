@@ -17,6 +17,20 @@ passes it any more, smaller or not (a reservation): a large request under a
 stream of small ones is placed as soon as capacity frees up, with or without
 aging. ``starvation_s = 0`` makes every request starved at once: arrival order
 without backfill. Deadlines (``wait_s`` of the request) expire queued requests.
+
+Cost: nothing is ever sorted on the way of a request. The ``size`` key
+``rank - age / aging_s`` is, times ``aging_s``, ``rank * aging_s + arrival - now``, and
+``now`` is the same for every request: the order among requests of one size never
+changes as time passes. So the queue keeps its requests in arrival order once overall
+(starved ones are a prefix of it, as is the whole order under ``fifo``) and once per
+bucket of equal size and placement class (``klass``, given by the caller), and a pass
+merges the bucket heads from a heap, ranks taken once per pass. Push, removal and
+expiry (a heap of deadlines) cost O(log n); a pass costs O(log n) per request it places
+and per bucket it finds blocked (``try_place`` answering :attr:`Miss.CLASS` skips the
+rest of a bucket) plus O(buckets) to rank the sizes; :meth:`RequestQueue.position`
+costs O(buckets x log n). Only :meth:`RequestQueue.order` (status output) sorts.
+tests/property/test_queue_order.py holds the queue to the sorting implementation it
+replaced.
 """
 
 from __future__ import annotations
@@ -179,9 +193,9 @@ class RequestQueue(Generic[T]):
             younger request may pass it (0 = immediately: arrival order, no backfill).
         backfill: let requests behind a blocked one start (default: only for ``size``).
 
-    Nothing is ever re-sorted (see the module docstring, "Cost"): push, remove and
-    expiry are O(log n); a pass costs O(log n) per request it places and per class it
-    finds blocked.
+    Nothing is sorted on the way of a request (see the module docstring, "Cost"):
+    push, remove and expiry are O(log n); a pass costs O(log n) per request it places
+    and per bucket it finds blocked.
     """
 
     policy: QueuePolicy = QueuePolicy.FIFO
