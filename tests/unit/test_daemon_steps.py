@@ -303,3 +303,27 @@ def test_lease_observers_see_each_net_transition_and_a_broken_one_stops_nothing(
     ]
     stored = parts.daemon.ctx.db.get_lease(waiting.lease_id)
     assert stored is not None and stored.state is LeaseState.ACTIVE  # the store still saw it
+
+
+class _NoScan(dict):  # type: ignore[type-arg]
+    """A lease or waiter table that fails the test when something walks all of it."""
+
+    def _scan(self, *args: object) -> object:
+        raise AssertionError("walked every entry of a lease or waiter table")
+
+    values = items = keys = __iter__ = _scan  # type: ignore[assignment]
+
+
+def test_applying_an_outcome_visits_only_the_leases_it_touched(parts: Parts) -> None:
+    """Issue 26 §4: every outcome saved, answered and pruned by scanning every lease and
+    waiter. A release is saved, recorded and forgotten without walking either table."""
+    kept = [parts.lease(1000, pid=500 + n) for n in range(3)]
+    d, clock = parts.daemon, parts.clock
+    sched = d.ctx.sched
+    sched.leases = _NoScan(sched.leases)
+    d.leases.waiters = _NoScan(d.leases.waiters)
+    ending = kept[0]
+    d.leases.apply(sched.release(ending.lease_id, clock.now(), clock.monotonic()))
+    assert dict.get(sched.leases, ending.lease_id) is None  # written, answered: forgotten
+    assert d.ctx.db.get_lease(ending.lease_id).state is LeaseState.RELEASED  # type: ignore[union-attr]
+    assert all(dict.get(sched.leases, lease.lease_id) is lease for lease in kept[1:])
