@@ -54,11 +54,12 @@ from migd.core.planner import (
     DestroyOp,
     PartitionRequest,
     PlacementRule,
+    Sizing,
     plan_on_gpu,
     plan_on_node,
     size_request,
 )
-from migd.core.states import describe
+from migd.core.states import StateSpace, describe
 from migd.errors import MigdError, NoCapacity, RequestTooLarge, UnknownProfile
 
 
@@ -70,6 +71,22 @@ class MigOps:
     def __init__(self, books: ModeBooks) -> None:
         self.books = books
         self.hosts = MpsHosts(books)
+        # The profile a request right-sizes to, per state space (a GPU model's) and
+        # request size: asked of every MIG GPU by each shape and ever-fits check, and it
+        # never changes for a space (as the pre-split scheduler memoised it per model).
+        self._sizings: dict[tuple[int, PartitionRequest], tuple[StateSpace, Sizing]] = {}
+
+    def sizing(self, space: StateSpace, request: PartitionRequest) -> Sizing:
+        """:func:`size_request`, memoised per (space, request size)."""
+        key = (id(space), request)
+        hit = self._sizings.get(key)
+        if hit is not None and hit[0] is space:
+            return hit[1]
+        if len(self._sizings) >= 4096:  # free-form sizes: bounded, not a leak
+            self._sizings.clear()
+        sizing = size_request(space, request)
+        self._sizings[key] = (space, sizing)
+        return sizing
 
     def serves(self, gpu: ManagedGpu, request_mode: RequestMode) -> bool:
         return request_mode != "mps" or gpu.mps_in_mig
@@ -82,7 +99,7 @@ class MigOps:
             return Fit()
         if request.mode == "mps":  # only an MPS share inside an instance will do
             return self.hosts.ever_fits(gpu, request)
-        sizing = size_request(gpu.space, partition_request(request))
+        sizing = self.sizing(gpu.space, partition_request(request))
         if sizing.profile is not None:
             return Fit(fits=True, demand=(gpu.space.geometry.model, sizing.profile))
         return Fit(sizing=(gpu.space, sizing))
@@ -91,7 +108,7 @@ class MigOps:
         # Memory and min_compute matter only through the profile they right-size to.
         if gpu.space is None:
             return None
-        prof = size_request(gpu.space, partition_request(request)).profile
+        prof = self.sizing(gpu.space, partition_request(request)).profile
         size = prof.profile_id if prof is not None else None
         return (GpuMode.MIG, gpu.space.geometry.model), size
 

@@ -69,7 +69,7 @@ from migd.core.planner import (
     never_fits_error,
 )
 from migd.core.policy import SchedulerPolicy
-from migd.core.queueing import QueuedRequest, RequestQueue
+from migd.core.queueing import Miss, QueuedRequest, QueuePolicy, RequestQueue
 from migd.core.states import StateSpace
 from migd.errors import InvalidRequest, NoCapacity
 
@@ -132,6 +132,10 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     #: ``resync``: the read was older than the books (nothing changed): read again.
     stale: bool = False
+    #: Every lease the mutation changed, a net transition or not (a placement that fell
+    #: through and was placed again is PREPARING before and after, on another slice):
+    #: what the caller persists, so it never scans every lease.
+    touched: list[Lease] = field(default_factory=list)
 
     @property
     def grants(self) -> list[Lease]:
@@ -176,6 +180,8 @@ class NodeScheduler:
             GpuMode.EXCLUSIVE: ExclusiveOps(self),
             GpuMode.OFF: OffOps(),
         }
+        # The request that ended the last scheduling pass, if one did (see release).
+        self._blocked_by: str | None = None
         # Leases changed by the mutation in progress, with their state before it.
         self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
         # Per GPU, a number every change of its books bumps (see books_version).
@@ -202,6 +208,7 @@ class NodeScheduler:
             for lease, old in self._changed.values()
             if lease.state is not old
         ]
+        touched = [lease for lease, _ in self._changed.values()]
         self._changed.clear()
         # Besides the bumps where the books change, every GPU an outcome names (its work,
         # its leases') counts as changed: a missed bump would let a stale read through.
@@ -209,7 +216,7 @@ class NodeScheduler:
             self._touch(item.gpu)
         for t in transitions:
             self._touch(t.lease.gpu)
-        return Outcome(work=work or [], transitions=transitions, **fields)
+        return Outcome(work=work or [], transitions=transitions, touched=touched, **fields)
 
     # -- the books' versions ----------------------------------------------------------------
 
@@ -270,6 +277,7 @@ class NodeScheduler:
             now_s=mono_s,
             memory_mib=lease.request.memory_mib,
             wait_s=wait_s if wait_s is None or wait_s > 0 else 0.0,
+            klass=placement_class(lease),
         )
         if wait_s is not None:
             lease.deadline_s = now_s + wait_s
@@ -369,34 +377,50 @@ class NodeScheduler:
         # request of this shape that needs at least as much as one refused in this pass
         # is refused too (least refused MiB per (uid, shape)).
         refused_mib: dict[Hashable, int] = {}
+        # Within one pass the GPUs' modes do not change: a request's shape and whether
+        # MPS may take it follow from its size and placement class alone, so each is
+        # worked out once per queue bucket, not once per queued request.
+        shapes: dict[tuple[int, Hashable], Hashable | None] = {}
+        mps_capable: dict[str, bool] = {}
 
-        def try_place(item: QueuedRequest[str]) -> bool:
+        def try_place(item: QueuedRequest[str]) -> bool | Miss:
             lease = self.leases.get(item.payload)
             if lease is None or lease.state is not LeaseState.QUEUED:
                 return True  # stale entry: drop it
-            shape = None if self._mps_capable(lease) else self._placement_shape(lease.request)
+            request = lease.request
+            by_uid = mps_capable.get(request.mode)
+            if by_uid is None:
+                by_uid = mps_capable[request.mode] = self._mps_capable(lease)
+            bucket = (request.memory_mib, item.klass)
+            if bucket in shapes:
+                placement = shapes[bucket]
+            else:
+                placement = shapes[bucket] = self._placement_shape(request)
+            shape = None if by_uid else placement
+            # A miss the memo explains holds for every request of this bucket (same size
+            # and class, so same shape, uid and need): the queue skips the rest of it.
             if shape is not None and shape in failed:
-                return False
+                return Miss.CLASS
             share_key: Hashable = None
-            need = lease.request.memory_mib * lease.request.mps_clients
+            need = request.memory_mib * request.mps_clients
             if shape is None and self.policy.hybrid is not None:
-                share_key = (lease.owner_uid, self._placement_shape(lease.request))
+                share_key = (lease.owner_uid, placement)
                 if need >= refused_mib.get(share_key, math.inf):
-                    return False
+                    return Miss.CLASS
             placed = self._place(lease, now_s)
             if placed is None:
                 if shape is not None:
                     failed.add(shape)
                 if share_key is not None:
                     refused_mib[share_key] = min(need, refused_mib.get(share_key, need))
-                return False
+                return Miss.CLASS if shape is not None or share_key is not None else False
             if placed.ops:
                 # kept until its work is done or fails (a failure puts it back in place)
                 self._placed_items[lease.lease_id] = item
                 work.append(placed)
             return True
 
-        self.queue.schedule(mono_s, try_place)
+        self._blocked_by = self.queue.schedule(mono_s, try_place).blocked_by
         return work
 
     def _placement_shape(self, request: LeaseRequest) -> Hashable | None:
@@ -719,8 +743,34 @@ class NodeScheduler:
             gpu = self.gpus[lease.gpu]
             work.extend(self.mode_ops(gpu).release(gpu, lease, now_s))
             self._stamp_idle(gpu, now_s, mono_s)
-        work.extend(self._schedule(now_s, mono_s))
+        if was.holds_resources or self._pass_after_leaving(lease_id):
+            work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
+
+    def withdraw(self, lease_id: str) -> None:
+        """Stop placing a queued lease whose client is gone; :meth:`release` ends it
+        later (the daemon releases hung-up requests in batches, off the hot path)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.state is LeaseState.QUEUED:
+            self.queue.remove(lease_id)
+
+    def _pass_after_leaving(self, lease_id: str) -> bool:
+        """Whether a queued request that leaves (cancelled, its client gone) can let
+        another be placed: only if it ended the last pass, or an MPS device is held for
+        a waiting user (the pass sets those marks again for who still waits), or the
+        order changes with time without backfill (``size`` without backfill: a request
+        aged to the front may fit). Otherwise the last pass tried every request that
+        could be placed and nothing was freed since: a mass hang-up of queued clients
+        costs no pass each."""
+        if lease_id == self._blocked_by:
+            return True
+        if not self.queue.backfills and self.policy.queue is not QueuePolicy.FIFO:
+            return True
+        for gpu in self.gpus.values():
+            pools = [gpu.mps_pool, *(i.mps_pool for i in gpu.instances)]
+            if any(p is not None and p.draining_for_uid is not None for p in pools):
+                return True
+        return False
 
     def restore(self, lease: Lease, now_s: float) -> Outcome:
         """Take back a lease found in the state db at start-up (after :meth:`resync`).
@@ -904,6 +954,13 @@ class NodeScheduler:
         """Drop one ended lease from memory, with what the queue kept for it."""
         self.leases.pop(lease_id, None)
         self._placed_items.pop(lease_id, None)
+
+
+def placement_class(lease: Lease) -> Hashable:
+    """What, besides its MiB, decides whether a queued request can be placed: requests
+    alike in both share a queue bucket (see :class:`migd.core.queueing.Miss`)."""
+    r = lease.request
+    return (r.mode, r.gpu_uuids, r.min_compute, r.profile, r.mps_clients, lease.owner_uid)
 
 
 def default_mps_env(gpu: ManagedGpu, lease: Lease) -> dict[str, str]:

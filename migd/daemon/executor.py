@@ -39,6 +39,18 @@ class GpuWorker:
     last_ok_mono: float = 0.0
     heartbeat_pending: bool = False
     busy_since_mono: float | None = None
+    # The last heartbeat the event loop sent (number, monotonic time) and the last one
+    # the thread answered, written in the thread: a busy loop that has not yet run the
+    # answer's callback does not make the thread look hung.
+    heartbeat_sent: int = 0
+    heartbeat_sent_mono: float = 0.0
+    heartbeat_answered: int = 0
+
+    def unanswered_s(self, now: float) -> float:
+        """How long the thread has owed an answer to a heartbeat (0: it owes none)."""
+        if self.heartbeat_answered >= self.heartbeat_sent:
+            return 0.0
+        return now - self.heartbeat_sent_mono
 
 
 async def _no_resync(index: int) -> list[str]:
@@ -231,9 +243,12 @@ class GpuExecutor:
             if worker.heartbeat_pending:
                 continue
             worker.heartbeat_pending = True
+            worker.heartbeat_sent += 1
+            worker.heartbeat_sent_mono = self.ctx.clock.monotonic()
 
-            def beat(i: int = index) -> None:
+            def beat(i: int = index, w: GpuWorker = worker, n: int = worker.heartbeat_sent) -> None:
                 self.ctx.backend.heartbeat(i)
+                w.heartbeat_answered = n
 
             def done(fut: Any, w: GpuWorker = worker) -> None:
                 w.heartbeat_pending = False
@@ -243,9 +258,13 @@ class GpuExecutor:
             loop.run_in_executor(worker.executor, beat).add_done_callback(done)
 
     def starved_gpus(self, stale_after: float, mono: float | None = None) -> list[int]:
-        """GPUs whose thread has not answered a heartbeat for ``stale_after`` seconds at
-        monotonic time ``mono`` (default: now), unless NVML work younger than
-        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.periodic.Watchdog`)."""
+        """GPUs whose thread has owed an answer to a heartbeat for ``stale_after`` seconds
+        at monotonic time ``mono`` (default: now), unless NVML work younger than
+        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.periodic.Watchdog`).
+
+        Only a heartbeat sent and not answered counts against a thread: when the event
+        loop was too busy to send one (or to run the answer's callback), that is the
+        loop's lag, which the watchdog reports as such, not a hung NVML call."""
         now = self.ctx.clock.monotonic() if mono is None else mono
         limit = self.ctx.config.daemon.work_timeout_s
         if any(
@@ -256,5 +275,5 @@ class GpuExecutor:
         return [
             i
             for i, w in self.workers.items()
-            if now - w.last_ok_mono > stale_after and self.ctx.sched.gpus[i].mode is not GpuMode.OFF
+            if w.unanswered_s(now) > stale_after and self.ctx.sched.gpus[i].mode is not GpuMode.OFF
         ]

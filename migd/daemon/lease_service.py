@@ -24,6 +24,7 @@ history record of every transition) is the built-in one.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -146,12 +147,20 @@ class LeaseService:
         self.event_observers: list[EventObserver] = []
         self.waiters: dict[str, Waiter] = {}
         self._saved: dict[str, int] = {}  # lease id -> version last written
+        # Leases the state disk refused (written again by the next apply or flush), and
+        # ended leases kept in memory until written and answered (see _forget_if_done).
+        self._unsaved: dict[str, Lease] = {}
+        self._ended: dict[str, Lease] = {}
         self._disk_logged = False  # the current state disk failure is logged
         self.work_seconds: dict[str, float] = {}  # lease id -> NVML time of its partition
         # Highest GPU memory seen for each active lease (its instance, its whole GPU, or
         # its MPS holder's processes), so the wrapper's OOM verdict has a peak even for
         # jobs shorter than its own sampling; see the periodic sampler.
         self.peaks: dict[str, int] = {}
+        # Queued requests whose client hung up, released in batches by one task that
+        # yields between them (see _drain_hangups).
+        self._hangups: deque[tuple[Lease, str]] = deque()
+        self._draining: asyncio.Task[None] | None = None
 
     def add_observer(self, observer: LeaseObserver) -> None:
         self.observers.append(observer)
@@ -160,12 +169,24 @@ class LeaseService:
 
     def apply(self, outcome: Outcome) -> None:
         """Observe the outcome's transitions, persist leases that changed, run its work,
-        answer waiting clients, prune."""
+        answer waiting clients, prune.
+
+        Only what the outcome touched (and leases the state disk refused before) is
+        visited: the cost follows the outcome, not the number of leases and waiters."""
         self.notify(outcome.transitions)
-        self._save_changed()
+        touched = outcome.touched
+        for lease in [*self._unsaved.values(), *touched]:
+            if self._saved.get(lease.lease_id) != lease.version:
+                self.save(lease)
         self.dispatch(outcome.work)
-        self.resolve_waiters()
-        self.prune()
+        for lease in touched:
+            waiter = self.waiters.get(lease.lease_id)
+            if waiter is not None:
+                self._resolve(waiter, lease)
+        for lease in touched:
+            if lease.state.terminal:
+                self._ended[lease.lease_id] = lease
+                self._forget_if_done(lease.lease_id)
 
     def notify(self, transitions: Iterable[Transition]) -> None:
         now = self.ctx.clock.now()
@@ -191,8 +212,12 @@ class LeaseService:
             self.ctx.db.save_lease(lease)
         except StateDiskError as exc:
             self._disk_failed(exc)
+            if lease.lease_id in self.ctx.sched.leases:
+                self._unsaved[lease.lease_id] = lease
         else:
             self._saved[lease.lease_id] = lease.version
+            if self._unsaved.pop(lease.lease_id, None) is not None:
+                self._forget_if_done(lease.lease_id)
 
     def restored(self, lease: Lease) -> None:
         """A lease reloaded from the store as it was there: nothing to write."""
@@ -261,9 +286,25 @@ class LeaseService:
                 and (all_terminal or lease_id not in self.waiters)
             ):
                 sched.forget(lease_id)
-        for book in (self._saved, self.work_seconds, self.peaks):
+        for book in (self._saved, self.work_seconds, self.peaks, self._unsaved, self._ended):
             for lease_id in [k for k in book if k not in sched.leases]:
                 del book[lease_id]
+
+    def _forget_if_done(self, lease_id: str) -> None:
+        """:meth:`prune` for one lease: forget it once it has ended, is written and no
+        client waits for it (its waiter's end calls this again)."""
+        lease = self._ended.get(lease_id)
+        if lease is None:
+            return
+        if self.ctx.sched.leases.get(lease_id) is not lease:
+            del self._ended[lease_id]
+            return
+        if self._saved.get(lease_id) != lease.version or lease_id in self.waiters:
+            return
+        del self._ended[lease_id]
+        self.ctx.sched.forget(lease_id)
+        for book in (self._saved, self.work_seconds, self.peaks):
+            book.pop(lease_id, None)
 
     def note_peak(self, lease_id: str, used_mib: int | None) -> None:
         lease = self.ctx.sched.leases.get(lease_id)
@@ -309,11 +350,17 @@ class LeaseService:
             )
             if future in done:
                 return future.result()
-            now, mono = self.ctx.now()
             reason = "client disconnected while waiting" if hangup in done else "wait timed out"
-            if not lease.state.terminal:
-                self.apply(self.ctx.sched.release(lease.lease_id, now, mono, reason=reason))
-                self.record("cancelled", lease, reason=reason)
+            if lease.state is LeaseState.QUEUED:
+                # Thousands may hang up at once (a schedd restarts): out of the queue now,
+                # released (written, logged, recorded) in batches that let the loop serve
+                # pings and the watchdog between them.
+                self.ctx.sched.withdraw(lease.lease_id)
+                self._hangups.append((lease, reason))
+                if self._draining is None or self._draining.done():
+                    self._draining = asyncio.create_task(self._drain_hangups(), name="hangups")
+            elif not lease.state.terminal:
+                self._cancel(lease, reason)
             raise LeaseTimeout(f"lease {lease.lease_id} not granted: {reason}")
         finally:
             self.waiters.pop(lease.lease_id, None)
@@ -326,25 +373,69 @@ class LeaseService:
                     pending.cancel()
                 elif not pending.cancelled():
                     pending.exception()
+            self._forget_if_done(lease.lease_id)
+
+    def _cancel(self, lease: Lease, reason: str) -> None:
+        now, mono = self.ctx.now()
+        self.apply(self.ctx.sched.release(lease.lease_id, now, mono, reason=reason))
+        self.record("cancelled", lease, reason=reason)
+
+    #: Hung-up requests released per turn of the event loop.
+    HANGUP_BATCH = 32
+
+    async def _drain_hangups(self) -> None:
+        while self._hangups:
+            for _ in range(min(self.HANGUP_BATCH, len(self._hangups))):
+                lease, reason = self._hangups.popleft()
+                if not lease.state.terminal and lease.lease_id in self.ctx.sched.leases:
+                    try:
+                        self._cancel(lease, reason)
+                    except Exception as exc:  # one lease's failure must not strand the rest
+                        log.exception(
+                            "lease.cancel_failed", lease_id=lease.lease_id, error=str(exc)
+                        )
+            await asyncio.sleep(0)
+
+    @property
+    def hangups_pending(self) -> int:
+        """Hung-up requests not yet released (they are out of the queue already)."""
+        return len(self._hangups)
 
     def resolve_waiters(self) -> None:
+        """Answer every waiting client whose lease is active or ended (all of them;
+        :meth:`apply` answers only those of the leases it touched)."""
         for lease_id, waiter in list(self.waiters.items()):
             lease = self.ctx.sched.leases.get(lease_id)
-            if waiter.future.done() or lease is None:
-                continue
-            if lease.state is LeaseState.ACTIVE:
-                waiter.future.set_result(lease)
-            elif lease.state.terminal:
-                error: MigdError = LeaseTimeout(
-                    f"lease {lease_id} ended while waiting: {lease.state.value} ({lease.reason})"
-                )
-                if lease.state is LeaseState.FAILED:
-                    error = GpuError(f"could not prepare a partition: {lease.reason}")
-                waiter.future.set_exception(error)
+            if lease is not None:
+                self._resolve(waiter, lease)
+
+    @staticmethod
+    def _resolve(waiter: Waiter, lease: Lease) -> None:
+        if waiter.future.done():
+            return
+        if lease.state is LeaseState.ACTIVE:
+            waiter.future.set_result(lease)
+        elif lease.state.terminal:
+            error: MigdError = LeaseTimeout(
+                f"lease {lease.lease_id} ended while waiting: {lease.state.value} ({lease.reason})"
+            )
+            if lease.state is LeaseState.FAILED:
+                error = GpuError(f"could not prepare a partition: {lease.reason}")
+            waiter.future.set_exception(error)
 
     def fail_waiters(self, error: MigdError, reason: str) -> None:
-        """migd stops: cancel every lease a client still waits for, and tell the client."""
+        """migd stops: cancel every lease a client still waits for, and tell the client
+        (and end the hung-up requests not yet released)."""
         now, mono = self.ctx.now()
+        while self._hangups:
+            gone, why = self._hangups.popleft()
+            if not gone.state.terminal and gone.lease_id in self.ctx.sched.leases:
+                # Observed and saved, but its work is not run: migd is stopping.
+                self.notify(
+                    self.ctx.sched.release(gone.lease_id, now, mono, reason=why).transitions
+                )
+                self.save(gone)
+                self.record("cancelled", gone, reason=why)
         for lease_id, waiter in list(self.waiters.items()):
             lease = self.ctx.sched.leases.get(lease_id)
             if lease is not None and not lease.state.terminal:

@@ -160,18 +160,41 @@ class Watchdog:
         self.interval_s = ctx.notifier.watchdog_s or 20.0
         self.tick_s = self.interval_s / 4
         self.stale_after_s = self.interval_s / 2
+        self._due: float | None = None  # when the next step should run
+
+    def started(self, mono: float) -> None:
+        """The loop begins: the first step is due one tick from ``mono``."""
+        self._due = mono + self.tick_s
 
     def step(self, mono: float) -> bool:
-        """Ping systemd unless a GPU thread is starved or an NVML call hung; True if pinged."""
+        """Ping systemd unless a GPU thread is starved or an NVML call hung; True if pinged.
+
+        Two causes of a late answer, told apart and logged as such: a GPU thread that owes
+        an answer to a heartbeat (an NVML call hangs: ``watchdog.starved``, no ping), and
+        the event loop running this step late (``watchdog.loop_lag``: busy with other
+        work, which is not an NVML hang; it runs now, so it pings)."""
+        lag = 0.0 if self._due is None else mono - self._due
+        self._due = mono + self.tick_s
         stale = self.executor.starved_gpus(self.stale_after_s, mono)
         if stale or self.executor.tripped:
             log.error(
                 "watchdog.starved",
+                cause="gpu_thread",
                 gpus=stale,
-                reason=self.executor.tripped or "GPU thread did not answer",
+                reason=self.executor.tripped or "GPU thread did not answer its heartbeat",
                 hint="an NVML call hangs; systemd restarts migd when WatchdogSec passes",
             )
             return False
+        if lag > self.tick_s:
+            log.warning(
+                "watchdog.loop_lag",
+                cause="event_loop",
+                lag_s=round(lag, 3),
+                reason=f"the event loop ran the watchdog {lag:.1f} s late: it was busy, "
+                "every GPU thread answers",
+                hint="not an NVML hang; if it grows towards WatchdogSec, look for long work "
+                "on the loop (debug log, py-spy dump)",
+            )
         self.ctx.notifier.watchdog()
         return True
 
@@ -381,6 +404,7 @@ class PeriodicTasks:
                 heartbeat_stale_after_s=watchdog.stale_after_s,
                 work_timeout_s=self.ctx.config.daemon.work_timeout_s,
             )
+        watchdog.started(self.ctx.clock.monotonic())
         while True:
             self.executor.send_heartbeats()
             await asyncio.sleep(watchdog.tick_s)

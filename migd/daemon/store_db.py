@@ -277,22 +277,45 @@ class StateDatabase:
         if self.failing is not None:
             self._recovered()
 
+    #: Free space (bytes) on the state disk above which require_writable needs no probe.
+    PROBE_HEADROOM_BYTES = 16 * 1024 * 1024
+
     def require_writable(self) -> None:
         """Before a request changes anything: one small write, so a full or read-only
         state disk refuses the request while the books are still as they were.
 
+        The probe would be a committed write of its own before every lease (issue 26
+        §4), so it is made only when the disk might refuse: after a failed write (until
+        one goes through), on a file system mounted read-only, or with less than
+        :attr:`PROBE_HEADROOM_BYTES` free. Otherwise a ``statvfs`` says as much.
+
         Raises:
             StateDiskError: the write failed (:attr:`failing` says why).
         """
+        if self.failing is None and self._roomy():
+            return
         self._write(
             "INSERT OR REPLACE INTO meta(key, value) VALUES('disk_probe', ?)",
             (json.dumps(time.time()),),
         )
 
+    def _roomy(self) -> bool:
+        """The state disk is writable and has room (what the unprivileged may use)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return False
+        if st.f_flag & os.ST_RDONLY:
+            return False
+        return st.f_bavail * st.f_frsize >= self.PROBE_HEADROOM_BYTES
+
     def probe(self) -> bool:
         """Try one small write; True (and :attr:`failing` cleared) when the disk takes it."""
         try:
-            self.require_writable()
+            self._write(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES('disk_probe', ?)",
+                (json.dumps(time.time()),),
+            )
         except StateStoreError:
             return False
         return True

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from migd.backends.accounts import SystemAccounts
 from migd.backends.mps import HealthEvent, HealthReport
@@ -195,19 +196,49 @@ def test_the_watchdog_step_pings_only_while_every_gpu_thread_answers(parts: Part
     executor, clock = parts.daemon.executor, parts.clock
     watchdog = Watchdog(parts.daemon.ctx, executor)  # WatchdogSec 2 s: stale after 1 s
     worker = executor.workers[0]
-    worker.last_ok_mono = clock.monotonic()
     assert watchdog.step(clock.monotonic()) and parts.notifier.sent == ["WATCHDOG=1"]
+    worker.heartbeat_sent, worker.heartbeat_sent_mono = 1, clock.monotonic()  # not answered
     clock.advance(1.5)  # the thread did not answer its heartbeat
     assert not watchdog.step(clock.monotonic())
     worker.busy_since_mono = clock.monotonic()  # ... because a create runs: that is fine
     assert watchdog.step(clock.monotonic())
     clock.advance(parts.daemon.config.daemon.work_timeout_s)  # until the create overruns
     assert not watchdog.step(clock.monotonic())
-    worker.busy_since_mono, worker.last_ok_mono = None, clock.monotonic()
+    worker.busy_since_mono, worker.heartbeat_answered = None, 1  # it answers
     assert watchdog.step(clock.monotonic())
     executor.tripped = "an NVML call hung"  # a timed-out call: never fed again
     assert not watchdog.step(clock.monotonic())
     assert parts.notifier.sent.count("WATCHDOG=1") == 3
+
+
+def test_the_watchdog_blames_a_busy_loop_on_the_loop_and_a_silent_thread_on_nvml(
+    parts: Parts,
+) -> None:
+    """The loop ran the step late, but every heartbeat it sent was answered (in the GPU
+    thread, even if the loop has not yet run the answer's callback): that is loop lag,
+    logged as such, and systemd is fed. A heartbeat owed longer than half WatchdogSec is
+    the GPU thread's: starved, no ping."""
+    executor, clock = parts.daemon.executor, parts.clock
+    watchdog = Watchdog(parts.daemon.ctx, executor)  # WatchdogSec 2 s: tick 0.5 s
+    watchdog.started(clock.monotonic())
+    for worker in executor.workers.values():  # sent, and answered in the thread at once
+        worker.heartbeat_pending, worker.heartbeat_sent_mono = True, clock.monotonic()
+        worker.heartbeat_sent = worker.heartbeat_answered = 1
+    clock.advance(162.0)  # the loop was busy for 162 s (issue 23)
+    with structlog.testing.capture_logs() as events:
+        assert watchdog.step(clock.monotonic())
+    [lag] = [e for e in events if str(e["event"]).startswith("watchdog.")]
+    assert lag["event"] == "watchdog.loop_lag" and lag["cause"] == "event_loop"
+    assert lag["lag_s"] == pytest.approx(161.5)
+    worker = executor.workers[0]  # now one thread owes an answer
+    worker.heartbeat_sent, worker.heartbeat_sent_mono = 2, clock.monotonic()
+    clock.advance(1.5)  # the step is 1 s late, too, but the thread is to blame
+    with structlog.testing.capture_logs() as events:
+        assert not watchdog.step(clock.monotonic())
+    [starved] = [e for e in events if str(e["event"]).startswith("watchdog.")]
+    assert starved["event"] == "watchdog.starved" and starved["cause"] == "gpu_thread"
+    assert starved["gpus"] == [0]
+    assert parts.notifier.sent.count("WATCHDOG=1") == 1
 
 
 def test_an_mps_health_report_flags_leases_and_marks_the_gpu_until_it_serves(
@@ -326,3 +357,27 @@ def test_a_reload_that_fails_late_applies_nothing_of_the_new_configuration(parts
     assert "policy.demand_prior" in reply["error"]["message"]
     assert daemon.ctx.config is old  # not policy.queue = "size" with the prior refused
     assert daemon.ctx.sched.policy.queue.value == "fifo"
+
+
+class _NoScan(dict):  # type: ignore[type-arg]
+    """A lease or waiter table that fails the test when something walks all of it."""
+
+    def _scan(self, *args: object) -> object:
+        raise AssertionError("walked every entry of a lease or waiter table")
+
+    values = items = keys = __iter__ = _scan  # type: ignore[assignment]
+
+
+def test_applying_an_outcome_visits_only_the_leases_it_touched(parts: Parts) -> None:
+    """Issue 26 §4: every outcome saved, answered and pruned by scanning every lease and
+    waiter. A release is saved, recorded and forgotten without walking either table."""
+    kept = [parts.lease(1000, pid=500 + n) for n in range(3)]
+    d, clock = parts.daemon, parts.clock
+    sched = d.ctx.sched
+    sched.leases = _NoScan(sched.leases)
+    d.leases.waiters = _NoScan(d.leases.waiters)
+    ending = kept[0]
+    d.leases.apply(sched.release(ending.lease_id, clock.now(), clock.monotonic()))
+    assert dict.get(sched.leases, ending.lease_id) is None  # written, answered: forgotten
+    assert d.ctx.db.get_lease(ending.lease_id).state is LeaseState.RELEASED  # type: ignore[union-attr]
+    assert all(dict.get(sched.leases, lease.lease_id) is lease for lease in kept[1:])
