@@ -28,6 +28,7 @@ from migd.api import (
     ReportRequest,
     StatusRequest,
 )
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
 from migd.daemon.api_server import Access, ApiServer, Call
@@ -270,8 +271,17 @@ class Ops:
 
     async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
         req = call.request
-        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, call.owned)
-        result = self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
+        lease = call.owned
+        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
+        # Only its holder's release is the job's own; anyone else's (migctl release, an
+        # admin) takes the partition from under a job that may still run: it must stop.
+        end = None  # a request not granted yet is cancelled, whoever withdraws it
+        if lease.state is LeaseState.ACTIVE:
+            holder = call.peer.pid == lease.owner_pid
+            end = LeaseEndReason.RELEASED if holder else LeaseEndReason.ADMIN_RELEASE
+        result = self.leases.release(
+            lease, req.reason or f"released by uid {call.peer.uid}", end=end
+        )
         return {**result, "leftover_pids": leftover} if leftover else result
 
     async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
@@ -302,7 +312,7 @@ class Ops:
         for lease in leases:
             reason = req.reason or f"released by the JOB_EXIT hook (uid {peer.uid})"
             await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
-            self.leases.release(lease, reason)
+            self.leases.release(lease, reason, end=LeaseEndReason.JOB_EXIT)
             released.append(lease.lease_id)
         return {"released": released}
 
