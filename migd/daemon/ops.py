@@ -372,6 +372,11 @@ class Ops:
                 hint="report only what changes the lease's story (OOM, exit, forecasts)",
             )
         self.ctx.db.require_writable()  # a report the history cannot keep is refused
+        peak = req.data.get("peak_used_mib")
+        if isinstance(peak, int) and not isinstance(peak, bool) and 0 <= peak <= 100_000_000:
+            # The wrapper's (or the job's own) peak joins migd's samples, so the peak the
+            # release records is never below what the job is known to have used.
+            self.leases.note_peak(lease.lease_id, peak)
         self.leases.record(f"wrapper.{req.event}", lease, **req.data)
         # Nested, so a client's keys can neither clash with nor forge the log's own
         # fields (level, timestamp, event, lease_id).

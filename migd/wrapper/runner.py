@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -269,8 +270,16 @@ class JobRunner:
             # What the job holds now, in its ad (condor_q, condor_history): the slot's VRAM
             # keeps the size it was matched with, even after a restart on a bigger partition.
             self._chirp(partition_attrs(lease, restarts))
+            limit = int(lease.get("memory_limit_mib") or memory)
             try:
                 attempt = self._supervise(lease)
+                # While the lease is still active, migd hears what the wrapper knows the
+                # attempt used (its samples, what the OOM message says the job held), so
+                # the peak migd records at the release is never below it. (Usage only:
+                # the release reply's peak is usage, and restart sizing adds the failed
+                # allocation to it.)
+                self._classify(attempt, limit)
+                self._report(lease, "exit", attempt, None)
             except _JobNotStarted as exc:
                 self.say(exc.message)
                 return exc.exit_code
@@ -278,16 +287,19 @@ class JobRunner:
                 released = self._release(lease, "job attempt ended")
             daemon_peak = released.get("peak_used_mib")
             if isinstance(daemon_peak, int) and daemon_peak > (attempt.peak_used_mib or 0):
+                # migd's samples after the wrapper's last one, and what the job reported
                 attempt.peak_used_mib = daemon_peak
-            if attempt.peak_used_mib is not None and attempt.peak_used_mib > peak:
-                # the most GPU memory the job used on any attempt: what to ask for next time
-                peak = attempt.peak_used_mib
+            self._classify(attempt, limit)  # again, with migd's last samples
+            attempt_peak = self._peak_of(attempt, limit)
+            if attempt_peak is not None and attempt_peak > peak:
+                # the most GPU memory the job used (or asked for when it ran out) on any
+                # attempt: what to ask for next time
+                peak = attempt_peak
                 # HTCondor's own GPUsMemoryUsage ("peak memory usage over the lifetime of
                 # the job, in megabytes", managing-a-job.rst) is filled by its GPU monitor,
                 # which migd nodes do not run (it misreports shared GPUs): feed it the
                 # job's own peak instead.
                 self._chirp({"MigdPeakMB": peak, "GPUsMemoryUsage": peak})
-            limit = int(lease.get("memory_limit_mib") or memory)
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)
             plan = attempt.taken_back or self._stop_plan()
@@ -299,7 +311,6 @@ class JobRunner:
                 # wrapper's next look): its exit status is migd's doing, not the job's.
                 # A job that finished with 0 before the wrapper heard keeps its result.
                 raise self._lease_lost(lease, plan)
-            self._classify(attempt, limit)
             oom = attempt.oom
             if oom is not None and oom.kind == "mps_unavailable":
                 # The matched stderr line goes to the MPS manager, which restarts a daemon
@@ -348,7 +359,7 @@ class JobRunner:
                 return self._finish(attempt)
             size = self._restart_size(lease, limit, needed)
             restarts += 1
-            self._report(lease, event, attempt, size)
+            self._report(lease, event, attempt, size, peak=attempt_peak)
             if size.request_mib is None:
                 self.say(f"{reason}; {size.reason}")
                 return self._give_up(limit, size.wanted_mib, "nothing bigger on this node")
@@ -366,7 +377,7 @@ class JobRunner:
     def _classify(self, attempt: Attempt, limit: int) -> None:
         if attempt.forecast is not None:
             return
-        attempt.oom = classify_exit(
+        oom = attempt.oom = classify_exit(
             attempt.exit_code,
             attempt.signum,
             attempt.tail,
@@ -374,6 +385,28 @@ class JobRunner:
             limit,
             policy=self.settings.oom,
         )
+        if oom.is_oom and oom.held_mib is not None:
+            # What the job held at the failure is usage, whatever the samples missed.
+            attempt.peak_used_mib = max(attempt.peak_used_mib or 0, math.ceil(oom.held_mib))
+
+    @staticmethod
+    def _peak_of(attempt: Attempt, limit: int) -> int | None:
+        """The attempt's peak for MigdPeakMB and migd's history: the largest of what was
+        measured (the wrapper's and migd's samples, the job's own report, what the OOM
+        message says it held) and, when it ran out of memory, what it asked for (that
+        plus the failed allocation), else the partition it filled (a strong OOM with no
+        figure at all). ``None``: nothing known."""
+        used = attempt.peak_used_mib  # (it includes what the OOM message says was held)
+        values = [used]
+        oom = attempt.oom
+        if oom is not None and oom.is_oom:
+            if oom.tried_mib is not None and used is not None:
+                # what it asked for: as restart sizing reckons it (RequestVRAM)
+                values.append(math.ceil(used + oom.tried_mib))
+            elif used is None and oom.kind == "strong":
+                values.append(limit)
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
 
     def _restart_size(self, lease: dict[str, Any], limit: int, needed: float | None) -> RestartSize:
         return restart_size(
@@ -586,8 +619,12 @@ class JobRunner:
         attempt: Attempt,
         size: RestartSize | None,
         message: str | None = None,
+        *,
+        peak: int | None = None,
     ) -> None:
-        data: dict[str, Any] = {"peak_used_mib": attempt.peak_used_mib}
+        data: dict[str, Any] = {"peak_used_mib": attempt.peak_used_mib if peak is None else peak}
+        if event == "exit":
+            data["exit_code"], data["signal"] = attempt.exit_code, attempt.signum
         if message is not None:
             data["message"] = message
         if size is not None:
