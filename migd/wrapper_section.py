@@ -29,7 +29,10 @@ class WrapperSection(BaseModel):
         2.0, gt=0, le=3600, description="how often the wrapper samples the job's GPU memory"
     )
     term_grace_s: float = Field(
-        10.0, ge=0, description="SIGTERM to SIGKILL when the forecast stops a job early"
+        10.0,
+        ge=0,
+        description="first signal to SIGKILL when the wrapper stops a job: the forecast's "
+        "early restart, a lease migd took back",
     )
     restart_wait_s: float = Field(
         600.0, ge=0, description="how long a restart waits for the bigger partition"

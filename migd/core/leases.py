@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 from migd.core.gpus import GpuMode, RequestMode
+from migd.core.lease_end import LeaseEndReason
 from migd.errors import InvalidRequest, LeaseError
 
 
@@ -81,6 +82,16 @@ TRANSITIONS: Mapping[tuple[LeaseState, LeaseEvent], LeaseState] = {
     (S.ACTIVE, E.RECLAIM): S.RECLAIMED,
 }
 del S, E
+
+
+# Why a lease ended when its caller names no reason: the end the transition means.
+DEFAULT_END: Mapping[LeaseState, LeaseEndReason] = {
+    LeaseState.RELEASED: LeaseEndReason.RELEASED,
+    LeaseState.RECLAIMED: LeaseEndReason.HOLDER_GONE,
+    LeaseState.EXPIRED: LeaseEndReason.QUEUE_TIMEOUT,
+    LeaseState.CANCELLED: LeaseEndReason.CANCELLED,
+    LeaseState.FAILED: LeaseEndReason.FAILED,
+}
 
 
 class IllegalLeaseTransition(LeaseError):
@@ -179,10 +190,16 @@ class Lease:
     # (e.g. its MPS server was restarted, so its CUDA clients died); shown by migctl.
     warning: str = ""
     warning_s: float | None = None
+    # Why it ended (typed; docs/api.md, "Why a lease ended"). Set when it ends, or
+    # earlier when migd decided its job must stop while it is still active (gpu_lost):
+    # an end set first is kept.
+    end_reason: LeaseEndReason | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None:  # the state db and JSON give the value
             self.mode = GpuMode(self.mode)
+        if self.end_reason is not None:
+            self.end_reason = LeaseEndReason(self.end_reason)
 
     @property
     def mps_device_uuid(self) -> str | None:
@@ -192,17 +209,29 @@ class Lease:
             return None
         return self.mig_uuid or self.gpu_uuid
 
-    def warn(self, message: str, now_s: float) -> None:
-        """Flag the lease (kept while it lives and in its record)."""
+    def warn(self, message: str, now_s: float, *, end: LeaseEndReason | None = None) -> None:
+        """Flag the lease (kept while it lives and in its record); ``end``: its job must
+        stop for this reason (the lease ends when the job's wrapper releases it)."""
         self.warning, self.warning_s = message, now_s
+        if end is not None and self.end_reason is None:
+            self.end_reason = end
         self.version += 1
 
-    def event(self, event: LeaseEvent, now_s: float, reason: str = "") -> None:
+    def event(
+        self,
+        event: LeaseEvent,
+        now_s: float,
+        reason: str = "",
+        *,
+        end: LeaseEndReason | None = None,
+    ) -> None:
         self.state = next_state(self.state, event)
         self.updated_s = now_s
         self.version += 1
         if reason:
             self.reason = reason
+        if self.state.terminal and self.end_reason is None:
+            self.end_reason = end or DEFAULT_END[self.state]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -226,6 +255,7 @@ class Lease:
             "mps_thread_percentage": self.mps_thread_percentage,
             "warning": self.warning,
             "warning_s": self.warning_s,
+            "end_reason": self.end_reason.value if self.end_reason else None,
             "env": dict(self.env),
             "created_s": self.created_s,
             "updated_s": self.updated_s,

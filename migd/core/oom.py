@@ -299,6 +299,9 @@ class OomVerdict:
         tried_mib: the allocation that failed, when the message says (PyTorch
             "Tried to allocate", XLA "trying to allocate N bytes", ...).
         peak_fraction: peak usage / limit, when both were given.
+        held_mib: what the process already held when the allocation failed, when the
+            message says (PyTorch "already allocated", "memory in use"): a lower bound
+            of its peak usage.
     """
 
     kind: OomKind
@@ -307,6 +310,7 @@ class OomVerdict:
     signature: str | None = None
     tried_mib: float | None = None
     peak_fraction: float | None = None
+    held_mib: float | None = None
 
     @property
     def is_oom(self) -> bool:
@@ -320,6 +324,7 @@ class OomVerdict:
             "matched": self.matched,
             "tried_mib": None if self.tried_mib is None else round(self.tried_mib, 1),
             "peak_fraction": None if self.peak_fraction is None else round(self.peak_fraction, 4),
+            "held_mib": None if self.held_mib is None else round(self.held_mib, 1),
             "reason": self.reason,
         }
 
@@ -431,6 +436,47 @@ def find_signatures(
     return found
 
 
+_SIZE = r"([\d.,]+)\s*(B|bytes|[KMGT]i?B)"
+# What the process held when the allocation failed, as PyTorch words it (1.x: "7.12 GiB
+# already allocated; ... 7.80 GiB reserved in total by PyTorch"; 2.x: "this process has
+# 79.13 GiB memory in use. Of the allocated memory 78.44 GiB is allocated by PyTorch, and
+# 176.05 MiB is reserved by PyTorch but unallocated").
+_HELD = {
+    "allocated": re.compile(_SIZE + r"\s+already allocated", re.IGNORECASE),
+    "reserved": re.compile(_SIZE + r"\s+reserved in total", re.IGNORECASE),
+    "in_use": re.compile(r"this process has\s+" + _SIZE + r"\s+memory in use", re.IGNORECASE),
+    "by_framework": re.compile(
+        r"Of the allocated memory\s+" + _SIZE + r"\s+is allocated by", re.IGNORECASE
+    ),
+    "cached": re.compile(_SIZE + r"\s+is reserved by \w+ but unallocated", re.IGNORECASE),
+}
+
+
+def _size_mib(number: str, unit: str) -> float | None:
+    try:
+        value = float(number.replace(",", ""))
+    except ValueError:
+        return None
+    factor = _SIZE_UNITS.get("b" if unit.lower() == "bytes" else unit.lower())
+    return None if factor is None else value * factor
+
+
+def held_mib(text: str) -> float | None:
+    """What the process already held when its allocation failed (MiB), when the message
+    says: the largest of its figures (in use; allocated plus cached; reserved)."""
+    found: dict[str, float] = {}
+    for name, pattern in _HELD.items():
+        match = pattern.search(text)
+        if match is not None:
+            size = _size_mib(match.group(1), match.group(2))
+            if size is not None:
+                found[name] = size
+    if "by_framework" in found:
+        found["by_framework"] += found.pop("cached", 0.0)
+    found.pop("cached", None)
+    return max(found.values()) if found else None
+
+
 def tried_mib(text: str) -> float | None:
     """The failed allocation's size in MiB when the message states it."""
     match = _TRIED.search(text)
@@ -505,6 +551,7 @@ def classify_exit(
     peak_text = (
         f"peak {peak_used_mib} of {limit_mib} MiB" if fraction is not None else "peak unknown"
     )
+    held: float | None = None  # from the OOM message, once one is found
 
     def verdict(
         kind: OomKind,
@@ -519,6 +566,7 @@ def classify_exit(
             None if match is None else match.signature.name,
             tried,
             fraction,
+            held,
         )
 
     if (exit_code is None or exit_code == 0) and not signal:
@@ -553,6 +601,14 @@ def classify_exit(
                 "none", f"{status}: host memory exhausted ({last.signature.name}), not GPU", last
             )
         tried = tried_mib(last.text)
+        held = held_mib(last.text)
+        if held is not None and (peak_used_mib is None or held > peak_used_mib):
+            # The message's own figure is a lower bound of the peak: never "peak unknown"
+            # (nor a sampled peak below it) when the job said what it held.
+            peak_text = f"peak >= {held:.0f} MiB (held at the failure)"
+            if limit_mib is not None and limit_mib > 0:
+                fraction = held / limit_mib
+                peak_text = f"peak >= {held:.0f} of {limit_mib} MiB (held at the failure)"
         later = _later_fatal_error(lines, last.line, policy)
         if later is not None:
             # The job survived the OOM (a batch-size finder, a retry) and died of

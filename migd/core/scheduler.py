@@ -58,6 +58,7 @@ from migd.core.gpus import (
     Work,
     mode_state,
 )
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
 from migd.core.mps import MpsPool, client_environment
@@ -195,11 +196,20 @@ class NodeScheduler:
             backfill=self.policy.backfill,
         )
 
-    def transition(self, lease: Lease, event: LeaseEvent, now_s: float, reason: str = "") -> None:
+    def transition(
+        self,
+        lease: Lease,
+        event: LeaseEvent,
+        now_s: float,
+        reason: str = "",
+        *,
+        end: LeaseEndReason | None = None,
+    ) -> None:
         """Every state change goes through here (and the transition table), the mode
-        drivers' too, so the mutation's outcome lists it."""
+        drivers' too, so the mutation's outcome lists it. ``end``: why the lease ends,
+        when the event ends it (default: what the event means, ``DEFAULT_END``)."""
         self._changed.setdefault(lease.lease_id, (lease, lease.state))
-        lease.event(event, now_s, reason)
+        lease.event(event, now_s, reason, end=end)
 
     def _outcome(self, work: list[Work] | None = None, **fields: Any) -> Outcome:
         """The mutation's outcome: its work and the leases' net state changes."""
@@ -698,7 +708,11 @@ class NodeScheduler:
             for lease in self._leases_on(gone):
                 if lease.state.holds_resources:
                     self.transition(
-                        lease, LeaseEvent.RECLAIM, now_s, reason=f"instance {gone} disappeared"
+                        lease,
+                        LeaseEvent.RECLAIM,
+                        now_s,
+                        reason=f"instance {gone} disappeared",
+                        end=LeaseEndReason.INSTANCE_GONE,
                     )
         mig.instances = sorted(fresh, key=lambda i: i.start)
         # The committed layout must stay a valid state; a layout that is not is reported.
@@ -721,9 +735,17 @@ class NodeScheduler:
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
 
     def release(
-        self, lease_id: str, now_s: float, mono_s: float, *, reclaim: bool = False, reason: str = ""
+        self,
+        lease_id: str,
+        now_s: float,
+        mono_s: float,
+        *,
+        reclaim: bool = False,
+        reason: str = "",
+        end: LeaseEndReason | None = None,
     ) -> Outcome:
-        """End a lease (released by its owner, or reclaimed because the holder died).
+        """End a lease (released by its owner, or reclaimed because the holder died);
+        ``end`` says why (default: what the event means).
 
         The outcome's work: teardown of the freed instance when the idle policy says so,
         and grants for queued requests that now fit.
@@ -734,7 +756,7 @@ class NodeScheduler:
         event = LeaseEvent.RECLAIM if reclaim else LeaseEvent.RELEASE
         was = lease.state
         self.transition(
-            lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released")
+            lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released"), end=end
         )
         self.queue.remove(lease_id)
         work: list[Work] = []
@@ -792,7 +814,9 @@ class NodeScheduler:
         else:
             gone = self.mode_ops(gpu).restore(gpu, lease)
         if gone:
-            self.transition(lease, LeaseEvent.RECLAIM, now_s, reason=gone)
+            self.transition(
+                lease, LeaseEvent.RECLAIM, now_s, reason=gone, end=LeaseEndReason.INSTANCE_GONE
+            )
         return self._outcome()
 
     def quarantine(self, lease_id: str, why: str) -> str | None:

@@ -9,9 +9,10 @@ and applies each event on the event loop:
   ``MigdGpuReason``) say why, and the leases running on it are flagged (their ``warning``,
   shown by `migctl leases`/`explain`);
 * where the event means the work is lost (an XID NVML attributes to a GPU instance, or one
-  after which the GPU needs a reset), each affected lease's warning starts with
-  :data:`GPU_LOST`, and the release reply carries ``gpu_lost`` so the wrapper can have
-  HTCondor run the job again with that reason.
+  after which the GPU needs a reset), each affected lease gets the typed end reason
+  ``gpu_lost`` (:class:`~migd.core.lease_end.LeaseEndReason`) while it is still active:
+  the wrapper, which watches the lease, stops the job and has HTCondor run it again
+  with the warning as the reason (docs/wrapper.md, "When migd takes the lease back").
 
 The condition stays until migd restarts: an XID is an edge, not a state, and NVIDIA's
 recovery for the critical ones (GPU reset, reboot, replacement) restarts migd anyway. An
@@ -29,6 +30,7 @@ import structlog
 
 from migd.api import SimXidRequest
 from migd.backends.nvml_events import GpuEvent, NvmlEventListener, events_module
+from migd.core.lease_end import LeaseEndReason
 from migd.core.scheduler import Lease, ManagedGpu
 from migd.daemon.api_server import Access, ApiServer, Call
 from migd.daemon.context import DaemonContext
@@ -41,8 +43,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("migd.health")
 
-#: How a lease's warning starts when its GPU work was lost (the release reply's ``gpu_lost``).
-GPU_LOST = "GPU lost: "
 #: The health source of XID conditions (the agreed GpuHealth interface).
 SOURCE = "xid"
 
@@ -174,14 +174,18 @@ class GpuHealthMonitor:
             lost = event.instance_lost and (event.gi_id is None or self._on_gi(gpu, lease, event))
             if event.gi_id is not None and not lost:
                 continue  # another instance's fault: this lease's work goes on
+            end = None
             if lost:
+                # The words are for people (and for wrappers older than end_reason, which
+                # look for them); the typed end reason is what the wrapper acts on.
                 message = (
-                    f"{GPU_LOST}{event.reason}: the job's GPU work is lost; "
+                    f"GPU lost: {event.reason}: the job's GPU work is lost; "
                     "HTCondor should run it again"
                 )
+                end = LeaseEndReason.GPU_LOST
             else:
                 message = f"{event.reason}: the GPU takes no new leases; this lease is kept"
-            lease.warn(message, now)
+            lease.warn(message, now, end=end)
             self.leases.save(lease)
             flagged.append(lease)
         log.error(

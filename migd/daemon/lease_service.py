@@ -31,12 +31,22 @@ from typing import Any, Protocol
 
 import structlog
 
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, Outcome, Transition, Work
 from migd.daemon.context import DaemonContext
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 
 log = structlog.get_logger("migd")
+
+
+def _end_fields(lease: Lease) -> dict[str, Any]:
+    """A release reply's ``end_reason``, and for wrappers older than it, ``gpu_lost``
+    (the lease's warning) when its GPU work was lost."""
+    out: dict[str, Any] = {"end_reason": lease.end_reason.value if lease.end_reason else None}
+    if lease.end_reason is LeaseEndReason.GPU_LOST:
+        out["gpu_lost"] = lease.warning  # such a wrapper has HTCondor run the job again
+    return out
 
 
 class LeaseObserver(Protocol):
@@ -315,25 +325,36 @@ class LeaseService:
 
     # -- release ----------------------------------------------------------------------------
 
-    def release(self, lease: Lease, reason: str, *, reclaim: bool = False) -> dict[str, Any]:
+    def release(
+        self,
+        lease: Lease,
+        reason: str,
+        *,
+        reclaim: bool = False,
+        end: LeaseEndReason | None = None,
+    ) -> dict[str, Any]:
+        """End ``lease``; ``end`` says why (default: ``released``, or ``holder_gone`` for
+        a reclaim). The reply's ``end_reason`` is the lease's: a reason set earlier
+        (``gpu_lost`` while it was active) stays."""
         sched = self.ctx.sched
         if lease.lease_id not in sched.leases or lease.state.terminal:
-            return {"state": lease.state.value, "already": True}
+            return {"state": lease.state.value, "already": True, **_end_fields(lease)}
         now, mono = self.ctx.now()
         mps_device = lease.mps_device_uuid if lease.state.holds_resources else None
-        outcome = sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason)
+        outcome = sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason, end=end)
         if mps_device and self.release_share is not None and lease.gpu is not None:
             # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
             self.release_share(lease.gpu, mps_device, lease.lease_id)
         peak = self.peaks.get(lease.lease_id)
         self.record(
-            "reclaimed" if reclaim else "released", lease, reason=reason, peak_used_mib=peak
+            "reclaimed" if reclaim else "released",
+            lease,
+            reason=reason,
+            peak_used_mib=peak,
+            end_reason=lease.end_reason.value if lease.end_reason else None,
         )
         self.apply(outcome)
-        reply: dict[str, Any] = {"state": lease.state.value, "peak_used_mib": peak}
-        if lease.warning.startswith("GPU lost: "):  # migd.daemon.gpu_health.GPU_LOST
-            reply["gpu_lost"] = lease.warning  # the wrapper has HTCondor run the job again
-        return reply
+        return {"state": lease.state.value, "peak_used_mib": peak, **_end_fields(lease)}
 
     # -- clients waiting for a grant --------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
 from migd.daemon.context import DaemonContext
@@ -164,7 +165,7 @@ class MpsSupervisor:
             share = self.mps.share_for(lease)
             await self.executor.on_gpu(lease.gpu, self.mps.ensure_share, device, share)
         except MigdError:
-            self.leases.release(lease, "MPS daemon could not start")
+            self.leases.release(lease, "MPS daemon could not start", end=LeaseEndReason.MPS_FAILED)
             raise
 
     def release_share(self, gpu: int, device_uuid: str, lease_id: str) -> None:

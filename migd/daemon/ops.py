@@ -30,6 +30,7 @@ from migd.api import (
     ReportRequest,
     StatusRequest,
 )
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
 from migd.daemon.api_server import Access, ApiServer, Call
@@ -291,8 +292,17 @@ class Ops:
 
     async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
         req = call.request
-        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, call.owned)
-        result = self.leases.release(call.owned, req.reason or f"released by uid {call.peer.uid}")
+        lease = call.owned
+        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
+        # Only its holder's release is the job's own; anyone else's (migctl release, an
+        # admin) takes the partition from under a job that may still run: it must stop.
+        end = None  # a request not granted yet is cancelled, whoever withdraws it
+        if lease.state is LeaseState.ACTIVE:
+            holder = call.peer.pid == lease.owner_pid
+            end = LeaseEndReason.RELEASED if holder else LeaseEndReason.ADMIN_RELEASE
+        result = self.leases.release(
+            lease, req.reason or f"released by uid {call.peer.uid}", end=end
+        )
         return {**result, "leftover_pids": leftover} if leftover else result
 
     async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
@@ -323,7 +333,7 @@ class Ops:
         for lease in leases:
             reason = req.reason or f"released by the JOB_EXIT hook (uid {peer.uid})"
             await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
-            self.leases.release(lease, reason)
+            self.leases.release(lease, reason, end=LeaseEndReason.JOB_EXIT)
             released.append(lease.lease_id)
         return {"released": released}
 
@@ -383,6 +393,11 @@ class Ops:
                 hint="report only what changes the lease's story (OOM, exit, forecasts)",
             )
         self.ctx.db.require_writable()  # a report the history cannot keep is refused
+        peak = req.data.get("peak_used_mib")
+        if isinstance(peak, int) and not isinstance(peak, bool) and 0 <= peak <= 100_000_000:
+            # The wrapper's (or the job's own) peak joins migd's samples, so the peak the
+            # release records is never below what the job is known to have used.
+            self.leases.note_peak(lease.lease_id, peak)
         self.leases.record(f"wrapper.{req.event}", lease, **req.data)
         # Nested, so a client's keys can neither clash with nor forge the log's own
         # fields (level, timestamp, event, lease_id).

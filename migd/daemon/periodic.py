@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from migd.core.condor_shares import OfflineShares
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
 from migd.daemon.context import DaemonContext
@@ -74,6 +75,11 @@ class Reaper:
                 gone.append((lease, "holder process exited" if not alive else "no heartbeat"))
         return gone
 
+    @staticmethod
+    def end_of(reason: str) -> LeaseEndReason:
+        """The typed end of a reason :meth:`holders_gone` gave."""
+        return LeaseEndReason.EXPIRED if reason == "no heartbeat" else LeaseEndReason.HOLDER_GONE
+
     async def reap(self, now: float, mono: float) -> None:
         """Reclaim leases whose holder is gone; never free an instance processes still use."""
         ctx = self.ctx
@@ -102,7 +108,7 @@ class Reaper:
                 )
                 if where is not None:
                     log.warning("reaper.instance_in_use", gpu=lease.gpu, instance=where)
-            self.leases.release(lease, reason, reclaim=True)
+            self.leases.release(lease, reason, reclaim=True, end=self.end_of(reason))
 
 
 class Timers:

@@ -105,6 +105,7 @@ def lease_from_json(text: str) -> Lease:
         mps_thread_percentage=data.get("mps_thread_percentage"),
         warning=data.get("warning", ""),
         warning_s=data.get("warning_s"),
+        end_reason=data.get("end_reason"),
     )
 
 

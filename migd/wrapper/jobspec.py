@@ -18,13 +18,18 @@ MigdHorizon        total iterations (or seconds) the job will run        none
 MigdGrowthFactor   on OOM ask for this × the old limit (0: next profile) 0
 MigdWaitSeconds    how long to wait for a partition                      daemon's
 WantIOProxy        lets the wrapper update RequestVRAM through chirp      false
+KillSig            ``kill_sig``: sent first when migd takes the lease     SIGTERM
+                   back (then SIGKILL after ``[wrapper] term_grace_s``)
 ================== ===================================================== ============
 
 Attributes the wrapper itself writes through chirp (and reads back on the next
 run): ``MigdOomExit`` (this exit 86 is migd's out-of-memory exit, not the job's
 own), ``MigdOomExits`` (how many there were), ``MigdLastVRAM`` (the partition the
 job last ran out of, MiB), ``MigdStartFailures`` (how often in a row migd could not
-start the job) and ``MigdStartFailureReason`` (why, the last time); for the
+start the job) and ``MigdStartFailureReason`` (why, the last time),
+``MigdLeaseLost`` (this exit 85 is migd taking the job's lease back),
+``MigdLeaseLosses``, ``MigdLeaseEndReason`` and ``MigdLeaseLostReason`` (how often,
+why, in words); for the
 user, what the job holds: ``MigdPartitionProfile``, ``MigdPartitionMB``,
 ``MigdPartitionMode``, ``MigdRestarts`` and ``MigdPeakMB`` (docs/operations.md).
 ``condor_config/20-migd-access-point.config`` decides on them.
@@ -48,11 +53,13 @@ docs/htcondor-notes.md (q)). A node that turns hiding off may set
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from migd.core.condor_shares import physical_gpu
+from migd.core.lease_end import signal_number
 from migd.core.units import parse_mib
 from migd.errors import InvalidRequest, JobAdError
 
@@ -80,6 +87,11 @@ class JobSpec:
     oom_marker: bool = False  # MigdOomExit is still set from the last run
     start_failures: int = 0  # MigdStartFailures: runs migd could not start
     gpu_losses: int = 0  # MigdGpuLosses: runs whose GPU failed under them
+    lease_losses: int = 0  # MigdLeaseLosses: runs stopped because migd took the lease back
+    lease_lost_marker: bool = False  # MigdLeaseLost is still set from the last run
+    # The job's soft kill signal (HTCondor's kill_sig, KillSig in the job ad): what the
+    # wrapper sends first when migd takes the lease back, as HTCondor would on a vacate.
+    kill_sig: int = int(signal.SIGTERM)
 
 
 def _number(ad: Mapping[str, Any], key: str, default: float | None) -> float | None:
@@ -174,6 +186,9 @@ def spec_from_ads(
         oom_marker=_flag(job_ad, "MigdOomExit"),
         start_failures=int(_number(job_ad, "MigdStartFailures", 0.0) or 0),
         gpu_losses=int(_number(job_ad, "MigdGpuLosses", 0.0) or 0),
+        lease_losses=int(_number(job_ad, "MigdLeaseLosses", 0.0) or 0),
+        lease_lost_marker=_flag(job_ad, "MigdLeaseLost"),
+        kill_sig=signal_number(job_ad.get("KillSig")),
     )
 
 

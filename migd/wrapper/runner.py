@@ -14,10 +14,16 @@ Exit codes of our own (documented in docs/wrapper.md):
   raised and ``MigdOomExit`` set through chirp so HTCondor can re-match it
   (``condor_config/20-migd-access-point.config`` requeues it, and holds it at the
   largest size).
+* 85 (``LEASE_LOST_EXIT_CODE``) with ``$_CONDOR_WRAPPER_ERROR_FILE`` written: migd
+  took the job's lease back while it ran (an admin released it, it expired, its
+  instance disappeared, its GPU failed: any end the job did not ask for, see
+  :mod:`migd.core.lease_end`); the wrapper stopped the job (its ``kill_sig``, then
+  SIGKILL after ``term_grace_s``) and set ``MigdLeaseLost`` and the reason through
+  chirp. HTCondor shows the reason and runs the job again (the access-point config
+  requeues an exit 85 with ``MigdLeaseLost`` too, should the error file be missed).
 * 1 with ``$_CONDOR_WRAPPER_ERROR_FILE`` written: migd could not serve the job
-  (daemon down, request impossible, MPS share unusable), or the job's GPU failed
-  under it (an NVML XID that loses the GPU's work: the wrapper stops the job);
-  HTCondor shows the reason and runs the job again.
+  (daemon down, request impossible, MPS share unusable); HTCondor shows the reason
+  and runs the job again.
 * 127 (126): the job's executable does not exist (cannot be executed); the job
   failed, not migd.
 """
@@ -28,6 +34,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import signal
 import subprocess
@@ -41,6 +48,7 @@ from typing import IO, Any
 
 from migd.client import MigdClient
 from migd.core.forecast import Forecaster, MemorySample, Verdict
+from migd.core.lease_end import LeaseEndReason, StopPlan
 from migd.core.oom import OomVerdict, TailBuffer, classify_exit
 from migd.core.restart import RestartSize, restart_size
 from migd.errors import (
@@ -54,6 +62,7 @@ from migd.wrapper.jobspec import JobSpec
 from migd.wrapper.settings import WrapperSettings
 
 OOM_EXIT_CODE = 86
+LEASE_LOST_EXIT_CODE = 85
 FORWARDED_SIGNALS = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -67,9 +76,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
 # Signals whose disposition cannot be changed: re-raise them without signal.signal().
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 ENV_TWINS = ("APPTAINERENV_", "SINGULARITYENV_")
-# How migd's lease warning starts when an NVML event lost the lease's GPU work
-# (migd.daemon.gpu_health.GPU_LOST; the wrapper does not import the daemon).
-GPU_LOST = "GPU lost: "
 # The first samples come sooner than sample_interval_s, so a job that fails within
 # seconds still has a measured peak.
 EARLY_SAMPLES_S = (0.25, 0.5, 1.0)
@@ -137,7 +143,8 @@ class Attempt:
     forecast: Verdict | None = None
     forecast_step: float | None = None  # the step the forecast had seen when it fired
     stopped: bool = False  # a stop signal came from outside
-    gpu_lost: str | None = None  # migd's "GPU lost: ..." warning, when it stopped the job
+    # migd took the lease back while the job ran and the wrapper stopped the job
+    taken_back: StopPlan | None = None
     tail: bytes = b""
 
 
@@ -226,9 +233,11 @@ class JobRunner:
             if self.spec.oom_marker:
                 # This run is not the out-of-memory exit the marker speaks of.
                 self._chirp({"MigdOomExit": False})
+            if self.spec.lease_lost_marker:
+                self._chirp({"MigdLeaseLost": False})  # nor the lease loss it speaks of
             return self._run()
         except WrapperFailure as exc:
-            if exc.exit_code != OOM_EXIT_CODE and exc.start_failure:
+            if exc.exit_code not in (OOM_EXIT_CODE, LEASE_LOST_EXIT_CODE) and exc.start_failure:
                 # Counted so the access point holds a job migd keeps failing to start,
                 # and only such a job (evictions for other reasons do not count).
                 self._chirp(
@@ -261,8 +270,16 @@ class JobRunner:
             # What the job holds now, in its ad (condor_q, condor_history): the slot's VRAM
             # keeps the size it was matched with, even after a restart on a bigger partition.
             self._chirp(partition_attrs(lease, restarts))
+            limit = int(lease.get("memory_limit_mib") or memory)
             try:
                 attempt = self._supervise(lease)
+                # While the lease is still active, migd hears what the wrapper knows the
+                # attempt used (its samples, what the OOM message says the job held), so
+                # the peak migd records at the release is never below it. (Usage only:
+                # the release reply's peak is usage, and restart sizing adds the failed
+                # allocation to it.)
+                self._classify(attempt, limit)
+                self._report(lease, "exit", attempt, None)
             except _JobNotStarted as exc:
                 self.say(exc.message)
                 return exc.exit_code
@@ -270,25 +287,30 @@ class JobRunner:
                 released = self._release(lease, "job attempt ended")
             daemon_peak = released.get("peak_used_mib")
             if isinstance(daemon_peak, int) and daemon_peak > (attempt.peak_used_mib or 0):
+                # migd's samples after the wrapper's last one, and what the job reported
                 attempt.peak_used_mib = daemon_peak
-            if attempt.peak_used_mib is not None and attempt.peak_used_mib > peak:
-                # the most GPU memory the job used on any attempt: what to ask for next time
-                peak = attempt.peak_used_mib
+            self._classify(attempt, limit)  # again, with migd's last samples
+            attempt_peak = self._peak_of(attempt, limit)
+            if attempt_peak is not None and attempt_peak > peak:
+                # the most GPU memory the job used (or asked for when it ran out) on any
+                # attempt: what to ask for next time
+                peak = attempt_peak
                 # HTCondor's own GPUsMemoryUsage ("peak memory usage over the lifetime of
                 # the job, in megabytes", managing-a-job.rst) is filled by its GPU monitor,
                 # which migd nodes do not run (it misreports shared GPUs): feed it the
                 # job's own peak instead.
                 self._chirp({"MigdPeakMB": peak, "GPUsMemoryUsage": peak})
-            limit = int(lease.get("memory_limit_mib") or memory)
             if attempt.stopped or self.stop_signal is not None:
                 return self._finish(attempt)
-            lost = attempt.gpu_lost or released.get("gpu_lost")
-            if isinstance(lost, str) and lost and (attempt.gpu_lost or attempt.exit_code != 0):
-                # The job failed with its GPU (or was stopped because of it): its exit
-                # status is the GPU's, not the job's. A job that finished with 0 before
-                # the wrapper heard of the loss keeps its result.
-                raise self._gpu_lost(lease, lost)
-            self._classify(attempt, limit)
+            plan = attempt.taken_back or self._stop_plan()
+            if attempt.taken_back is not None or (
+                attempt.exit_code != 0 and plan.observe(released)
+            ):
+                # migd took the lease back (and the wrapper stopped the job), or the job
+                # failed on a lease already taken back (its GPU died under it before the
+                # wrapper's next look): its exit status is migd's doing, not the job's.
+                # A job that finished with 0 before the wrapper heard keeps its result.
+                raise self._lease_lost(lease, plan)
             oom = attempt.oom
             if oom is not None and oom.kind == "mps_unavailable":
                 # The matched stderr line goes to the MPS manager, which restarts a daemon
@@ -337,7 +359,7 @@ class JobRunner:
                 return self._finish(attempt)
             size = self._restart_size(lease, limit, needed)
             restarts += 1
-            self._report(lease, event, attempt, size)
+            self._report(lease, event, attempt, size, peak=attempt_peak)
             if size.request_mib is None:
                 self.say(f"{reason}; {size.reason}")
                 return self._give_up(limit, size.wanted_mib, "nothing bigger on this node")
@@ -355,7 +377,7 @@ class JobRunner:
     def _classify(self, attempt: Attempt, limit: int) -> None:
         if attempt.forecast is not None:
             return
-        attempt.oom = classify_exit(
+        oom = attempt.oom = classify_exit(
             attempt.exit_code,
             attempt.signum,
             attempt.tail,
@@ -363,6 +385,28 @@ class JobRunner:
             limit,
             policy=self.settings.oom,
         )
+        if oom.is_oom and oom.held_mib is not None:
+            # What the job held at the failure is usage, whatever the samples missed.
+            attempt.peak_used_mib = max(attempt.peak_used_mib or 0, math.ceil(oom.held_mib))
+
+    @staticmethod
+    def _peak_of(attempt: Attempt, limit: int) -> int | None:
+        """The attempt's peak for MigdPeakMB and migd's history: the largest of what was
+        measured (the wrapper's and migd's samples, the job's own report, what the OOM
+        message says it held) and, when it ran out of memory, what it asked for (that
+        plus the failed allocation), else the partition it filled (a strong OOM with no
+        figure at all). ``None``: nothing known."""
+        used = attempt.peak_used_mib  # (it includes what the OOM message says was held)
+        values = [used]
+        oom = attempt.oom
+        if oom is not None and oom.is_oom:
+            if oom.tried_mib is not None and used is not None:
+                # what it asked for: as restart sizing reckons it (RequestVRAM)
+                values.append(math.ceil(used + oom.tried_mib))
+            elif used is None and oom.kind == "strong":
+                values.append(limit)
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
 
     def _restart_size(self, lease: dict[str, Any], limit: int, needed: float | None) -> RestartSize:
         return restart_size(
@@ -411,39 +455,71 @@ class JobRunner:
             )
         return f"an MPS share of {lease.get('memory_limit_mib')} MiB on GPU {lease.get('gpu')}"
 
-    def _gpu_lost(self, lease: dict[str, Any], warning: str) -> WrapperFailure:
+    def _stop_plan(self) -> StopPlan:
+        return StopPlan(kill_sig=self.spec.kill_sig, grace_s=self.settings.section.term_grace_s)
+
+    def _lease_lost(self, lease: dict[str, Any], plan: StopPlan) -> WrapperFailure:
         """The failure that has HTCondor run the job again, with migd's reason.
 
-        Exit 1 with the wrapper error file: the starter evicts the job back to Idle (not
-        held, docs/htcondor-notes.md (c)) with the reason as ``VacateReason``; the node
-        takes no new leases on that GPU, so the job runs again on a healthy one.
+        Exit 85 with the wrapper error file: the starter evicts the job back to Idle
+        (not held, docs/htcondor-notes.md (c)) with the reason as ``VacateReason``;
+        should the file be missed, the access-point config requeues an exit 85 that
+        ``MigdLeaseLost`` marks, and holds a job that lost its lease too often.
         """
+        reason = plan.reason
+        assert reason is not None
         uuid = lease.get("gpu_uuid") or ""
-        what = " ".join(warning.split())
-        # The daemon's warning ends with advice for HTCondor ("; HTCondor should run it
-        # again"): the wrapper's line says what happened instead.
-        what = what.partition("; HTCondor")[0]
-        self._chirp(
-            {
-                "MigdGpuLosses": self.spec.gpu_losses + 1,
-                "MigdGpuLostReason": what[:500],
-            }
-        )
+        what = plan.message()
+        attrs: dict[str, str | int | bool] = {
+            "MigdLeaseLost": True,
+            "MigdLeaseLosses": self.spec.lease_losses + 1,
+            "MigdLeaseEndReason": reason.value,
+            "MigdLeaseLostReason": what[:500],
+        }
+        again = "to run again"
+        if reason is LeaseEndReason.GPU_LOST:
+            # Also under the names of earlier versions (ads, the rerun's own checks).
+            attrs["MigdGpuLosses"] = self.spec.gpu_losses + 1
+            attrs["MigdGpuLostReason"] = what[:500]
+            again = "to run on a healthy GPU"
+        self._chirp(attrs)
         return WrapperFailure(
             f"migd: {what} (lease {lease.get('lease_id')}"
             + (f", GPU {uuid}" if uuid else "")
-            + "); the job was stopped and goes back to the queue to run on a healthy GPU",
+            + f"); the job was stopped and goes back to the queue {again}",
+            exit_code=LEASE_LOST_EXIT_CODE,
             start_failure=False,
         )
 
-    def _lost_now(self, lease: dict[str, Any]) -> str | None:
-        """migd's ``GPU lost:`` warning on the lease, or ``None`` (also when unreachable)."""
+    def _lease_view(self, lease: dict[str, Any]) -> dict[str, Any] | None:
+        """The lease as migd sees it now, or ``None`` when migd cannot be asked."""
         try:
-            view = self.client.call("get_lease", lease_id=lease["lease_id"], timeout_s=10.0)
+            view: dict[str, Any] = self.client.call(
+                "get_lease", lease_id=lease["lease_id"], timeout_s=10.0
+            )
         except MigdError:
-            return None  # a daemon restart is not a GPU failure; the next poll asks again
-        warning = view.get("warning")
-        return warning if isinstance(warning, str) and warning.startswith(GPU_LOST) else None
+            return None  # a daemon restart does not end a lease; the next poll asks again
+        return view
+
+    def _stop(self, child: subprocess.Popen[bytes], plan: StopPlan) -> int:
+        """Stop the job as ``plan`` says: its kill signal, then SIGKILL after the grace
+        period; then whatever of its process group is left (the partition is no longer
+        the job's: nothing of it may stay on the GPU). Returns the job's status."""
+        while True:
+            sig = plan.step(time.monotonic(), child.poll() is None)
+            if sig is not None:
+                self.debug(f"sending {signal.Signals(sig).name} to the job's process group")
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, sig)
+            wait = plan.wait_s(time.monotonic())
+            try:
+                returncode = child.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        return returncode
 
     def _finish(self, attempt: Attempt) -> int:
         if attempt.signum is not None:
@@ -543,8 +619,12 @@ class JobRunner:
         attempt: Attempt,
         size: RestartSize | None,
         message: str | None = None,
+        *,
+        peak: int | None = None,
     ) -> None:
-        data: dict[str, Any] = {"peak_used_mib": attempt.peak_used_mib}
+        data: dict[str, Any] = {"peak_used_mib": attempt.peak_used_mib if peak is None else peak}
+        if event == "exit":
+            data["exit_code"], data["signal"] = attempt.exit_code, attempt.signum
         if message is not None:
             data["message"] = message
         if size is not None:
@@ -607,6 +687,7 @@ class JobRunner:
             with contextlib.suppress(OSError):
                 memstats.unlink()
         tail = TailBuffer()
+        plan = self._stop_plan()
         child = self.child = self._start(self._environment(lease, memstats))
         assert child.stderr is not None
         pump = threading.Thread(target=self._pump, args=(child.stderr, tail), daemon=True)
@@ -637,14 +718,16 @@ class JobRunner:
             except subprocess.TimeoutExpired:
                 pass
             samples += 1
-            lost = self._lost_now(lease)
-            if lost is not None and self.stop_signal is None:
-                # The job's CUDA work on that GPU is gone (XID 79, 48, ...): stop it now
-                # rather than let it hang or fail later with a CUDA error.
-                attempt.gpu_lost = lost
-                self.say(f"{lost}; stopping the job")
-                self._terminate(child)
-                returncode = child.wait()
+            view = self._lease_view(lease)
+            if view is not None and self.stop_signal is None and plan.observe(view):
+                # migd took the lease back (an admin, expiry, the instance or the GPU
+                # gone): another job may get the partition, so this one stops now.
+                attempt.taken_back = plan
+                self.say(
+                    f"{plan.message()}; stopping the job "
+                    f"({signal.Signals(plan.kill_sig).name}, SIGKILL after {plan.grace_s:g} s)"
+                )
+                returncode = self._stop(child, plan)
                 break
             usage = self._usage(lease, child.pid)
             if usage is not None:

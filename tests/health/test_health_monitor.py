@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from migd.backends.nvml_events import EVENT_XID_CRITICAL, classify
+from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.gpu_health import GPU_LOST, GpuHealthMonitor, clear_condition, raise_condition
+from migd.daemon.gpu_health import GpuHealthMonitor, clear_condition, raise_condition
 from migd.daemon.metrics import MetricsService
 from migd.daemon.metrics_http import render
 from migd.ports import ManualClock
@@ -64,7 +65,10 @@ def test_an_xid_on_one_instance_flags_only_its_lease() -> None:
     assert event is not None
     flagged = monitor(books).apply(event)
     assert [x.lease_id for x in flagged] == [a.lease_id]
-    assert a.warning.startswith(GPU_LOST + "XID 94") and b.warning == ""
+    assert a.warning.startswith("GPU lost: XID 94") and b.warning == ""
+    # The job must stop: a typed end reason on the still-active lease, none on the other.
+    assert a.end_reason is LeaseEndReason.GPU_LOST and a.state is LeaseState.ACTIVE
+    assert b.end_reason is None
     assert not node.gpus[0].available and node.gpus[1].available
     assert books.saved == [a.lease_id]
     assert books.records[0][0] == "gpu.event" and books.records[0][1]["xid"] == 94
@@ -81,7 +85,7 @@ def test_an_unattributed_non_fatal_xid_flags_every_lease_but_loses_none() -> Non
     event = classify(0, EVENT_XID_CRITICAL, 74)  # NVLink error
     assert event is not None
     assert {x.lease_id for x in health.apply(event)} == {a.lease_id, b.lease_id}
-    assert not a.warning.startswith(GPU_LOST) and "no new leases" in a.warning
+    assert a.end_reason is None and "no new leases" in a.warning
     assert reasons(node.gpus[0]) == {"xid": str(node.gpus[0].health)}
     assert reasons(node.gpus[1]) == {}
     body, _ = render(health.metrics.recorder.registry)

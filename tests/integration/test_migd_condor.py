@@ -394,3 +394,42 @@ def test_job_exit_hook_releases_the_lease_of_a_sigkilled_wrapper(
     finally:
         daemon.stop()
         print(daemon.log()[-20000:])
+
+
+# Long on its first run (migd takes its lease back under it), short once the wrapper has
+# chirped the loss into its ad (the rerun), so the test stays fast.
+TAKEN_BACK_JOB = f"""#!/bin/sh
+if grep -q '^MigdLeaseLosses' "$_CONDOR_JOB_AD"; then steps=1; else steps=6000; fi
+exec {PY} -m migd.backends.simulated.cuda_job --start 1G --steps $steps --step-s 0.1
+"""
+
+
+def test_a_lease_migd_takes_back_requeues_the_job_with_the_reason(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    pool = gpu_pool(personal_pool)
+    cluster = pool.submit(
+        {**simjob(4000), "executable": "job.sh", "arguments": "", "transfer_executable": "true"},
+        files={"job.sh": TAKEN_BACK_JOB},
+    )
+    [lease] = migd.wait_for(
+        lambda: [
+            x for x in migd.leases() if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
+        ],
+        "the job's lease",
+    )
+    assert migd.ctl("release", lease["lease_id"], "--reason", "GPU needed") is not None
+    [ad] = pool.wait(cluster, timeout=180)
+    # Stopped, back to the queue (not held, not completed with migd's exit), run again.
+    assert ad["JobStatus"] == 4 and ad.get("ExitCode") == 0, ad
+    assert ad["NumJobStarts"] == 2, ad
+    assert ad["MigdLeaseLosses"] == 1 and ad["MigdLeaseEndReason"] == "admin_release", ad
+    assert str(ad["MigdLeaseLostReason"]).startswith(
+        "an administrator released the job's GPU partition (GPU needed)"
+    ), ad
+    assert ad.get("MigdLeaseLost") is False, ad  # the rerun cleared the marker
+    log = pool.user_log(cluster)
+    assert "migd: an administrator released the job's GPU partition (GPU needed)" in log, log
+    assert "Job was evicted" in log, log
+    [first, _] = migd.job_leases(lease["job_id"])
+    assert first["end_reason"] == "admin_release"

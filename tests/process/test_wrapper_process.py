@@ -915,9 +915,11 @@ def test_a_gpu_lost_under_the_job_stops_it_and_requeues_it_with_the_reason(
     finally:
         if proc.poll() is None:
             proc.kill()
-    # Exit 1 with the error file: HTCondor's starter evicts the job back to Idle (not held)
-    # with this line as its VacateReason, naming the XID and the GPU.
-    assert proc.returncode == 1, stderr
+    # The error file: HTCondor's starter evicts the job back to Idle (not held) with this
+    # line as its VacateReason, naming the XID and the GPU. Exit 85 (1 before lease end
+    # reasons): a lease migd took back, which the access point requeues should the file
+    # be missed.
+    assert proc.returncode == 85, stderr
     reason = error_file.read_text()
     assert reason.startswith("migd: GPU lost: XID 79 (GPU has fallen off the bus)"), reason
     assert f"GPU {lease['gpu_uuid']}" in reason and "healthy GPU" in reason
@@ -925,9 +927,14 @@ def test_a_gpu_lost_under_the_job_stops_it_and_requeues_it_with_the_reason(
     # Counted as a GPU loss, not as a start migd failed (no loop-breaker hold for it).
     chirped = policy_chirps(calls.read_text().splitlines())
     assert chirped[0] == "set_job_attr MigdStartFailures 0"
-    assert chirped[1] == "set_job_attr MigdGpuLosses 2"
-    assert chirped[2].startswith('set_job_attr MigdGpuLostReason "GPU lost: XID 79')
-    assert len(chirped) == 3
+    # One chirp: the lease loss (typed), and the GPU loss under its older names.
+    attrs = dict(x.removeprefix("set_job_attr ").split(" ", 1) for x in chirped[1:])
+    assert attrs.pop("MigdGpuLosses") == "2" and attrs.pop("MigdLeaseLosses") == "1"
+    assert attrs.pop("MigdLeaseLost") == "true"
+    assert attrs.pop("MigdLeaseEndReason") == '"gpu_lost"'
+    assert attrs.pop("MigdGpuLostReason").startswith('"GPU lost: XID 79')
+    assert attrs.pop("MigdLeaseLostReason").startswith('"GPU lost: XID 79')
+    assert attrs == {}
     # The job was stopped (no sleep left behind) and its lease released.
     assert active(daemon) == []
     assert "released" in [h["event"].split(".")[-1] for h in history(daemon, "12.0")]

@@ -391,7 +391,10 @@ def test_tried_allocation_is_parsed(text: str, mib: float | None) -> None:
 def test_verdict_reports_the_failed_allocation_and_usage() -> None:
     verdict = classify_exit(1, None, TORCH_TRACEBACK, 9700, 9984)
     assert verdict.tried_mib == pytest.approx(20.0)
-    assert verdict.peak_fraction == pytest.approx(9700 / 9984)
+    # The message's "9.49 GiB memory in use" is above the sampled 9700 MiB: the peak is
+    # at least what the job said it held (issue 21 §5; was the sampled figure alone).
+    assert verdict.held_mib == pytest.approx(9.49 * 1024)
+    assert verdict.peak_fraction == pytest.approx(9.49 * 1024 / 9984)
     assert verdict.matched is not None and verdict.matched.startswith("torch.OutOfMemoryError")
     assert verdict.to_dict()["kind"] == "strong"
 
@@ -492,3 +495,48 @@ def test_traceback_without_source_line_still_counts() -> None:
     )
     verdict = classify_exit(1, None, tail, 4096, 4864)
     assert verdict.kind == "strong" and verdict.tried_mib == 1024.0
+
+
+@pytest.mark.parametrize(
+    ("line", "held"),
+    [
+        # PyTorch 2.x: in use (non-PyTorch memory included) beats allocated + cached.
+        (TORCH_TRACEBACK.splitlines()[5] + " " + " ".join(TORCH_TRACEBACK.splitlines()[6:9]),
+         9.49 * 1024),
+        # PyTorch 1.x: reserved in total beats already allocated.
+        ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 9.75 GiB total "
+         "capacity; 7.12 GiB already allocated; 1.02 GiB free; 7.80 GiB reserved in total by "
+         "PyTorch)", 7.80 * 1024),
+        # The simulated job's message: allocated by PyTorch only.
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a "
+         "total capacity of 4.75 GiB of which 1792.00 MiB is free. Of the allocated memory "
+         "3072.00 MiB is allocated by PyTorch.", 3072.0),
+        ("Of the allocated memory 1.00 GiB is allocated by PyTorch, and 512.00 MiB is reserved "
+         "by PyTorch but unallocated.", 1536.0),
+        ("XLA: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes.",
+         None),
+    ],
+)  # fmt: skip
+def test_what_the_job_held_at_the_failure(line: str, held: float | None) -> None:
+    from migd.core.oom import held_mib
+
+    assert held_mib(line) == (pytest.approx(held) if held is not None else None)
+
+
+def test_an_oom_with_figures_never_says_peak_unknown() -> None:
+    """Issue 21 §5: the attempt that ran out of memory at 4096 MiB recorded "peak unknown"."""
+    tail = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has "
+        "a total capacity of 4.75 GiB of which 1792.00 MiB is free. Of the allocated memory "
+        "3072.00 MiB is allocated by PyTorch.\n"
+    )
+    verdict = classify_exit(1, None, tail, None, 4864)
+    assert verdict.kind == "strong"
+    assert "peak unknown" not in verdict.reason and "peak >= 3072 of 4864 MiB" in verdict.reason
+    assert verdict.held_mib == 3072 and verdict.tried_mib == 1024
+    assert verdict.to_dict()["held_mib"] == 3072
+    # A sampled peak above the message's figure stands.
+    assert classify_exit(1, None, tail, 4000, 4864).reason.endswith("peak 4000 of 4864 MiB")
+    # Without figures nothing is invented.
+    bare = classify_exit(1, None, "RuntimeError: CUDA error: out of memory\n", None, 4864)
+    assert bare.held_mib is None and "peak unknown" in bare.reason

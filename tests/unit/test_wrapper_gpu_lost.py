@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from migd.wrapper.jobspec import spec_from_flags
-from migd.wrapper.runner import JobRunner, WrapperFailure
+from migd.wrapper.runner import LEASE_LOST_EXIT_CODE, JobRunner, WrapperFailure
 
 LOST = "GPU lost: XID 48 (double-bit ECC error) on GPU 1: the job's GPU work is lost"
 
@@ -51,7 +51,8 @@ def test_a_job_that_failed_with_its_gpu_is_requeued_with_migds_reason() -> None:
     run, client = runner(sys.executable, "-c", "raise SystemExit(3)")
     with pytest.raises(WrapperFailure) as failed:
         run.run()
-    assert failed.value.exit_code == 1 and not failed.value.start_failure
+    # Exit 85 (was 1 before the lease end reasons): a lease migd took back, documented.
+    assert failed.value.exit_code == LEASE_LOST_EXIT_CODE and not failed.value.start_failure
     assert failed.value.message.startswith(f"migd: {LOST} (lease L1, GPU GPU-1111)")
     assert client.released == ["L1"]
 

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     memstats = os.environ.get("MIGD_MEMSTATS_FILE")
     total = 0
+    # migd hears the job's own peak (a job instrumented to say what it used, as the
+    # wrapper's MIGD_LEASE_ID allows): samples once a second miss a short burst.
+    lease_id = os.environ.get("MIGD_LEASE_ID")
     try:
         for step in range(args.steps + 1):
             want = parse_mib(args.start) if step == 0 else parse_mib(args.grow)
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
                         f"{want:.2f} MiB. GPU 0 has a total capacity of {limit / 1024:.2f} GiB "
                         f"of which {max(0, limit - used):.2f} MiB is free. Of the allocated "
-                        f"memory {used:.2f} MiB is allocated by PyTorch.",
+                        # PyTorch counts its own allocations (not the driver's reserve)
+                        f"memory {total:.2f} MiB is allocated by PyTorch.",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -161,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}: {total} MiB on {device}", flush=True)
             time.sleep(args.step_s)
     finally:
+        if lease_id and total:
+            with contextlib.suppress(MigdError):
+                client.call(
+                    "report",
+                    lease_id=lease_id,
+                    event="note",
+                    data={"peak_used_mib": total, "source": "simjob"},
+                )
         with contextlib.suppress(MigdError):
             client.call("sim_detach", pid=pid)
         if mps:

@@ -352,7 +352,7 @@ class MigOps:
             gpu, _gi, _ci = self.lookup_ci(ci_serial)
         with self._writing(gpu.index), self._lock:
             _gpu, gi, ci = self.lookup_ci(ci_serial)
-            self.node.procs.drop_exited_servers()
+            self.node.procs.drop_dead()
             if any(p.ci_serial == ci.serial for p in self.node.procs.by_pid.values()):
                 # nvml.h: IN_USE "if processes (e.g. CUDA application) are active on the
                 # compute instance".

@@ -339,6 +339,7 @@ class SimNode:
 
     def process(self, pid: int) -> SimProcess | None:
         with self._lock:
+            self.procs.drop_dead()
             return self.procs.by_pid.get(pid)
 
     # -- fault injection -------------------------------------------------------------------

@@ -5,6 +5,19 @@ context to a device, allocate and free memory (refused as ``cudaMalloc`` refuses
 exit. It also keeps MPS servers listed while their host process lives, and processes
 left behind by a lease. NVML reads the same table (``nvmlDeviceGetComputeRunningProcesses``,
 ``nvmlDeviceGetMemoryInfo``). Errors a CUDA program would see are :class:`SimCudaError`.
+
+A process that dies without detaching (killed by a signal: ``condor_rm``, a vacate, the
+wrapper's SIGKILL) loses its context and memory as on a real GPU: the CUDA driver
+destroys a process's contexts when it exits, and "destroys and cleans up all resources
+associated with the context", its ``cuMemAlloc`` memory included (CUDA Driver API,
+``cuCtxDestroy``); NVML lists only "processes with a compute context on a device"
+(nvml.h, ``nvmlDeviceGetComputeRunningProcesses``). Every read NVML would answer
+(memory, processes, a compute instance's IN_USE check, an allocation's room) first
+drops the processes whose host process is gone (:meth:`Processes.drop_dead`). A process
+that still runs keeps what it holds, whoever its parent is (an orphan that escaped
+the wrapper). Only host processes are checked: a PID that was not a running host
+process when it attached (a test's made-up PID, :meth:`Processes.leave_behind`) is
+simulated and lives until it detaches.
 """
 
 from __future__ import annotations
@@ -64,7 +77,7 @@ class SimOutOfMemory(SimCudaError):
 class Processes:
     """The processes of a :class:`~migd.backends.simulated.node.SimNode` (``node.procs``).
 
-    Every public method takes the node lock (:meth:`drop_exited_servers` expects it held).
+    Every public method takes the node lock (:meth:`drop_dead` takes it too: it is re-entrant).
 
     Args:
         node: the node the processes run on.
@@ -86,9 +99,10 @@ class Processes:
         """(total, used by processes) MiB of the whole GPU or of one GPU instance.
 
         NVML reports :meth:`reserved_mib` on top (``nvmlDeviceGetMemoryInfo``), and a
-        CUDA allocation must fit beside both.
+        CUDA allocation must fit beside both. Dead processes hold nothing.
         """
         with self._lock:
+            self.drop_dead()
             gpu = self.node.gpus[index]
             if gi_serial is None:
                 used = sum(p.used_mib for p in self.by_pid.values() if p.gpu == index)
@@ -113,7 +127,7 @@ class Processes:
     def processes_on(self, index: int, ci_serial: int | None = None) -> list[SimProcess]:
         """Processes on GPU ``index`` (all of them) or on one MIG device."""
         with self._lock:
-            self.drop_exited_servers()
+            self.drop_dead()
             return [
                 p
                 for p in self.by_pid.values()
@@ -140,6 +154,7 @@ class Processes:
             ValueError: ``pid`` already has a context.
         """
         with self._lock:
+            self.drop_dead()  # a dead process's PID may be a new process's now
             if pid in self.by_pid:
                 raise ValueError(f"pid {pid} is already attached")
             found = self.node.mig.by_uuid.get(device_uuid)
@@ -162,8 +177,9 @@ class Processes:
                 raise SimCudaError("CUDA error: unspecified launch failure (GPU is lost)")
             proc.mps = bool(mps) if mps is not None else mps_pinned_limit_mib is not None
             proc.mps_pinned_limit_mib = mps_pinned_limit_mib
-            if self.node.state_file is not None:
-                proc.host_start_s = self.host.start_time(pid)
+            # A host process is known by its start (PID reuse guard); it frees its
+            # memory when it dies (drop_dead). None: a simulated PID, never checked.
+            proc.host_start_s = self.host.start_time(pid)
             self.by_pid[pid] = proc
             self.node.save()
 
@@ -193,17 +209,23 @@ class Processes:
                 proc.host_start_s = self.host.start_time(pid)
             self.node.save()
 
-    def drop_exited_servers(self) -> None:
-        """Forget MPS servers whose host process has exited (the caller holds the lock)."""
-        gone = [
-            pid
-            for pid, proc in self.by_pid.items()
-            if proc.mps_server and not self.host.alive(pid, proc.host_start_s)
-        ]
-        for pid in gone:
-            del self.by_pid[pid]
-        if gone:
-            self.node.save()
+    def drop_dead(self) -> list[int]:
+        """Forget the processes whose host process has exited, with their contexts and
+        memory, as the driver does (see the module docstring); the caller holds the lock.
+        Returns their PIDs."""
+        with self._lock:
+            gone = [
+                pid
+                for pid, proc in self.by_pid.items()
+                # (an MPS server was checked by its PID even when its start is unknown)
+                if (proc.host_start_s is not None or proc.mps_server)
+                and not self.host.alive(pid, proc.host_start_s)
+            ]
+            for pid in gone:
+                del self.by_pid[pid]
+            if gone:
+                self.node.save()
+            return gone
 
     def leave_behind(self, device_uuid: str, used_mib: int) -> int:
         """A process that outlives its lease: it holds ``used_mib`` on ``device_uuid`` until
