@@ -14,7 +14,8 @@ from typing import Any
 
 from migd.wrapper.jobspec import spec_from_flags
 from migd.wrapper.runner import OOM_EXIT_CODE, JobRunner
-from migd.wrapper.settings import WrapperSection, WrapperSettings
+from migd.wrapper.settings import WrapperSettings
+from migd.wrapper_options import WrapperOptions
 
 LIMIT = 4864
 TORCH_OOM = (
@@ -72,7 +73,7 @@ def run(daemon: Daemon, script: str) -> tuple[int, list[Mapping[str, Any]]]:
         [sys.executable, "-c", script], gpu_memory="3G", job_id="5.0", max_restarts=0
     )
     spec = dataclasses.replace(spec, under_condor=True, want_chirp=True)
-    settings = WrapperSettings(WrapperSection(sample_interval_s=0.05))
+    settings = WrapperSettings(WrapperOptions(sample_interval_s=0.05))
     runner = JobRunner(
         spec,
         daemon,  # type: ignore[arg-type]
