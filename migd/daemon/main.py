@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -12,9 +13,11 @@ from typing import Any
 import structlog
 
 from migd import __version__
+from migd.daemon import exit_codes
 from migd.daemon.config import DEFAULT_CONFIG_PATH, MigdConfig, example_toml, load_config
+from migd.daemon.config_check import Findings, check_accounts, check_catalog, check_gpus
 from migd.daemon.logs import configure_logging
-from migd.errors import AlreadyRunning, ConfigError, MigdError
+from migd.errors import ConfigError, GeometryError, MigdError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", choices=["auto", "json", "console"])
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
-        "--check-config", action="store_true", help="validate the configuration and exit"
+        "--check-config",
+        action="store_true",
+        help="check the configuration (syntax, profile names, users and groups, the GPUs "
+        "this node shows) and exit: 0 OK, 2 errors",
     )
     parser.add_argument(
         "--print-example-config", action="store_true", help="print a commented config and exit"
@@ -98,7 +104,10 @@ def build_ports(config: MigdConfig) -> tuple[Any, Any, Any]:
         }
         if config.backend.sim_state_file is not None:
             options["state_file"] = config.backend.sim_state_file
-        backend, node = simulated_backend(config.backend.simulate, **options)
+        try:
+            backend, node = simulated_backend(config.backend.simulate, **options)
+        except GeometryError as exc:  # an unknown model: a configuration error (exit 2)
+            raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
         return backend, PsutilProcessTable(), node
     from migd.backends.nvml import NvmlBackend
 
@@ -134,6 +143,95 @@ def build_mps(config: MigdConfig) -> Any:
     )
 
 
+def print_config_error(exc: ConfigError) -> None:
+    print(f"migd: configuration error: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"hint: {exc.hint}", file=sys.stderr)
+
+
+def _gpu_findings(config: MigdConfig) -> Findings:
+    """:func:`check_gpus` against the GPUs this node shows (NVML, or ``--simulate``),
+    or what was skipped and why where there is no GPU to ask."""
+    try:
+        if config.backend.kind == "simulated":
+            from migd.backends.simulated import simulated_backend
+
+            # Without the state file: a check must not create or change it.
+            try:
+                backend, _ = simulated_backend(config.backend.simulate, time_scale=0.0)
+            except GeometryError as exc:
+                raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+        else:
+            from migd.backends.nvml import NvmlBackend
+
+            backend = NvmlBackend()
+        gpus = backend.discover()
+    except ConfigError as exc:
+        return Findings(errors=[exc])
+    except MigdError as exc:  # no driver, no bindings, no permission
+        return Findings(
+            skipped=[
+                f"GPU checks ([[gpu]] match, each MIG GPU's profiles, policy.demand_prior): "
+                f"no GPU to ask ({exc.message}); profile names were checked against the "
+                "built-in catalog only"
+            ]
+        )
+    try:
+        return check_gpus(config, gpus, backend.geometry)
+    finally:
+        backend.close()
+
+
+def check_config(config: MigdConfig, source: str) -> int:
+    """``migd --check-config``: the values' meaning on this node (config_check.py)."""
+    from migd.backends.accounts import SystemAccounts
+    from migd.daemon.metrics_http import listen_warnings
+
+    found = check_catalog(config)
+    found.extend(check_accounts(config.api, SystemAccounts()))
+    found.extend(_gpu_findings(config))
+    for warning in [*listen_warnings(config), *found.warnings]:
+        print(f"migd: warning: {warning}", file=sys.stderr)
+    for skipped in found.skipped:
+        print(f"migd: skipped: {skipped}", file=sys.stderr)
+    for error in found.errors:
+        print_config_error(error)
+    if found.errors:
+        print(f"configuration has {len(found.errors)} error(s) ({source})", file=sys.stderr)
+        return exit_codes.CONFIG
+    print(f"configuration OK ({source})")
+    return exit_codes.OK
+
+
+def check_at_start(config: MigdConfig, backend: Any, log: Any) -> None:
+    """What --check-config checks, against the GPUs about to be managed.
+
+    Raises:
+        ConfigError: a profile name no model has, or one a MIG GPU lacks (every such
+            GPU would otherwise start unhealthy). A ``[[gpu]] match`` without a GPU
+            and an unknown account are logged only (config_check.py says why).
+        DriverUnavailable: no NVIDIA driver.
+    """
+    from migd.backends.accounts import SystemAccounts
+
+    found = check_catalog(config)
+    if not found.errors:
+        found.extend(check_gpus(config, backend.discover(), backend.geometry))
+    accounts = check_accounts(config.api, SystemAccounts())
+    errors = [e for e in found.errors if not e.where.endswith(".match")]
+    for problem in [e for e in found.errors if e not in errors] + accounts.errors:
+        log.warning("config.check", problem=problem.message, hint=problem.hint)
+    for warning in found.warnings + accounts.warnings:
+        log.warning("config.check", problem=warning)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigError(
+            "; ".join(e.message for e in errors),
+            hint="; ".join(dict.fromkeys(e.hint for e in errors if e.hint)),
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.print_example_config:
@@ -152,21 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides = overrides_from_args(args)
         config = load()
     except ConfigError as exc:
-        print(f"migd: configuration error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
-        return 2
+        print_config_error(exc)
+        return exit_codes.CONFIG
     # Name the file that was read: load_config reads the default path when it exists,
     # so "defaults" is only true when there is no file.
     config_file = args.config or DEFAULT_CONFIG_PATH
     source = str(config_file) if config_file.exists() else f"defaults, no {config_file}"
     if args.check_config:
-        from migd.daemon.metrics_http import listen_warnings
-
-        for warning in listen_warnings(config):
-            print(f"migd: warning: {warning}", file=sys.stderr)
-        print(f"configuration OK ({source})")
-        return 0
+        return check_config(config, source)
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     log = structlog.get_logger("migd")
     log.info(
@@ -180,20 +271,27 @@ def main(argv: list[str] | None = None) -> int:
     from migd.backends.accounts import SystemAccounts
     from migd.daemon.service import Daemon, lock_instance
 
+    # Every error that stops the start is one log line (what happened, what to do) and an
+    # exit status systemd acts on (exit_codes.py): no traceback.
     try:
         # First: a second migd must not touch the state, the runtime directory (MPS
         # stand-in, state file) or the socket of the one running (paths.InstanceLock).
         lock = lock_instance(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
-        return 2 if isinstance(exc, AlreadyRunning) else 1
+        return exit_codes.exit_status(exc)
+    backend: Any = None
     try:
         backend, procs, node = build_ports(config)
+        check_at_start(config, backend, log)
         mps = build_mps(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
+        if backend is not None:
+            with contextlib.suppress(Exception):
+                backend.close()
         lock.release()
-        return 1
+        return exit_codes.exit_status(exc)
 
     if node is not None:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
@@ -229,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (OSError, MigdError) as exc:
         log.error("daemon.failed", error=str(exc))
-        return 1
+        return exit_codes.exit_status(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover
