@@ -91,23 +91,39 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def simulated_node(config: MigdConfig, **options: Any) -> tuple[Any, Any]:
+    """``simulated_backend`` for ``backend.simulate``.
+
+    Raises:
+        ConfigError: an unknown model or a malformed description (``backend.simulate``),
+            a state file of other GPUs (``backend.sim_state_file``): exit 2.
+    """
+    from migd.backends.simulated import simulated_backend
+
+    try:
+        return simulated_backend(config.backend.simulate, **options)
+    except GeometryError as exc:
+        raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+    except ConfigError as exc:
+        if exc.where == "backend.sim_state_file":
+            raise
+        # The description's own errors name a place inside it ("description: ..."):
+        # say which setting holds it.
+        raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+
+
 def build_ports(config: MigdConfig) -> tuple[Any, Any, Any]:
     """The backend, process table and (simulated) node for a configuration."""
     from migd.backends.procs import PsutilProcessTable
 
     if config.backend.kind == "simulated":
-        from migd.backends.simulated import simulated_backend
-
         options: dict[str, Any] = {
             "time_scale": config.backend.sim_time_scale,
             "destroy_retries": config.backend.destroy_retries,
         }
         if config.backend.sim_state_file is not None:
             options["state_file"] = config.backend.sim_state_file
-        try:
-            backend, node = simulated_backend(config.backend.simulate, **options)
-        except GeometryError as exc:  # an unknown model: a configuration error (exit 2)
-            raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+        backend, node = simulated_node(config, **options)
         return backend, PsutilProcessTable(), node
     from migd.backends.nvml import NvmlBackend
 
@@ -154,13 +170,8 @@ def _gpu_findings(config: MigdConfig) -> Findings:
     or what was skipped and why where there is no GPU to ask."""
     try:
         if config.backend.kind == "simulated":
-            from migd.backends.simulated import simulated_backend
-
             # Without the state file: a check must not create or change it.
-            try:
-                backend, _ = simulated_backend(config.backend.simulate, time_scale=0.0)
-            except GeometryError as exc:
-                raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+            backend, _ = simulated_node(config, time_scale=0.0)
         else:
             from migd.backends.nvml import NvmlBackend
 
