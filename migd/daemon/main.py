@@ -67,9 +67,18 @@ FLAG_KEYS = {
 }
 
 
-def flag_names() -> dict[str, str]:
+def flag_names(args: argparse.Namespace | None = None) -> dict[str, str]:
+    """The flag that set each key, for error messages: with ``args``, only the flags
+    given, so a key set with ``--set`` is named ``--set KEY`` (``--set
+    daemon.log_level=loud`` was blamed on ``--log-level``, which was never used)."""
     names = {key: "--" + flag.replace("_", "-") for flag, key in FLAG_KEYS.items()}
-    return names | {"backend.kind": "--simulate", "backend.simulate": "--simulate"}
+    names |= {"backend.kind": "--simulate", "backend.simulate": "--simulate"}
+    if args is None:
+        return names
+    given = {key for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+    if args.simulate:
+        given |= {"backend.kind", "backend.simulate"}
+    return {key: name for key, name in names.items() if key in given}
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -254,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config,
             overrides=overrides,
             required=args.config is not None,
-            flag_names=flag_names(),
+            flag_names=flag_names(args),
         )
 
     try:

@@ -283,3 +283,15 @@ def test_a_configuration_error_met_after_loading_ends_with_exit_2(tmp_path: Path
     config = _daemon_config(tmp_path, policy={"demand_prior": {"1g.20gb": 1.0}})
     daemon = Daemon(config, backend, Procs())
     assert asyncio.run(daemon.run()) == exit_codes.CONFIG
+
+
+def test_a_set_key_is_named_as_set_even_where_a_flag_exists(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from migd.daemon.main import main
+
+    assert main(["--set", "daemon.log_level=loud", "--check-config"]) == exit_codes.CONFIG
+    err = capsys.readouterr().err
+    assert "--set daemon.log_level: Input should be" in err and "--log-level" not in err
+    assert main(["--log-level", "debug", "--set", "backend.kind=gpu", "--check-config"]) == 2
+    assert "--set backend.kind: Input should be" in capsys.readouterr().err
