@@ -154,11 +154,16 @@ def _gpu_list(gpus: Sequence[GpuInfo]) -> str:
 
 
 def check_gpus(
-    config: MigdConfig, gpus: Sequence[GpuInfo], geometry_of: Callable[[int], Geometry]
+    config: MigdConfig,
+    gpus: Sequence[GpuInfo],
+    geometry_of: Callable[[int], Geometry],
+    *,
+    unmatched_is_error: bool = True,
 ) -> Findings:
     """The configuration against the GPUs migd sees.
 
-    * each ``[[gpu]] match`` matches a GPU (an error: the override would never apply);
+    * each ``[[gpu]] match`` matches a GPU (the override would never apply): an error,
+      or with ``unmatched_is_error=False`` (at start) a warning;
     * each GPU with MIG enabled (or pending) has every profile it is given
       (``policy.profiles``, or its ``[[gpu]] profiles`` and ``mps_profile``);
     * each ``policy.demand_prior`` name exists on one of those GPUs.
@@ -170,14 +175,15 @@ def check_gpus(
         if table.match == "*":
             continue
         if not any(_matches(table.match, g) for g in gpus):
-            found.errors.append(
-                ConfigError(
-                    f"{table.match!r} matches no GPU on this node (GPUs: {_gpu_list(gpus)})",
-                    where=f"gpu[{i}].match",
-                    hint="use a GPU index, a UUID or UUID prefix (`nvidia-smi -L`), or * "
-                    "for every GPU",
-                )
+            error = ConfigError(
+                f"{table.match!r} matches no GPU on this node (GPUs: {_gpu_list(gpus)})",
+                where=f"gpu[{i}].match",
+                hint="use a GPU index, a UUID or UUID prefix (`nvidia-smi -L`), or * for every GPU",
             )
+            if unmatched_is_error:
+                found.errors.append(error)
+            else:
+                found.warnings.append(error.message)
     geometries: list[Geometry] = []
     for info in gpus:
         if not (info.mig_current or info.mig_pending):

@@ -236,10 +236,11 @@ def check_at_start(config: MigdConfig, backend: Any, log: Any) -> None:
 
     found = check_catalog(config)
     if not found.errors:
-        found.extend(check_gpus(config, backend.discover(), backend.geometry))
+        gpus = backend.discover()
+        found.extend(check_gpus(config, gpus, backend.geometry, unmatched_is_error=False))
+    errors = found.errors
     accounts = check_accounts(config.api, SystemAccounts())
-    errors = [e for e in found.errors if not e.where.endswith(".match")]
-    for problem in [e for e in found.errors if e not in errors] + accounts.errors:
+    for problem in accounts.errors:
         log.warning("config.check", problem=problem.message, hint=problem.hint)
     for warning in found.warnings + accounts.warnings:
         log.warning("config.check", problem=warning)

@@ -142,13 +142,23 @@ def test_an_unknown_simulated_model_exits_2(daemon: DaemonProcess) -> None:
     assert "backend.simulate" in str(failed["message"]) and failed["hint"]
 
 
-def test_an_unknown_account_at_start_is_logged_not_fatal(daemon: DaemonProcess) -> None:
-    # NSS (LDAP, SSSD) may not answer yet at boot: a lookup that fails must not keep the
-    # node from serving; --check-config is where it is an error.
-    daemon.config_text = 'version = 1\n[api]\nadmin_users = ["root", "migd-test-no-such-user"]\n'
+def test_an_unknown_account_or_gpu_match_at_start_is_logged_not_fatal(
+    daemon: DaemonProcess,
+) -> None:
+    # NSS (LDAP, SSSD) may not answer yet at boot, a GPU may have fallen off the bus:
+    # neither must keep the other GPUs from serving; --check-config is where they are
+    # errors.
+    daemon.config_text = (
+        'version = 1\n[api]\nadmin_users = ["root", "migd-test-no-such-user"]\n'
+        '[[gpu]]\nmatch = "7"\nmode = "mps"\n'
+    )
     daemon.start()
-    checks = [e for e in daemon.log_events() if e.get("event") == "config.check"]
-    assert any("migd-test-no-such-user" in str(e.get("problem")) for e in checks), checks
+    problems = [
+        str(e.get("problem")) for e in daemon.log_events() if e.get("event") == "config.check"
+    ]
+    assert any("no user 'migd-test-no-such-user'" in p for p in problems), problems
+    assert any("gpu[0].match: '7' matches no GPU" in p for p in problems), problems
+    assert len(daemon.status_json()["gpus"]) == 2
 
 
 def test_a_node_without_a_driver_exits_5(daemon: DaemonProcess) -> None:

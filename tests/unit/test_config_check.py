@@ -295,3 +295,13 @@ def test_a_set_key_is_named_as_set_even_where_a_flag_exists(
     assert "--set daemon.log_level: Input should be" in err and "--log-level" not in err
     assert main(["--log-level", "debug", "--set", "backend.kind=gpu", "--check-config"]) == 2
     assert "--set backend.kind: Input should be" in capsys.readouterr().err
+
+
+def test_at_start_a_gpu_match_without_a_gpu_is_a_warning() -> None:
+    backend, gpus = _node("1xA100-40GB")
+    cfg = validate_config({"gpu": [{"match": "3"}]})
+    found = check_gpus(cfg, gpus, backend.geometry, unmatched_is_error=False)
+    assert found.errors == []
+    assert found.warnings == [
+        f"gpu[0].match: '3' matches no GPU on this node (GPUs: 0 (A100-40GB, {gpus[0].uuid}))"
+    ]
