@@ -383,6 +383,11 @@ class Accounts(Protocol):
         """The gid of the group called ``name``, or None when there is none."""
         ...
 
+    def user_id(self, name: str) -> int | None:
+        """The uid of the user called ``name``, or None when there is none
+        (``migd --check-config`` checks the names in ``[api]``)."""
+        ...
+
     def forget(self) -> None:
         """Drop cached answers (on SIGHUP: an admin who added a user to a group, then
         reloaded, expects it to count)."""

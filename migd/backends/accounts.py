@@ -34,6 +34,12 @@ class SystemAccounts:
         except KeyError:
             return None
 
+    def user_id(self, name: str) -> int | None:
+        try:
+            return pwd.getpwnam(name).pw_uid
+        except KeyError:
+            return None
+
     def forget(self) -> None:
         self._user_name.cache_clear()
         self._group_ids.cache_clear()

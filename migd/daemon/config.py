@@ -4,7 +4,7 @@ Precedence, lowest first: built-in defaults, the file (``/etc/migd/migd.toml``
 unless ``--config``), ``MIGD_<SECTION>_<KEY>`` environment variables, then
 command-line flags (``--set section.key=value`` reaches every key; common keys
 have their own flags). Every key is documented in ``docs/configuration.md``
-and in ``condor_config/../migd.toml.example``.
+and in the file ``migd --print-example-config`` prints.
 
 Errors name the exact place: ``policy.queue: Input should be 'fifo' or 'size'``.
 """
@@ -411,6 +411,37 @@ def _env_names() -> dict[str, str]:
     return names
 
 
+def known_keys() -> list[str]:
+    """Every key ``--set`` may name: ``section.key``, a whole section, ``version``."""
+    keys = []
+    for section, field in MigdConfig.model_fields.items():
+        keys.append(section)
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            keys += [f"{section}.{key}" for key in model.model_fields]
+    return keys
+
+
+def check_key(dotted: str) -> None:
+    """Refuse a ``--set`` key that names no setting.
+
+    Raises:
+        ConfigError: not a key; the hint names the nearest one. Without this check
+            ``--set polcy.queue=fifo`` failed as an unknown section of the *file*
+            ("defaults: polcy"), blaming a place the value never came from.
+    """
+    keys = known_keys()
+    if dotted in keys:
+        return
+    close = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
+    raise ConfigError(
+        "no such setting",
+        where=f"--set {dotted}",
+        hint=(f"did you mean {close[0]}? " if close else "")
+        + "`migd --print-example-config` lists every key (docs/configuration.md)",
+    )
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``MIGD_POLICY_QUEUE=size`` -> ``{"policy.queue": "size"}`` for every known key.
 
@@ -466,7 +497,10 @@ def load_config(
         data = read_toml(file)
     elif required or path is not None:
         raise ConfigError(
-            "file not found", where=str(file), hint="create it from migd.toml.example"
+            "file not found",
+            where=str(file),
+            hint=f"write one with `migd --print-example-config > {file}` and edit it, or "
+            "leave out --config for the built-in defaults",
         )
     origins: dict[str, str] = {}
     env_vars = {dotted: var for var, dotted in _env_names().items()}
@@ -475,6 +509,8 @@ def load_config(
         _set_path(data, dotted, value, origins[dotted])
     for dotted, value in dict(overrides or {}).items():
         flag = (flag_names or {}).get(dotted)
+        if flag is None:
+            check_key(dotted)
         origins[dotted] = f"{flag} ({dotted})" if flag else f"--set {dotted}"
         _set_path(data, dotted, value, origins[dotted])
     source = str(file) if file.exists() else "defaults"

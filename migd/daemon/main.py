@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -12,9 +13,11 @@ from typing import Any
 import structlog
 
 from migd import __version__
+from migd.daemon import exit_codes
 from migd.daemon.config import DEFAULT_CONFIG_PATH, MigdConfig, example_toml, load_config
+from migd.daemon.config_check import Findings, check_accounts, check_catalog, check_gpus
 from migd.daemon.logs import configure_logging
-from migd.errors import AlreadyRunning, ConfigError, MigdError
+from migd.errors import ConfigError, GeometryError, MigdError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", choices=["auto", "json", "console"])
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
-        "--check-config", action="store_true", help="validate the configuration and exit"
+        "--check-config",
+        action="store_true",
+        help="check the configuration (syntax, profile names, users and groups, the GPUs "
+        "this node shows) and exit: 0 OK, 2 errors",
     )
     parser.add_argument(
         "--print-example-config", action="store_true", help="print a commented config and exit"
@@ -61,9 +67,18 @@ FLAG_KEYS = {
 }
 
 
-def flag_names() -> dict[str, str]:
+def flag_names(args: argparse.Namespace | None = None) -> dict[str, str]:
+    """The flag that set each key, for error messages: with ``args``, only the flags
+    given, so a key set with ``--set`` is named ``--set KEY`` (``--set
+    daemon.log_level=loud`` was blamed on ``--log-level``, which was never used)."""
     names = {key: "--" + flag.replace("_", "-") for flag, key in FLAG_KEYS.items()}
-    return names | {"backend.kind": "--simulate", "backend.simulate": "--simulate"}
+    names |= {"backend.kind": "--simulate", "backend.simulate": "--simulate"}
+    if args is None:
+        return names
+    given = {key for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
+    if args.simulate:
+        given |= {"backend.kind", "backend.simulate"}
+    return {key: name for key, name in names.items() if key in given}
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,20 +100,39 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def simulated_node(config: MigdConfig, **options: Any) -> tuple[Any, Any]:
+    """``simulated_backend`` for ``backend.simulate``.
+
+    Raises:
+        ConfigError: an unknown model or a malformed description (``backend.simulate``),
+            a state file of other GPUs (``backend.sim_state_file``): exit 2.
+    """
+    from migd.backends.simulated import simulated_backend
+
+    try:
+        return simulated_backend(config.backend.simulate, **options)
+    except GeometryError as exc:
+        raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+    except ConfigError as exc:
+        if exc.where == "backend.sim_state_file":
+            raise
+        # The description's own errors name a place inside it ("description: ..."):
+        # say which setting holds it.
+        raise ConfigError(exc.message, where="backend.simulate", hint=exc.hint) from exc
+
+
 def build_ports(config: MigdConfig) -> tuple[Any, Any, Any]:
     """The backend, process table and (simulated) node for a configuration."""
     from migd.backends.procs import PsutilProcessTable
 
     if config.backend.kind == "simulated":
-        from migd.backends.simulated import simulated_backend
-
         options: dict[str, Any] = {
             "time_scale": config.backend.sim_time_scale,
             "destroy_retries": config.backend.destroy_retries,
         }
         if config.backend.sim_state_file is not None:
             options["state_file"] = config.backend.sim_state_file
-        backend, node = simulated_backend(config.backend.simulate, **options)
+        backend, node = simulated_node(config, **options)
         return backend, PsutilProcessTable(), node
     from migd.backends.nvml import NvmlBackend
 
@@ -134,6 +168,91 @@ def build_mps(config: MigdConfig) -> Any:
     )
 
 
+def print_config_error(exc: ConfigError) -> None:
+    print(f"migd: configuration error: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"hint: {exc.hint}", file=sys.stderr)
+
+
+def _gpu_findings(config: MigdConfig) -> Findings:
+    """:func:`check_gpus` against the GPUs this node shows (NVML, or ``--simulate``),
+    or what was skipped and why where there is no GPU to ask."""
+    try:
+        if config.backend.kind == "simulated":
+            # Without the state file: a check must not create or change it.
+            backend, _ = simulated_node(config, time_scale=0.0)
+        else:
+            from migd.backends.nvml import NvmlBackend
+
+            backend = NvmlBackend()
+        gpus = backend.discover()
+    except ConfigError as exc:
+        return Findings(errors=[exc])
+    except MigdError as exc:  # no driver, no bindings, no permission
+        return Findings(
+            skipped=[
+                f"GPU checks ([[gpu]] match, each MIG GPU's profiles, policy.demand_prior): "
+                f"no GPU to ask ({exc.message}); profile names were checked against the "
+                "built-in catalog only"
+            ]
+        )
+    try:
+        return check_gpus(config, gpus, backend.geometry)
+    finally:
+        backend.close()
+
+
+def check_config(config: MigdConfig, source: str) -> int:
+    """``migd --check-config``: the values' meaning on this node (config_check.py)."""
+    from migd.backends.accounts import SystemAccounts
+    from migd.daemon.metrics_http import listen_warnings
+
+    found = check_catalog(config)
+    found.extend(check_accounts(config.api, SystemAccounts()))
+    found.extend(_gpu_findings(config))
+    for warning in [*listen_warnings(config), *found.warnings]:
+        print(f"migd: warning: {warning}", file=sys.stderr)
+    for skipped in found.skipped:
+        print(f"migd: skipped: {skipped}", file=sys.stderr)
+    for error in found.errors:
+        print_config_error(error)
+    if found.errors:
+        print(f"configuration has {len(found.errors)} error(s) ({source})", file=sys.stderr)
+        return exit_codes.CONFIG
+    print(f"configuration OK ({source})")
+    return exit_codes.OK
+
+
+def check_at_start(config: MigdConfig, backend: Any, log: Any) -> None:
+    """What --check-config checks, against the GPUs about to be managed.
+
+    Raises:
+        ConfigError: a profile name no model has, or one a MIG GPU lacks (every such
+            GPU would otherwise start unhealthy). A ``[[gpu]] match`` without a GPU
+            and an unknown account are logged only (config_check.py says why).
+        DriverUnavailable: no NVIDIA driver.
+    """
+    from migd.backends.accounts import SystemAccounts
+
+    found = check_catalog(config)
+    if not found.errors:
+        gpus = backend.discover()
+        found.extend(check_gpus(config, gpus, backend.geometry, unmatched_is_error=False))
+    errors = found.errors
+    accounts = check_accounts(config.api, SystemAccounts())
+    for problem in accounts.errors:
+        log.warning("config.check", problem=problem.message, hint=problem.hint)
+    for warning in found.warnings + accounts.warnings:
+        log.warning("config.check", problem=warning)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigError(
+            "; ".join(e.message for e in errors),
+            hint="; ".join(dict.fromkeys(e.hint for e in errors if e.hint)),
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.print_example_config:
@@ -145,28 +264,21 @@ def main(argv: list[str] | None = None) -> int:
             args.config,
             overrides=overrides,
             required=args.config is not None,
-            flag_names=flag_names(),
+            flag_names=flag_names(args),
         )
 
     try:
         overrides = overrides_from_args(args)
         config = load()
     except ConfigError as exc:
-        print(f"migd: configuration error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
-        return 2
+        print_config_error(exc)
+        return exit_codes.CONFIG
     # Name the file that was read: load_config reads the default path when it exists,
     # so "defaults" is only true when there is no file.
     config_file = args.config or DEFAULT_CONFIG_PATH
     source = str(config_file) if config_file.exists() else f"defaults, no {config_file}"
     if args.check_config:
-        from migd.daemon.metrics_http import listen_warnings
-
-        for warning in listen_warnings(config):
-            print(f"migd: warning: {warning}", file=sys.stderr)
-        print(f"configuration OK ({source})")
-        return 0
+        return check_config(config, source)
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     log = structlog.get_logger("migd")
     log.info(
@@ -180,20 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     from migd.backends.accounts import SystemAccounts
     from migd.daemon.service import Daemon, lock_instance
 
+    # Every error that stops the start is one log line (what happened, what to do) and an
+    # exit status systemd acts on (exit_codes.py): no traceback.
     try:
         # First: a second migd must not touch the state, the runtime directory (MPS
         # stand-in, state file) or the socket of the one running (paths.InstanceLock).
         lock = lock_instance(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
-        return 2 if isinstance(exc, AlreadyRunning) else 1
+        return exit_codes.exit_status(exc)
+    backend: Any = None
     try:
         backend, procs, node = build_ports(config)
+        check_at_start(config, backend, log)
         mps = build_mps(config)
     except MigdError as exc:
         log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
+        if backend is not None:
+            with contextlib.suppress(Exception):
+                backend.close()
         lock.release()
-        return 1
+        return exit_codes.exit_status(exc)
 
     if node is not None:
         # On the simulated GPU an MPS server is an NVML compute process, as on hardware.
@@ -229,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (OSError, MigdError) as exc:
         log.error("daemon.failed", error=str(exc))
-        return 1
+        return exit_codes.exit_status(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -37,6 +37,7 @@ from migd.daemon.auth import Authorizer
 from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys, removals
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
+from migd.daemon.exit_codes import exit_status
 from migd.daemon.gpu_health import GpuHealthMonitor
 from migd.daemon.lease_service import LeaseService
 from migd.daemon.metrics import MetricsService
@@ -46,7 +47,7 @@ from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
-from migd.errors import AlreadyRunning, ConfigError, DaemonUnavailable, MigdError
+from migd.errors import ConfigError, DaemonUnavailable, MigdError
 from migd.paths import InstanceLock, ensure_dir
 from migd.ports import (
     Accounts,
@@ -346,7 +347,7 @@ class Daemon:
         except MigdError as exc:
             log.error("daemon.start_failed", error=exc.code, message=exc.message, hint=exc.hint)
             await self.close()
-            return 2 if isinstance(exc, AlreadyRunning) else 1
+            return exit_status(exc)  # systemd reads it: docs/operations.md, Exit statuses
         await self.stopping.wait()
         await self.shutdown()
         return 0

@@ -215,7 +215,7 @@ def test_a_symlinked_state_or_runtime_directory_is_refused_at_start(
     target.symlink_to(real)
     daemon.config_path.write_text("version = 1\n")
     daemon.start(wait_ready=False)
-    assert daemon.wait() == 1
+    assert daemon.wait() == 2  # a configuration error: systemd must not retry it
     failed = [e for e in daemon.log_events() if e.get("event") == "daemon.start_failed"]
     assert failed and "symlink" in failed[-1]["message"], daemon.log_path.read_text()
     assert f"daemon.{'state_dir' if setting == 'state' else 'runtime_dir'}" in failed[-1]["message"]

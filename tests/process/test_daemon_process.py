@@ -391,7 +391,7 @@ def test_unsafe_socket_directories_are_refused(tmp_path: Path, problem: str) -> 
             timeout=60,
             check=False,
         )
-        assert result.returncode == 1
+        assert result.returncode == 2  # a configuration error: systemd must not retry it
         assert problem in result.stderr
         assert not (real / "migd.sock").exists()
     finally:

@@ -26,5 +26,8 @@ class FakeAccounts:
     def group_id(self, name: str) -> int | None:
         return self.groups.get(name)
 
+    def user_id(self, name: str) -> int | None:
+        return next((uid for uid, user in self.users.items() if user == name), None)
+
     def forget(self) -> None:
         self.forgotten += 1
