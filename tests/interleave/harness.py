@@ -271,16 +271,18 @@ class World:
                 self.tasks.append(self.loop.create_task(self._release(job)))
 
     def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for stepped in self.executors.values():
-            stepped.shutdown(cancel_futures=True)
-        self.settle()
-        self.loop.close()
-        if self.daemon.ctx.store is not None:
-            self.daemon.ctx.store.close()
-        if self.daemon.lock is not None:
-            self.daemon.lock.release()
+        try:
+            for task in self.tasks:
+                task.cancel()
+            for stepped in self.executors.values():
+                stepped.shutdown(cancel_futures=True)
+            self.settle()
+        finally:  # a failed run still closes its loop, database and lock
+            self.loop.close()
+            if self.daemon.ctx.store is not None:
+                self.daemon.ctx.store.close()
+            if self.daemon.lock is not None:
+                self.daemon.lock.release()
 
     # -- running the loop -------------------------------------------------------------------
 
@@ -388,7 +390,7 @@ class World:
             call = SimpleNamespace(
                 request=SimpleNamespace(reason="released"),
                 owned=lease,
-                peer=SimpleNamespace(uid=1000),
+                peer=SimpleNamespace(uid=1000, pid=lease.owner_pid),  # the holder itself
             )
             await self.ops.release(call)  # type: ignore[arg-type]
         if job.state == "exiting":
