@@ -95,6 +95,17 @@ class Fit:
     demand: tuple[str, Profile] | None = None  # MIG: (model, the profile it sizes to)
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What a granted lease holds on its GPU, for callers that account for its use (the
+    policy simulator): a MIG instance (``profile`` at ``start``) or the whole GPU
+    (``profile`` None); ``shared``: an MPS share of it rather than all of it."""
+
+    profile: Profile | None = None
+    start: int = 0
+    shared: bool = False
+
+
 class GpuModeOps(Protocol):
     """One GPU mode's behaviour; see the module docstring."""
 
@@ -156,6 +167,28 @@ class GpuModeOps(Protocol):
 
     def allocated_mib(self, gpu: ManagedGpu) -> int:
         """GPU memory promised to leases (not what they use)."""
+        ...
+
+    # -- what a caller accounting for leases' use asks (the policy simulator) --
+
+    def holding(self, gpu: ManagedGpu, lease: Lease) -> Holding:
+        """What ``lease``, granted on this GPU, holds."""
+        ...
+
+    def restart_room(self, gpu: ManagedGpu, holding: Holding) -> tuple[tuple[int, ...], int]:
+        """Where a job that outgrew ``holding`` may restart here (the wrapper's rule,
+        :func:`migd.core.restart.restart_size`): the partition sizes it climbs (empty:
+        none, its limit grows) and the most MiB it may ask for."""
+        ...
+
+    def layout_key(self, gpu: ManagedGpu) -> Hashable | None:
+        """What ``largest_placeable`` and ``slice_usage`` depend on, for callers that
+        memoise them; None: nothing worth memoising (cheap to compute)."""
+        ...
+
+    def slice_usage(self, gpu: ManagedGpu) -> tuple[int, int]:
+        """(compute slices its instances hold, compute + memory slices its layout wastes,
+        [Turkkan]); (0, 0) without instances."""
         ...
 
 
@@ -233,6 +266,12 @@ class _WholeGpuOps:
 
     def why_not(self, gpu: ManagedGpu) -> dict[str, Any]:
         return {"gpu": gpu.index, "mode": gpu.mode.value, "why": "full or in use"}
+
+    def layout_key(self, gpu: ManagedGpu) -> Hashable | None:
+        return None
+
+    def slice_usage(self, gpu: ManagedGpu) -> tuple[int, int]:
+        return 0, 0
 
 
 class MpsOps(_WholeGpuOps):
@@ -358,6 +397,12 @@ class MpsOps(_WholeGpuOps):
         pool = gpu.mps_pool
         return pool.used_mib if pool is not None else 0
 
+    def holding(self, gpu: ManagedGpu, lease: Lease) -> Holding:
+        return Holding(shared=True)
+
+    def restart_room(self, gpu: ManagedGpu, holding: Holding) -> tuple[tuple[int, ...], int]:
+        return (), gpu.memory_total_mib - self.books.policy.mps_reserve_mib
+
 
 class ExclusiveOps(_WholeGpuOps):
     """EXCLUSIVE: the whole GPU to one lease, no MIG and no MPS."""
@@ -425,6 +470,12 @@ class ExclusiveOps(_WholeGpuOps):
     def allocated_mib(self, gpu: ManagedGpu) -> int:
         return gpu.memory_total_mib if gpu.exclusive_lease else 0
 
+    def holding(self, gpu: ManagedGpu, lease: Lease) -> Holding:
+        return Holding()
+
+    def restart_room(self, gpu: ManagedGpu, holding: Holding) -> tuple[tuple[int, ...], int]:
+        return (), gpu.memory_total_mib  # it had the whole GPU
+
 
 class OffOps:
     """OFF: migd does not manage the GPU; it is never a candidate, so it holds nothing."""
@@ -469,3 +520,15 @@ class OffOps:
 
     def allocated_mib(self, gpu: ManagedGpu) -> int:
         return 0
+
+    def holding(self, gpu: ManagedGpu, lease: Lease) -> Holding:
+        return Holding()
+
+    def restart_room(self, gpu: ManagedGpu, holding: Holding) -> tuple[tuple[int, ...], int]:
+        return (), 0
+
+    def layout_key(self, gpu: ManagedGpu) -> Hashable | None:
+        return None
+
+    def slice_usage(self, gpu: ManagedGpu) -> tuple[int, int]:
+        return 0, 0

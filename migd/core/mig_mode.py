@@ -18,6 +18,7 @@ from migd.core.geometry import Profile
 from migd.core.gpu_modes import (
     Created,
     Fit,
+    Holding,
     ModeBooks,
     elsewhere,
     grant,
@@ -264,6 +265,36 @@ class MigOps:
             elif inst.mps_pool is not None:
                 total += inst.mps_pool.used_mib
         return total
+
+    def holding(self, gpu: ManagedGpu, lease: Lease) -> Holding:
+        # its own instance, or a share of the MPS host instance at its start
+        prof = gpu.space.member(lease.profile) if gpu.space and lease.profile else None
+        return Holding(prof, lease.start or 0, shared=lease.mode is GpuMode.MPS)
+
+    def restart_room(self, gpu: ManagedGpu, holding: Holding) -> tuple[tuple[int, ...], int]:
+        if holding.shared or gpu.space is None:  # an MPS share's limit grows
+            return (), gpu.memory_total_mib - self.books.policy.mps_reserve_mib
+        sizes = tuple(p.memory_mib for p in gpu.space.profiles)
+        return sizes, max(sizes)
+
+    def layout_key(self, gpu: ManagedGpu) -> Hashable | None:
+        if gpu.space is None:
+            return None
+        return gpu.available, tuple(
+            (i.profile.name, i.start, i.status, i.busy or i.mps_pool is not None)
+            for i in gpu.instances
+        )
+
+    def slice_usage(self, gpu: ManagedGpu) -> tuple[int, int]:
+        if gpu.space is None:
+            return 0, 0
+        held = sum(i.profile.compute_slices for i in gpu.instances)
+        # the planner's layout: instances being destroyed are already gone from it
+        key = gpu.space.key_of(
+            (i.profile, i.start) for i in gpu.instances if i.status is not InstanceStatus.DESTROYING
+        )
+        compute_w, unit_w = gpu.space.wasted_slices(key)
+        return held, compute_w + unit_w
 
 
 def take_partition(

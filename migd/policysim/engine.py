@@ -32,261 +32,56 @@ job to a statically partitioned slot would. As in the real pool, memory a node f
 reaches the matcher ``PolicySimConfig.ad_latency_s`` late, except for the same user's next
 job that fits the ended job's partition (claim reuse); docs/simulator.md, "The
 matcher against the real pool".
+
+The modules, one way (each imports only those above it):
+
+* :mod:`migd.policysim.records` - configuration, attempts, job records, spans, the result;
+* :mod:`migd.policysim.driver` - the simulated NVML driver (work timed per GPU);
+* :mod:`migd.policysim.nodes` - a node's scheduler and the simulator's books beside it;
+* :mod:`migd.policysim.runs` - run arithmetic: speed, progress, stop points, restarts;
+* :mod:`migd.policysim.matcher` - the nodes' ads and the matcher's ranking;
+* :mod:`migd.policysim.usage` - busy/allocated/held/wasted slices over time;
+* :mod:`migd.policysim.invariants` - what must hold after every event;
+* this module - the event loop (:class:`Simulation`) and the daemon's part around the
+  scheduler (submit, apply outcomes, start and end runs).
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from migd.core.catalog import geometry
 from migd.core.costs import CostModel
-from migd.core.forecast import Forecaster, MemorySample
-from migd.core.geometry import Geometry, Profile
-from migd.core.leases import LeaseState
-from migd.core.planner import (
-    CreateOp,
-    DestroyOp,
-    Op,
-    PartitionRequest,
-    PlannerPolicy,
-    plan_on_node,
-)
+from migd.core.gpus import Work
+from migd.core.leases import Lease, LeaseState
 from migd.core.queueing import QueuedRequest, RequestQueue
-from migd.core.restart import restart_size
-from migd.core.scheduler import (
-    GpuMode,
-    InstanceStatus,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    ManagedInstance,
-    NodeScheduler,
-    Work,
-    mode_state,
-)
-from migd.core.scheduler import (
-    Outcome as SchedOutcome,
-)
+from migd.core.scheduler import Outcome as SchedOutcome
 from migd.core.states import StateSpace, state_space
-from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
-from migd.policysim.interference import CALIBRATED, MpsInterference
-from migd.policysim.jobs import PowerModel, WorkloadJob, busy_fraction, demand_of, runtime_at
+from migd.errors import InvalidRequest, RequestTooLarge
+from migd.policysim.driver import NvmlDriver, Timed
+from migd.policysim.invariants import check_invariants
+from migd.policysim.jobs import PowerModel, WorkloadJob
+from migd.policysim.matcher import Matcher, lease_for
+from migd.policysim.nodes import PoolNode, build_node
 from migd.policysim.policies import PolicySpec
-
-Outcome = Literal["completed", "rejected", "failed", "unfinished"]
-
-#: Nodes a simulated pool may have (the pool-scale benchmark runs 1,000).
-MAX_NODES = 4096
-
-
-@dataclass(frozen=True)
-class PolicySimConfig:
-    """The simulated hardware and the knobs of the simulation itself.
-
-    Attributes:
-        model: catalog model of every GPU (``A100-40GB``...).
-        gpus: GPUs per node (1-8).
-        nodes: nodes in the pool (1: the node's own queue orders requests; more: the
-            matcher does, with the policy's queue scheme).
-        profiles: profile set of the MIG state machine (``classic`` as in the papers).
-        power: power model; ``None`` picks :meth:`PowerModel.for_model`.
-        mps_interference: extra flat slowdown of every MPS client while two or more
-            share a device, on top of ``interference`` (0: the calibrated model alone).
-        interference: how MPS clients share a device (a whole GPU or a MIG instance
-            hosting MPS); :mod:`migd.policysim.interference`, calibrated to [Voigtlaender].
-        ad_latency_s: in a pool, seconds from a node freeing GPU memory (a job's end,
-            an idle teardown) until the matcher sees it in the node's ad: the real
-            pool's ``migctl condor-ad --watch`` put a freed A100 in the collector
-            0.8-1.9 s after the release (docs/htcondor-notes.md (r)); 1.4 s is the
-            median of those runs. A node's ad that shrinks (a job placed on it) is
-            seen at once, as the startd updates the collector when a slot is
-            claimed. 0: every change is seen at once (the model before it was
-            compared with the pool). Static layouts and single nodes ignore it.
-        max_time_s: stop the simulation at this simulated time.
-        check_invariants: assert capacity and layout invariants after every event
-            (tests; slows the run down).
-        owner_uid_default: UID of jobs that do not name one.
-    """
-
-    model: str = "A100-40GB"
-    gpus: int = 1
-    nodes: int = 1
-    profiles: str = "classic"
-    power: PowerModel | None = None
-    mps_interference: float = 0.0
-    interference: MpsInterference = CALIBRATED
-    ad_latency_s: float = 1.4
-    max_time_s: float = 365 * 86400.0
-    check_invariants: bool = False
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.gpus <= 8:
-            raise InvalidRequest(f"gpus per node must be 1-8, got {self.gpus}")
-        if not 1 <= self.nodes <= MAX_NODES:
-            raise InvalidRequest(f"nodes must be 1-{MAX_NODES}, got {self.nodes}")
-        if self.mps_interference < 0:
-            raise InvalidRequest("mps_interference must not be negative")
-        if self.ad_latency_s < 0:
-            raise InvalidRequest("ad_latency_s must not be negative")
-
-
-@dataclass
-class Attempt:
-    """One submission of a job (the first, or a restart after OOM)."""
-
-    job: WorkloadJob
-    number: int
-    memory_mib: int
-    min_compute: int
-    submit_s: float
-    wait_s: float | None
-
-    @property
-    def lease_id(self) -> str:
-        return self.job.job_id if self.number == 0 else f"{self.job.job_id}#{self.number}"
-
-
-@dataclass
-class JobRecord:
-    """What happened to one job, over all its attempts."""
-
-    job: WorkloadJob
-    attempts: int = 0
-    first_start_s: float | None = None
-    end_s: float | None = None
-    outcome: Outcome = "unfinished"
-    reason: str = ""
-    oom_kills: int = 0
-    forecast_kills: int = 0
-    lost_gpu_s: float = 0.0  # GPU-seconds (share x time) of runs killed by OOM or forecast
-    lost_wall_s: float = 0.0
-    profiles: list[str] = field(default_factory=list)  # what each attempt ran on
-    hybrid: list[str] = field(default_factory=list)  # the hybrid's reason per attempt
-
-    @property
-    def turnaround_s(self) -> float | None:
-        return None if self.end_s is None else self.end_s - self.job.submit_s
-
-
-@dataclass
-class _Run:
-    attempt: Attempt
-    node: int
-    gpu: int
-    mode: str
-    share: float
-    rate: float
-    progress: float
-    last_s: float
-    start_s: float
-    stop_progress: float
-    stop: Literal["done", "oom", "forecast"]
-    needed_mib: int
-    limit_mib: int
-    busy: float = 0.0
-    alloc_slices: float = 0.0
-    gpu_s: float = 0.0
-    version: int = 0
-    label: str = ""
-    profile: str | None = None
-    unit_start: int = 0
-    units: int = 0
-    host: int = -1  # MPS: start of the MIG instance hosting the server, -1 whole GPU
-    host_slices: int = 0  # and its compute slices
-    uid: int = 0
-
-    def span(self, lease_id: str, end_s: float, how: str) -> Span:
-        """This run on the slice map, from its start to ``end_s``, ended ``how``."""
-        return Span(
-            self.node,
-            self.gpu,
-            self.label,
-            self.unit_start,
-            self.units,
-            self.start_s,
-            end_s,
-            "job",
-            how,
-            lease_id,
-            self.profile or self.mode,
-        )
-
-
-@dataclass(frozen=True)
-class Span:
-    """An interval on one GPU for the slice map: an instance or a job run.
-
-    ``what`` is the profile name of an instance, the job kind of a run. ``label`` is
-    how it ended: ``destroyed`` or ``open`` (instances), ``done``, ``oom``,
-    ``forecast`` or ``unfinished`` (runs). Runs also name their ``job`` (lease id)
-    and ``partition`` (profile name, ``mps`` or ``exclusive``).
-    """
-
-    node: int
-    gpu: int
-    what: str
-    unit_start: int
-    units: int
-    start_s: float
-    end_s: float
-    kind: Literal["instance", "job"]
-    label: str = ""
-    job: str = ""
-    partition: str = ""
-
-
-@dataclass
-class ReconfigStats:
-    creates: int = 0
-    destroys: int = 0
-    create_s: float = 0.0
-    destroy_s: float = 0.0
-    works: int = 0
-
-
-@dataclass
-class PolicySimResult:
-    """Raw output of one run; :mod:`migd.policysim.metrics` turns it into numbers."""
-
-    policy: PolicySpec
-    config: PolicySimConfig
-    geometry: Geometry
-    records: list[JobRecord]
-    end_s: float
-    timelines: dict[tuple[int, int], list[tuple[float, float, float, float, float]]]
-    spans: list[Span]
-    reconfig: ReconfigStats
-    power: PowerModel
-    events: int
-    max_queue: int
-    notes: list[str] = field(default_factory=list)
-    isolation_breaches: int = 0  # runs that shared an MPS server with another user's job
-
-
-def index_order(geo: Geometry) -> Geometry:
-    """``geo`` with every profile's default placement order sorted by start.
-
-    [Siavashi]'s first-fit baseline assigns instances "sequentially" (the lowest free
-    start first) instead of the driver's observed order (A100 1g: 6, 4, 5, 0, ...).
-    """
-    profiles = tuple(replace(p, default_order=tuple(sorted(p.default_order))) for p in geo.profiles)
-    # the lookup tables are rebuilt from the new profiles, never shared with ``geo``
-    return replace(geo, profiles=profiles)
-
-
-class _Node:
-    def __init__(self, index: int, scheduler: NodeScheduler) -> None:
-        self.index = index
-        self.scheduler = scheduler
-        self.driver_free: dict[int, float] = dict.fromkeys(scheduler.gpus, 0.0)
-        self.pending: dict[str, Attempt] = {}
-        self.capacity: int | None = None  # advertised MiB, cached until the node changes
-        self.ad_due: float | None = None  # when its pending, freed-memory ad is seen
-        self.rooms: dict[int | None, int] = {}  # its MPS hosts' unpinned MiB by user
+from migd.policysim.records import (
+    MAX_NODES,
+    Attempt,
+    JobRecord,
+    Outcome,
+    PolicySimConfig,
+    PolicySimResult,
+    ReconfigStats,
+    Span,
+    index_order,
+)
+from migd.policysim.runs import Run, StopPoints, interference_model, new_run, next_size, rebalance
+from migd.policysim.usage import Usage
 
 
 class Simulation:
@@ -314,7 +109,6 @@ class Simulation:
         if policy.start_order == "index":
             self.geo = index_order(self.geo)
         self.space: StateSpace = state_space(self.geo, self.config.profiles)
-        self.costs = CostModel.for_model(self.geo.model)
         self.power = self.config.power or PowerModel.for_model(
             self.geo.model, self.geo.compute_slices
         )
@@ -328,19 +122,13 @@ class Simulation:
         self.now = 0.0
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
-        self.runs: dict[str, _Run] = {}
+        self.runs: dict[str, Run] = {}
         # the same runs by (node, GPU): sampling and MPS sharing look at one GPU only
-        self._gpu_runs: dict[tuple[int, int], dict[str, _Run]] = {}
-        self._advert_cache: dict[Hashable, int] = {}
-        self._by_capacity: dict[int, set[int]] = {}  # advertised MiB -> node indices
-        self._stale: set[int] = set()  # nodes whose advertised MiB must be computed again
-        self._rooms: dict[int | None, dict[int, int]] = {}  # uid -> node -> MPS host MiB
-        self._gi = itertools.count(1)
-        self.timelines: dict[tuple[int, int], list[tuple[float, float, float, float, float]]] = {}
+        self._gpu_runs: dict[tuple[int, int], dict[str, Run]] = {}
         self.spans: list[Span] = []
-        self._open_instances: dict[tuple[int, int, int], tuple[str, int, float]] = {}
-        self.reconfig = ReconfigStats()
-        self._stop_cache: dict[tuple[str, int, bool], tuple[int | None, str, int]] = {}
+        self.driver = NvmlDriver(CostModel.for_model(self.geo.model), self.spans)
+        self.stops = StopPoints(policy)
+        self.mps_model = interference_model(self.config.interference, self.config.mps_interference)
         self._events = 0
         self._ended = 0
         self._max_queue = 0
@@ -348,63 +136,41 @@ class Simulation:
         self.notes: list[str] = []
         self._dirty: set[int] = set()
         self._negotiate = False
-        self.nodes = [self._build_node(i) for i in range(self.config.nodes)]
-        self._stale.update(range(len(self.nodes)))
-        self.matcher: RequestQueue[Attempt] | None = None
+        self.nodes = [
+            build_node(
+                i,
+                self.config.gpus,
+                geo=self.geo,
+                space=self.space,
+                policy=policy,
+                driver=self.driver,
+            )
+            for i in range(self.config.nodes)
+        ]
+        self.ads = Matcher(self.nodes, policy)
+        self.queue: RequestQueue[Attempt] | None = None  # the matcher's queue (a pool)
         if self.config.nodes > 1 or policy.static_layout is not None:
             sched = policy.scheduler
             # The policy's own queue scheme, static layouts included, so "(B)" is FIFO
             # for every policy. (HTCondor's negotiator skips jobs that match no slot,
             # i.e. backfills: scheme A is the closer model of a static pool.)
-            self.matcher = RequestQueue(
+            self.queue = RequestQueue(
                 policy=sched.queue,
                 aging_s=sched.aging_s,
                 starvation_s=sched.starvation_s,
                 backfill=sched.backfill,
             )
-        for key in ((n.index, g) for n in self.nodes for g in n.scheduler.gpus):
-            self.timelines[key] = [(0.0, 0.0, 0.0, 0.0, 0.0)]
+        self.usage = Usage(self.nodes, self.compute)
+        for key in self.usage.timelines:
             self._sample(*key)
 
-    # -- set-up ------------------------------------------------------------------------------
+    @property
+    def timelines(self) -> dict[tuple[int, int], list[tuple[float, float, float, float, float]]]:
+        return self.usage.timelines
 
-    def _build_node(self, index: int) -> _Node:
-        gpus = []
-        mode = self.policy.gpu_mode
-        for g in range(self.config.gpus):
-            gpu = ManagedGpu(
-                index=g,
-                uuid=f"GPU-sim-{index:02d}-{g}",
-                model=self.geo.model,
-                name=self.geo.display_name,
-                memory_total_mib=self.geo.memory_mib,
-                state=mode_state(
-                    mode,
-                    self.space if mode is GpuMode.MIG else None,
-                    mps_in_mig=self.policy.mps_in_mig and mode is GpuMode.MIG,
-                ),
-            )
-            if self.policy.static_layout is not None:
-                mig = gpu.mig
-                if mig is None:
-                    raise InvalidRequest("a static layout needs GpuMode.MIG")
-                for name, start in self.policy.static_layout:
-                    prof = self.space.member(name)
-                    n = next(self._gi)
-                    mig.instances.append(
-                        ManagedInstance(
-                            profile=prof,
-                            start=start,
-                            memory_mib=prof.memory_mib,
-                            gi_id=n,
-                            uuid=f"MIG-sim-{index}-{g}-{n}",
-                            idle_since_s=0.0,
-                        )
-                    )
-                    self._open_instances[(index, g, start)] = (prof.name, prof.memory_slices, 0.0)
-                self.space.key_of((i.profile, i.start) for i in gpu.instances)  # validate
-            gpus.append(gpu)
-        return _Node(index, NodeScheduler(gpus, self.policy.scheduler))
+    @property
+    def reconfig(self) -> ReconfigStats:
+        return self.driver.reconfig
 
     # -- event queue -------------------------------------------------------------------------
 
@@ -413,11 +179,33 @@ class Simulation:
 
     def run(self) -> PolicySimResult:
         """Run to completion (or ``max_time_s``) and return the raw result."""
+        # A pool run makes millions of short-lived objects while the workload, the nodes
+        # and the state spaces live throughout: the collector's full passes would walk
+        # those again and again, and they hold no garbage. They are left out for the run
+        # (gc.freeze) and young passes run less often; both are restored after.
+        threshold = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(100_000, 50, 100)
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*threshold)
+            gc.unfreeze()
+
+    def _run(self) -> PolicySimResult:
         for job in self.jobs:
             attempt = Attempt(job, 0, job.memory_mib, job.min_compute, job.submit_s, job.wait_s)
             self._push(job.submit_s, "arrive", attempt)
         total = len(self.jobs)
         last_report = 0
+        handlers: dict[str, Callable[[Any], None]] = {
+            "arrive": self._on_arrive,
+            "advertise": self._on_advertise,
+            "deadline": self._on_deadline,
+            "end": self._on_end,
+            "idle": self._on_idle,
+            "work": self._on_work,
+        }
         while self._heap:
             when, _, kind, payload = heapq.heappop(self._heap)
             if when > self.config.max_time_s:
@@ -425,7 +213,7 @@ class Simulation:
                 break
             self.now = max(self.now, when)
             self._events += 1
-            getattr(self, f"_on_{kind}")(payload)
+            handlers[kind](payload)
             self._settle()
             if self.config.check_invariants:
                 self.check_invariants()
@@ -433,7 +221,7 @@ class Simulation:
                 last_report = self._ended
                 self.progress(self.now, self._ended, total)
         for run in list(self.runs.values()):
-            self._advance(run)
+            run.advance(self.now)
         return self._result()
 
     def _settle(self) -> None:
@@ -444,12 +232,12 @@ class Simulation:
                 self._activate(node)
                 # the daemon drops ended leases once persisted and answered
                 node.scheduler.forget_terminal()
-            if not (self._negotiate and self.matcher is not None and len(self.matcher)):
+            if not (self._negotiate and self.queue is not None and len(self.queue)):
                 self._negotiate = False
                 return
             self._negotiate = False
-            self.matcher.schedule(self.now, self._try_place_item)
-            self._max_queue = max(self._max_queue, len(self.matcher))
+            self.queue.schedule(self.now, self._try_place_item)
+            self._max_queue = max(self._max_queue, len(self.queue))
         raise AssertionError("matcher did not settle")  # pragma: no cover
 
     # -- arrivals and placement ----------------------------------------------------------------
@@ -457,41 +245,31 @@ class Simulation:
     def _on_arrive(self, attempt: Attempt) -> None:
         record = self.records[attempt.job.job_id]
         record.attempts += 1
-        if self.matcher is None:
+        if self.queue is None:
             self._submit_direct(attempt)
             return
-        if not any(self._ever_fits(node, attempt) for node in self.nodes):
+        if not any(self.ads.ever_fits(node, attempt) for node in self.nodes):
             self._refuse(attempt, "no partition on any node can ever hold it")
             return
         if attempt.wait_s is not None and attempt.wait_s <= 0:
             if not self._try_place(attempt):
                 self._refuse(attempt, "no room at submission (wait_s=0)")
             return
-        self.matcher.push(
+        self.queue.push(
             attempt.lease_id,
             attempt,
             now_s=self.now,
             memory_mib=attempt.memory_mib,
             wait_s=attempt.wait_s,
         )
-        self._max_queue = max(self._max_queue, len(self.matcher))
+        self._max_queue = max(self._max_queue, len(self.queue))
         if attempt.wait_s is not None:
             self._push(self.now + attempt.wait_s, "deadline", None)
         self._negotiate = True
 
-    def _lease(self, attempt: Attempt, wait_s: float | None, profile: str | None = None) -> Lease:
-        request = LeaseRequest(
-            job_id=attempt.lease_id,
-            memory_mib=attempt.memory_mib,
-            min_compute=attempt.min_compute,
-            profile=profile,
-            wait_s=wait_s,
-        )
-        return Lease(attempt.lease_id, request, attempt.job.uid, 1, self.now)
-
     def _submit_direct(self, attempt: Attempt) -> None:
         node = self.nodes[0]
-        lease = self._lease(attempt, attempt.wait_s)
+        lease = lease_for(attempt, self.now, attempt.wait_s)
         try:
             outcome = node.scheduler.submit(lease, self.now, self.now)
         except RequestTooLarge as exc:
@@ -506,178 +284,45 @@ class Simulation:
         if attempt.wait_s is not None and attempt.wait_s > 0:
             self._push(self.now + attempt.wait_s, "deadline", None)
 
-    def _ever_fits(self, node: _Node, attempt: Attempt) -> bool:
-        """What the node's machine ad says about the job, ignoring what is in use now.
-
-        The node's own check (:meth:`NodeScheduler.check_ever_fits`, as ``submit``
-        does it); a static node advertises only its instances, as HTCondor slots.
-        """
-        try:
-            node.scheduler.check_ever_fits(self._lease(attempt, None))
-        except (RequestTooLarge, InvalidRequest):
-            return False
-        if self.policy.static_layout is None:
-            return True
-        gpus = node.scheduler.gpus.values()
-        return any(self._holds(i.profile, attempt) for g in gpus for i in g.instances)
-
-    @staticmethod
-    def _holds(profile: Profile, attempt: Attempt) -> bool:
-        return (
-            profile.memory_mib >= attempt.memory_mib
-            and profile.compute_slices >= attempt.min_compute
-        )
-
-    def _reuse_claim(self, node: _Node, run: _Run) -> None:
+    def _reuse_claim(self, node: PoolNode, run: Run) -> None:
         """The schedd keeps the claim on the dynamic slot a finished job leaves and
         starts the user's next idle job that fits the slot's ``VRAM`` there at once,
         before any ad shows the freed memory (``MIGD_START``'s dynamic-slot clause;
         whole-GPU wave in the real pool: the next lease 0.2-0.8 s after the end,
         docs/htcondor-notes.md (r)). Only where ads lag: with ``ad_latency_s = 0`` the
         matcher sees the freed memory at once anyway."""
-        if self.matcher is None or self.policy.static_layout is not None:
+        if self.queue is None or self.policy.static_layout is not None:
             return
         if self.config.ad_latency_s <= 0:
             return
         uid = run.attempt.job.uid
-        for item in self.matcher.order(self.now):
+        for item in self.queue.order(self.now):
             attempt = item.payload
             if attempt.job.uid != uid or attempt.memory_mib > run.limit_mib:
                 continue
             if self._submit_now(node, attempt, None):
-                self.matcher.remove(item.ident)
+                self.queue.remove(item.ident)
             return  # one slot, one job
 
     def _on_advertise(self, node_index: int) -> None:
         """A node's freed memory reaches the matcher (``ad_latency_s`` after it freed it)."""
         node = self.nodes[node_index]
         if node.ad_due is not None and node.ad_due <= self.now:
-            self._invalidate(node)
+            self.ads.invalidate(node)
             self._negotiate = True
-
-    def _invalidate(self, node: _Node) -> None:
-        """The node changed: its advertised capacity is computed again when asked."""
-        node.ad_due = None  # a fresh ad carries every change so far
-        if node.capacity is not None:
-            self._by_capacity[node.capacity].discard(node.index)
-            node.capacity = None
-        for uid in node.rooms:
-            self._rooms[uid].pop(node.index, None)
-        node.rooms = {}
-        self._stale.add(node.index)
-
-    def _fitting_nodes(self, memory_mib: int, uid: int) -> list[_Node]:
-        """Nodes that advertise at least ``memory_mib`` to user ``uid``, in the policy's
-        node order.
-
-        Nodes are kept in buckets by advertised MiB (a few distinct values), so a pool
-        of a thousand nodes costs one look per bucket, not one per node and job. MPS
-        servers inside MIG instances serve one user each (unless multi-user): their
-        unpinned MiB is advertised to that user only (``_rooms``).
-        """
-        for index in self._stale:
-            node = self.nodes[index]
-            self._by_capacity.setdefault(self._advertised_mib(node), set()).add(index)
-            node.rooms = self._host_rooms(node)
-            for who, room in node.rooms.items():
-                self._rooms.setdefault(who, {})[index] = room
-        self._stale.clear()
-        cap: dict[int, int] = {
-            i: c for c, ids in self._by_capacity.items() if c >= memory_mib for i in ids
-        }
-        for who in (uid, None):
-            for i, room in self._rooms.get(who, {}).items():
-                if room >= memory_mib and room > cap.get(i, -1):
-                    cap[i] = room
-        if self.policy.node_order == "best-fit":
-            return [self.nodes[i] for i in sorted(cap, key=lambda i: (cap[i], i))]
-        return [self.nodes[i] for i in sorted(cap)]
-
-    @staticmethod
-    def _host_rooms(node: _Node) -> dict[int | None, int]:
-        """Unpinned MiB of the node's MPS hosts by the user they serve (None: anyone)."""
-        rooms: dict[int | None, int] = {}
-        for gpu in node.scheduler.gpus.values():
-            for inst in gpu.instances:
-                pool = inst.mps_pool
-                if pool is None or inst.status is not InstanceStatus.READY:
-                    continue
-                if pool.clients >= pool.max_clients:
-                    continue
-                users = {share.uid for share in pool.shares}
-                who = (
-                    users.pop()
-                    if len(users) == 1 and not node.scheduler.policy.mps_multi_user
-                    else None
-                )
-                rooms[who] = max(rooms.get(who, 0), pool.free_mib)
-        return rooms
-
-    def _advertised_mib(self, node: _Node) -> int:
-        """The most memory one new job could get on the node now (its machine ad)."""
-        if node.capacity is not None:
-            return node.capacity
-        sched = node.scheduler
-        best = 0
-        for gpu in sched.gpus.values():
-            if gpu.mode is GpuMode.MIG and gpu.space is not None:
-                # memoised per layout (the sim asks after every event), unlike mode_ops
-                best = max(best, self._mig_advert(gpu, sched.policy.planner))
-            elif gpu.available and (found := sched.mode_ops(gpu).largest_placeable(gpu)):
-                best = max(best, found[1])
-        node.capacity = best
-        return best
-
-    def _mig_advert(self, gpu: ManagedGpu, planner: PlannerPolicy) -> int:
-        """The largest profile the planner could place on ``gpu`` now (MiB).
-
-        Placeable on a node means placeable on one of its GPUs, and the answer depends
-        only on the GPU's layout and which instances are busy: memoised by that, so a
-        pool of thousands of GPUs with a few hundred distinct layouts plans each once.
-        """
-        view = gpu.view()
-        key = (view.available, tuple((i.profile.name, i.start, i.busy) for i in view.instances))
-        hit = self._advert_cache.get(key)
-        if hit is not None:
-            return hit
-        best = 0
-        for prof in sorted(self.space.profiles, key=lambda p: -p.memory_mib):
-            if prof.memory_mib <= best:
-                break
-            try:
-                plan_on_node(
-                    [view], PartitionRequest(prof.memory_mib, prof.compute_slices), planner
-                )
-            except (NoCapacity, RequestTooLarge):
-                continue
-            best = prof.memory_mib
-        self._advert_cache[key] = best
-        return best
 
     def _try_place_item(self, item: QueuedRequest[Attempt]) -> bool:
         return self._try_place(item.payload)
 
     def _try_place(self, attempt: Attempt) -> bool:
         if self.policy.static_layout is not None:
-            return self._try_place_static(attempt)
-        fits = self._fitting_nodes(attempt.memory_mib, attempt.job.uid)
+            slots = self.ads.static_slots(attempt)
+            return any(self._submit_now(node, attempt, profile) for node, profile in slots)
+        fits = self.ads.fitting_nodes(attempt.memory_mib, attempt.job.uid)
         return any(self._submit_now(node, attempt, None) for node in fits)
 
-    def _try_place_static(self, attempt: Attempt) -> bool:
-        idle: list[tuple[int, int, int, int, Profile]] = []
-        for node in self.nodes:
-            for gpu in node.scheduler.gpus.values():
-                for inst in gpu.instances:
-                    if not inst.busy and self._holds(inst.profile, attempt):
-                        p = inst.profile
-                        idle.append((p.memory_mib, p.compute_slices, node.index, gpu.index, p))
-        for *_, node_index, _gpu, prof in sorted(idle, key=lambda x: x[:4]):
-            if self._submit_now(self.nodes[node_index], attempt, prof.name):
-                return True
-        return False
-
-    def _submit_now(self, node: _Node, attempt: Attempt, profile: str | None) -> bool:
-        lease = self._lease(attempt, 0.0, profile)
+    def _submit_now(self, node: PoolNode, attempt: Attempt, profile: str | None) -> bool:
+        lease = lease_for(attempt, self.now, 0.0, profile)
         try:
             outcome = node.scheduler.submit(lease, self.now, self.now)
         except (RequestTooLarge, InvalidRequest):
@@ -705,91 +350,49 @@ class Simulation:
                 if attempt is not None:
                     self._refuse(attempt, "no partition before its deadline")
             self._apply(node, expired)
-        if self.matcher is not None:
-            for item in self.matcher.expired(self.now):
+        if self.queue is not None:
+            for item in self.queue.expired(self.now):
                 self._refuse(item.payload, "no partition before its deadline")
 
-    # -- NVML work ---------------------------------------------------------------------------
+    # -- scheduler outcomes and NVML work ------------------------------------------------------
 
-    def _op_cost(self, op: Op) -> float:
-        if isinstance(op, CreateOp):
-            return self.costs.create_s(op.profile.compute_slices)
-        return self.costs.destroy_s(op.profile.compute_slices)
-
-    def _apply(self, node: _Node, outcome: SchedOutcome, *, placed: bool = False) -> None:
+    def _apply(self, node: PoolNode, outcome: SchedOutcome, *, placed: bool = False) -> None:
         """Act on a scheduler outcome as the daemon does: run its work (in simulated
         time), and look at the node's leases again (grants start jobs). A node whose
         books changed advertises anew to the matcher: at once when a job was
         ``placed`` on it (its ad shrinks), else after ``ad_latency_s`` (what it frees
         reaches the collector that much later)."""
         if outcome.work or outcome.transitions:
-            if placed or self.matcher is None or self.config.ad_latency_s <= 0:
-                self._invalidate(node)
+            if placed or self.queue is None or self.config.ad_latency_s <= 0:
+                self.ads.invalidate(node)
             elif node.ad_due is None:
                 node.ad_due = self.now + self.config.ad_latency_s
                 self._push(node.ad_due, "advertise", node.index)
-        self._execute(node, outcome.work)
+        for work in outcome.work:
+            timed = self.driver.execute(node.index, work, self.now)
+            if timed is not None:
+                done_s, ops = timed
+                self._push(done_s, "work", (node.index, work, ops))
+                self._sample(node.index, work.gpu)
         self._dirty.add(node.index)
 
-    def _execute(self, node: _Node, works: Sequence[Work]) -> None:
-        for work in works:
-            if not work.ops:
-                continue
-            start = max(self.now, node.driver_free[work.gpu])
-            t = start
-            timed: list[tuple[Op, float]] = []
-            for op in work.ops:
-                cost = self._op_cost(op)
-                t += cost
-                timed.append((op, t))
-                if isinstance(op, CreateOp):
-                    self.reconfig.creates += 1
-                    self.reconfig.create_s += cost
-                else:
-                    self.reconfig.destroys += 1
-                    self.reconfig.destroy_s += cost
-            self.reconfig.works += 1
-            node.driver_free[work.gpu] = t
-            self._push(t, "work", (node.index, work, tuple(timed)))
-            self._sample(node.index, work.gpu)
-
-    def _on_work(self, payload: tuple[int, Work, tuple[tuple[Op, float], ...]]) -> None:
+    def _on_work(self, payload: tuple[int, Work, Timed]) -> None:
         node_index, work, timed = payload
         node = self.nodes[node_index]
-        created: dict[int, tuple[int | None, str | None, int]] = {}
-        for op, at in timed:
-            key = (node_index, work.gpu, op.start)
-            if isinstance(op, DestroyOp):
-                opened = self._open_instances.pop(key, None)
-                if opened is not None:
-                    name, units, since = opened
-                    self.spans.append(
-                        Span(
-                            node_index,
-                            work.gpu,
-                            name,
-                            op.start,
-                            units,
-                            since,
-                            at,
-                            "instance",
-                            "destroyed",
-                        )
-                    )
-            else:
-                n = next(self._gi)
-                created[op.start] = (
-                    n,
-                    f"MIG-sim-{node_index}-{work.gpu}-{n}",
-                    op.profile.memory_mib,
-                )
-                self._open_instances[key] = (op.profile.name, op.profile.memory_slices, at)
+        created = self.driver.done(node_index, work, timed)
         self._apply(node, node.scheduler.work_done(work, created, self.now, self.now))
         self._sample(node_index, work.gpu)
 
+    def _on_idle(self, node_index: int) -> None:
+        node = self.nodes[node_index]
+        outcome = node.scheduler.idle_teardown(self.now, self.now)
+        if outcome.work:  # (its work places what the torn-down slices make room for)
+            self._apply(node, outcome)
+            self._negotiate = True
+
     # -- running jobs --------------------------------------------------------------------------
 
-    def _activate(self, node: _Node) -> None:
+    def _activate(self, node: PoolNode) -> None:
         for lease_id, attempt in list(node.pending.items()):
             lease = node.scheduler.leases.get(lease_id)
             # ended leases are forgotten only after this pass has seen them
@@ -801,150 +404,54 @@ class Simulation:
                 del node.pending[lease_id]
                 self._refuse(attempt, lease.reason or lease.state.value)
 
-    def _start(self, node: _Node, attempt: Attempt, lease: Lease) -> None:
+    def _start(self, node: PoolNode, attempt: Attempt, lease: Lease) -> None:
         assert lease.gpu is not None and lease.mode is not None
         gpu = node.scheduler.gpus[lease.gpu]
-        job = attempt.job
-        record = self.records[job.job_id]
+        record = self.records[attempt.job.job_id]
         if record.first_start_s is None:
             record.first_start_s = self.now
-        share = 1.0
-        alloc = float(self.compute)
-        unit_start, units = 0, self.geo.units
-        label = str(lease.mode)  # a plain str, like the profile names below
-        host = -1  # the MIG instance an MPS share runs in (start), -1: the whole GPU
-        if lease.mode == "mig" or (lease.mode == "mps" and lease.profile is not None):
-            assert gpu.space is not None and lease.profile is not None and lease.start is not None
-            prof = gpu.space.member(lease.profile)
-            share = prof.compute_slices / self.compute
-            alloc = float(prof.compute_slices)
-            unit_start, units, label = lease.start, prof.memory_slices, prof.name
-            if lease.mode == "mps":
-                host, label = lease.start, f"mps@{prof.name}"
-        limit = lease.memory_limit_mib or attempt.memory_mib
+        run, label = new_run(
+            attempt,
+            node=node.index,
+            gpu=gpu.index,
+            mode=lease.mode,  # the slice map keeps the granted mode itself
+            holding=node.scheduler.mode_ops(gpu).holding(gpu, lease),
+            limit_mib=lease.memory_limit_mib or attempt.memory_mib,
+            compute=self.compute,
+            units=self.geo.units,
+            stops=self.stops,
+            now_s=self.now,
+        )
         record.profiles.append(label)
         if lease.decision is not None and "hybrid" in lease.decision:
             record.hybrid.append(str(lease.decision["hybrid"]))
-        stop_iter, stop, needed = self._stop_point(job, limit)
-        stop_progress = 1.0
-        if stop_iter is not None and job.growth is not None:
-            stop_progress = (stop_iter + 1) / job.growth.iterations
-        run = _Run(
-            attempt=attempt,
-            node=node.index,
-            gpu=gpu.index,
-            mode=lease.mode,
-            share=share,
-            rate=1.0 / runtime_at(job, share, self.compute),
-            progress=0.0,
-            last_s=self.now,
-            start_s=self.now,
-            stop_progress=stop_progress,
-            stop=stop,  # type: ignore[arg-type]
-            needed_mib=needed,
-            limit_mib=limit,
-            busy=busy_fraction(job, share, self.compute),
-            alloc_slices=alloc,
-            label=job.kind or job.job_id,
-            unit_start=unit_start,
-            units=units,
-            profile=lease.profile if lease.mode == "mig" else None,
-            host=host,
-            host_slices=int(alloc) if host >= 0 else 0,
-            uid=job.uid,
-        )
         self.runs[lease.lease_id] = run
         self._gpu_runs.setdefault((run.node, run.gpu), {})[lease.lease_id] = run
-        if lease.mode == "mps":
+        if run.holding.shared:
             self._count_breaches(lease.lease_id, run)
-            self._rebalance_mps(node.index, gpu.index, host)
+            self._rebalance_mps(run)
         else:
             self._schedule_end(lease.lease_id, run)
         self._sample(node.index, gpu.index)
 
-    def _stop_point(self, job: WorkloadJob, limit_mib: int) -> tuple[int | None, str, int]:
-        """Where a run with ``limit_mib`` ends early: (iteration, why, MiB the forecast wants)."""
-        growth = job.growth
-        if growth is None:
-            return None, "done", 0
-        key = (job.job_id, limit_mib, self.policy.forecast)
-        cached = self._stop_cache.get(key)
-        if cached is not None:
-            return cached
-        oom = growth.first_over(limit_mib)
-        result: tuple[int | None, str, int] = (
-            (oom, "oom", 0) if oom is not None else (None, "done", 0)
-        )
-        if self.policy.forecast:
-            forecaster = Forecaster(self.policy.forecast_policy)
-            # what the wrapper passes: the job's declared MigdHorizon, or none (then the
-            # forecaster looks as far ahead as it has observed)
-            horizon = job.horizon
-            until = oom if oom is not None else growth.iterations
-            for i in range(until):
-                forecaster.observe(MemorySample(i, used_mib=growth.series[i]))
-                verdict = forecaster.verdict(limit_mib, horizon=horizon)
-                if verdict.fire:
-                    needed = verdict.needed_mib
-                    if self.policy.forecast_sizing == "point":
-                        needed = self.policy.forecast_policy.needed_mib(verdict.predicted_peak_mib)
-                    result = (i, "forecast", needed)
-                    break
-        self._stop_cache[key] = result
-        return result
-
-    def _advance(self, run: _Run) -> None:
-        dt = self.now - run.last_s
-        if dt > 0:
-            run.progress += dt * run.rate
-            run.gpu_s += dt * run.share
-            run.last_s = self.now
-
-    def _schedule_end(self, lease_id: str, run: _Run) -> None:
+    def _schedule_end(self, lease_id: str, run: Run) -> None:
         run.version += 1
-        remaining = max(0.0, run.stop_progress - run.progress)
-        self._push(self.now + remaining / run.rate, "end", (lease_id, run.version))
+        self._push(run.end_s(self.now), "end", (lease_id, run.version))
 
-    def _rebalance_mps(self, node_index: int, gpu_index: int, host: int) -> None:
-        """Share one MPS device among its clients (:mod:`migd.policysim.interference`).
-
-        The device is the whole GPU (``host == -1``) or the MIG instance at ``host``;
-        an instance offers its compute slices' share of the GPU.
-        """
+    def _rebalance_mps(self, run: Run) -> None:
+        """Share the MPS device ``run`` is (was) a client of among its clients now."""
         members = [
             (lid, r)
-            for lid, r in self._gpu_runs.get((node_index, gpu_index), {}).items()
-            if r.mode == "mps" and r.host == host
+            for lid, r in self._gpu_runs.get((run.node, run.gpu), {}).items()
+            if r.shares_device(run)
         ]
-        if not members:
-            return
-        capacity = 1.0
-        if host >= 0:
-            capacity = members[0][1].host_slices / self.compute
-        demands = [demand_of(r.attempt.job, self.compute) for _, r in members]
-        model = self.config.interference
-        if self.config.mps_interference:
-            model = replace(model, flat=model.flat + self.config.mps_interference)
-        shares = model.shares(demands, capacity)
-        for (lid, run), share in zip(members, shares, strict=True):
-            if share == run.share and run.version > 0:
-                continue  # its speed did not change: its end event stands
-            self._advance(run)
-            run.share = share
-            run.rate = 1.0 / runtime_at(run.attempt.job, run.share, self.compute)
-            run.busy = run.share
-            run.alloc_slices = run.share * self.compute
-            self._schedule_end(lid, run)
+        for lid, changed in rebalance(members, self.mps_model, self.compute, self.now):
+            self._schedule_end(lid, changed)
 
-    def _count_breaches(self, lease_id: str, run: _Run) -> None:
+    def _count_breaches(self, lease_id: str, run: Run) -> None:
         """Memory isolation: a job that shares an MPS server with another user's job."""
         for lid, other in self._gpu_runs.get((run.node, run.gpu), {}).items():
-            if (
-                lid != lease_id
-                and other.mode == "mps"
-                and other.host == run.host
-                and other.uid != run.uid
-            ):
+            if lid != lease_id and other.shares_device(run) and other.uid != run.uid:
                 self.isolation_breaches += 1
                 return
 
@@ -953,22 +460,21 @@ class Simulation:
         run = self.runs.get(lease_id)
         if run is None or run.version != version:
             return  # superseded by an MPS rebalance
-        self._advance(run)
+        run.advance(self.now)
         del self.runs[lease_id]
         del self._gpu_runs[(run.node, run.gpu)][lease_id]
         attempt = run.attempt
-        job = attempt.job
-        record = self.records[job.job_id]
+        record = self.records[attempt.job.job_id]
         self.spans.append(run.span(lease_id, self.now, run.stop))
         node = self.nodes[run.node]
         self._apply(node, node.scheduler.release(lease_id, self.now, self.now, reason=run.stop))
         self._negotiate = True
         if run.stop == "done":
             self._reuse_claim(node, run)
-        if run.mode == "mps":
-            self._rebalance_mps(run.node, run.gpu, run.host)
+        if run.holding.shared:
+            self._rebalance_mps(run)
         sched_policy = node.scheduler.policy
-        if (run.mode == "mig" or run.host >= 0) and sched_policy.idle_policy == "timeout":
+        if run.in_instance and sched_policy.idle_policy == "timeout":
             self._push(self.now + sched_policy.idle_timeout_s, "idle", node.index)
         self._sample(run.node, run.gpu)
         if run.stop == "done":
@@ -981,7 +487,8 @@ class Simulation:
             record.oom_kills += 1
         else:
             record.forecast_kills += 1
-        bigger = self._next_size(run, node)
+        gpu = node.scheduler.gpus[run.gpu]
+        bigger = next_size(run, node.scheduler.mode_ops(gpu).restart_room(gpu, run.holding))
         if bigger is None:
             record.outcome = "failed"
             record.reason = f"out of memory on the largest partition ({run.limit_mib} MiB)"
@@ -996,123 +503,18 @@ class Simulation:
         )
         self._push(self.now, "arrive", retry)
 
-    def _next_size(self, run: _Run, node: _Node) -> int | None:
-        """Memory to ask for on restart, by the wrapper's rule; ``None``: nothing bigger."""
-        needed = run.needed_mib if run.stop == "forecast" else None
-        if run.mode == "mig":
-            sizes = [p.memory_mib for p in self.space.profiles]
-            largest = max(sizes)
-        elif run.mode == "exclusive":
-            sizes, largest = [], run.limit_mib  # it had the whole GPU
-        else:
-            sizes, largest = [], self.geo.memory_mib - node.scheduler.policy.mps_reserve_mib
-        size = restart_size(
-            run.limit_mib,
-            ladder=run.mode == "mig",
-            largest_mib=largest,
-            needed_mib=needed,
-            sizes=sizes,
-        )
-        return size.request_mib
-
-    def _on_idle(self, node_index: int) -> None:
-        node = self.nodes[node_index]
-        outcome = node.scheduler.idle_teardown(self.now, self.now)
-        if outcome.work:  # (its work places what the torn-down slices make room for)
-            self._apply(node, outcome)
-            self._negotiate = True
-
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def _sample(self, node_index: int, gpu_index: int) -> None:
-        """Record the GPU's busy, allocated, held and wasted slices from now on."""
         runs = self._gpu_runs.get((node_index, gpu_index), {}).values()
-        busy = sum(r.busy for r in runs) * self.compute
-        alloc = min(float(self.compute), sum(r.alloc_slices for r in runs))
-        gpu = self.nodes[node_index].scheduler.gpus[gpu_index]
-        held = wasted = 0.0
-        if gpu.mode is GpuMode.MIG and gpu.space is not None:
-            held = float(sum(i.profile.compute_slices for i in gpu.instances))
-            key = gpu.view().key
-            compute_w, unit_w = gpu.space.wasted_slices(key)
-            wasted = float(compute_w + unit_w)
-        row = (self.now, busy, alloc, held, wasted)
-        line = self.timelines[(node_index, gpu_index)]
-        if line[-1][1:] == row[1:]:
-            return
-        if line[-1][0] == self.now:
-            line[-1] = row
-        else:
-            line.append(row)
+        self.usage.sample(node_index, gpu_index, runs, self.now)
 
     def check_invariants(self) -> None:
-        """Assert what must hold after every event (used by the tests).
-
-        Raises:
-            AssertionError: a GPU holds more than it has, a layout is not a valid state,
-                a running job has no instance, an exclusive GPU runs two jobs, or a node
-                keeps an ended lease (the daemon drops them).
-        """
-        for node in self.nodes:
-            ended = [k for k, v in node.scheduler.leases.items() if v.state.terminal]
-            assert not ended, f"node {node.index} keeps ended leases {ended}"
-            for gpu in node.scheduler.gpus.values():
-                runs = [
-                    (lid, r)
-                    for lid, r in self.runs.items()
-                    if r.node == node.index and r.gpu == gpu.index
-                ]
-                if gpu.mode is GpuMode.MIG:
-                    assert gpu.space is not None
-                    gpu.space.key_of(
-                        (i.profile, i.start)
-                        for i in gpu.instances
-                        if i.status is not InstanceStatus.DESTROYING
-                    )
-                    used = 0
-                    taken = 0
-                    hosts: dict[int, list[_Run]] = {}
-                    for lid, r in runs:
-                        inst = gpu.instance_at(r.unit_start)
-                        if r.mode == "mps":  # a share of the MPS server inside an instance
-                            assert inst is not None and inst.mps_pool is not None, f"{lid}: host"
-                            assert inst.mps_pool.share(lid) is not None, f"{lid}: no share"
-                            assert inst.status is InstanceStatus.READY, f"{lid}: host not ready"
-                            hosts.setdefault(r.host, []).append(r)
-                            continue
-                        assert inst is not None and inst.lease_id == lid, f"{lid}: no instance"
-                        assert inst.status is InstanceStatus.READY, f"{lid}: instance not ready"
-                        used += inst.profile.compute_slices
-                        mask = inst.profile.units_mask(inst.start)
-                        assert not taken & mask, f"{lid}: overlapping units"
-                        taken |= mask
-                    for start, members in hosts.items():
-                        inst = gpu.instance_at(start)
-                        assert inst is not None and inst.mps_pool is not None
-                        pinned = sum(r.attempt.memory_mib for r in members)
-                        assert pinned <= inst.mps_pool.capacity_mib, f"host {inst}: {pinned} MiB"
-                        assert len({r.uid for r in members}) == 1 or (
-                            node.scheduler.policy.mps_multi_user
-                        ), f"host {inst}: clients of several users"
-                        mask = inst.profile.units_mask(inst.start)
-                        assert not taken & mask, f"host {inst}: overlapping units"
-                        taken |= mask
-                        used += inst.profile.compute_slices
-                    assert used <= self.compute, f"GPU {gpu.index}: {used} compute slices busy"
-                elif gpu.mode is GpuMode.EXCLUSIVE:
-                    assert len(runs) <= 1, f"GPU {gpu.index}: {len(runs)} jobs on an exclusive GPU"
-                elif gpu.mode is GpuMode.MPS:
-                    pinned = sum(r.attempt.memory_mib for _, r in runs)
-                    cap = gpu.memory_total_mib - node.scheduler.policy.mps_reserve_mib
-                    assert pinned <= cap, f"GPU {gpu.index}: {pinned} MiB pinned of {cap}"
-                    assert sum(r.share for _, r in runs) <= 1.0 + 1e-9
+        """Assert what must hold after every event (:mod:`migd.policysim.invariants`)."""
+        check_invariants(self.nodes, self._gpu_runs, self.compute)
 
     def _result(self) -> PolicySimResult:
-        for (node_index, gpu_index, start), (name, units, since) in self._open_instances.items():
-            self.spans.append(
-                Span(node_index, gpu_index, name, start, units, since, self.now, "instance", "open")
-            )
-        self._open_instances.clear()
+        self.driver.close(self.now)
         for lease_id, run in self.runs.items():
             self.spans.append(run.span(lease_id, self.now, "unfinished"))
         return PolicySimResult(
@@ -1121,9 +523,9 @@ class Simulation:
             geometry=self.geo,
             records=list(self.records.values()),
             end_s=self.now,
-            timelines=self.timelines,
+            timelines=self.usage.timelines,
             spans=self.spans,
-            reconfig=self.reconfig,
+            reconfig=self.driver.reconfig,
             power=self.power,
             events=self._events,
             max_queue=self._max_queue,
@@ -1144,8 +546,10 @@ def simulate(
 
 
 __all__ = [
+    "MAX_NODES",
     "Attempt",
     "JobRecord",
+    "Outcome",
     "PolicySimConfig",
     "PolicySimResult",
     "ReconfigStats",

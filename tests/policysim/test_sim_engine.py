@@ -12,11 +12,10 @@ from hypothesis import strategies as st
 
 from migd.core.catalog import geometry
 from migd.core.costs import CostModel
-from migd.core.forecast import Verdict
+from migd.core.forecast import Forecaster, Verdict
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
 from migd.errors import InvalidRequest
-from migd.policysim import engine
 from migd.policysim.engine import PolicySimConfig, PolicySimResult, Simulation, simulate
 from migd.policysim.jobs import Growth, WorkloadJob, runtime_at
 from migd.policysim.metrics import compute_metrics
@@ -280,13 +279,13 @@ def test_forecast_without_a_horizon_looks_only_as_far_as_it_has_seen() -> None:
 
 def test_the_forecaster_gets_the_jobs_declared_horizon(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[float | None] = []
-    real = engine.Forecaster.verdict
+    real = Forecaster.verdict
 
-    def spy(self: engine.Forecaster, limit_mib: float, horizon: float | None = None) -> Verdict:
+    def spy(self: Forecaster, limit_mib: float, horizon: float | None = None) -> Verdict:
         seen.append(horizon)
         return real(self, limit_mib, horizon)
 
-    monkeypatch.setattr(engine.Forecaster, "verdict", spy)
+    monkeypatch.setattr(Forecaster, "verdict", spy)
     simulate([growing()], named_policy("migd+forecast"), PolicySimConfig())
     assert seen and set(seen) == {None}
     seen.clear()
