@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from migd.backends.accounts import SystemAccounts
+    from migd.daemon.mps_supervisor import build_cgroup_limits
     from migd.daemon.service import Daemon, lock_instance
 
     try:
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             startd=startd,
             lock=lock,
         )
+        daemon.ctx.cgroup_limits = build_cgroup_limits(config.mps.cgroup_root, backend, node)
         return await daemon.run()
 
     try:
