@@ -229,6 +229,15 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
     assert "SIMULATED: " + description in log and "[gpu_probe exit 0]" in log
     assert mig_says in log
     assert json.loads((out / "probe.json").read_text())["gpus"]
+    # Step 6 never installs a unit in a simulated run (nor where systemd is not PID 1, as
+    # in the containers the suite runs in); it says so, and writes what it would install.
+    assert "[systemd_unit_check (" in log and "exit 0]" in log.split("[systemd_unit_check")[1]
+    assert (out / "systemd" / "result.txt").read_text().startswith("skipped: ")
+    dropin = (out / "systemd" / "unit" / "migd-gpucheck.conf").read_text()
+    assert f"ExecStart={sys.executable} -m migd --config" in dropin
+    assert (out / "systemd" / "unit" / "migd-gpucheck.service").read_text() == (
+        REPO / "systemd" / "migd.service"
+    ).read_text()
     if "mig=off" in description:
         assert "[mig_calibrate exit 3]" in log and "[mps_gpu_check exit 0]" in log
         (mps_run,) = (out / "mps").iterdir()
@@ -246,3 +255,38 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
         assert "[gpu_daemon_check (mps) exit 0]" in log
     assert "no nv-hostengine (DCGM) running" in log
     assert log.rstrip().count("no MPS daemon left running") >= 2
+
+
+SYSTEMD_CHECK = REPO / "scripts" / "systemd_unit_check.sh"
+
+
+def test_the_systemd_unit_check_installs_nothing_where_it_cannot_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """A simulated run (or one where systemd is not PID 1) records that it skipped and why,
+    and writes the unit and drop-in it would install; it needs no root and no systemd."""
+    out = tmp_path / "out"
+    unit_dir = tmp_path / "units"
+    env = {
+        **os.environ,
+        "MIGD_SIMULATE": "1xV100-32GB",
+        "PYTHON": sys.executable,
+        "MIGD_UNIT_DIR": str(unit_dir),
+    }
+    run = subprocess.run(
+        ["bash", str(SYSTEMD_CHECK), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = (out / "result.txt").read_text()
+    assert result.startswith("skipped: ")
+    assert "systemd is not PID 1" in result or "simulated run installs no unit" in result
+    assert "SKIPPED: " in (out / "systemd_check.log").read_text()
+    assert not unit_dir.exists()
+    dropin = (out / "unit" / "migd-gpucheck.conf").read_text()
+    assert "ExecStart=\n" in dropin and f"ExecStart={sys.executable} -m migd" in dropin
+    assert "RuntimeDirectory=migd-gpucheck" in dropin and "StateDirectory=migd-gpucheck" in dropin
