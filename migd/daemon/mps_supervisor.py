@@ -223,7 +223,8 @@ class MpsSupervisor:
         book, port = ctx.cgroup_book, ctx.cgroup_limits
         gpu = ctx.sched.gpus.get(gpu_index)
         cfg = ctx.config.mps
-        kind = DeviceKind.MIG if lease.mig_uuid else DeviceKind.GPU
+        mig = bool(lease.mig_uuid) or device.startswith("MIG-")
+        kind = DeviceKind.MIG if mig else DeviceKind.GPU
         hard = share.accounted_mib
         device_mib = gpu.memory_total_mib if gpu is not None else 0
         for _ in range(2):  # at most one detection, then a decision

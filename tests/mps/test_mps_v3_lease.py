@@ -352,3 +352,13 @@ def test_the_scheduler_places_the_next_lease_within_the_seen_cap() -> None:
     later = Lease("b", LeaseRequest("j", 1024, mode="mps", wait_s=60.0), 1000, 1, 0.0)
     node.submit(later, 1.0, 1.0)
     assert later.gpu == 1  # GPU 0 refused its 4th client: the lease goes to GPU 1
+
+
+def test_an_mps_share_inside_a_mig_device_keeps_the_pinned_limit_only() -> None:
+    port = SpyLimits(None)
+    sup, recorded = supervisor(port)
+    lease = mps_lease()
+    asyncio.run(sup.limit_cgroup(lease, share(lease), "MIG-4f1c", JOB))
+    assert port.calls == [] and recorded == []
+    status = sup.ctx.cgroup_book.device_status("MIG-4f1c", setting="auto", kind=DeviceKind.MIG)
+    assert status["in_force"] is False and "non-MIG device" in status["why_not"]
