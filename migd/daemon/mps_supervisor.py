@@ -259,8 +259,13 @@ class MpsSupervisor:
             await self.executor.on_gpu(gpu_index, port.set_limit, gpu_index, path, hard)
         except MigdError as exc:
             why = f"could not limit cgroup {path} to {hard} MiB: {exc.message}"
+            note = (
+                f"MPS device {device}: NVML refused a job cgroup limit ({exc.message}); "
+                "its leases keep their pinned limit"
+            )
+            if note not in ctx.notes:  # once per device and cause, not per lease
+                ctx.notes.append(note)
             book.why_not[device] = why
-            ctx.notes.append(f"lease {lease.lease_id}: {why}; its pinned limit stays")
             log.warning(
                 "mps.cgroup_limit_failed",
                 lease_id=lease.lease_id,

@@ -290,7 +290,10 @@ def test_a_refused_limit_is_a_note_never_a_failed_lease() -> None:
     sup, recorded = supervisor(port)
     lease = mps_lease()
     asyncio.run(sup.limit_cgroup(lease, share(lease), "GPU-x", JOB))
-    assert recorded == [] and "pinned limit stays" in sup.ctx.notes[-1]
+    assert recorded == [] and "keep their pinned limit" in sup.ctx.notes[-1]
+    second = mps_lease("L2")
+    asyncio.run(sup.limit_cgroup(second, share(second), "GPU-x", JOB))
+    assert len(sup.ctx.notes) == 1  # one note per device and cause, not one per lease
     status = sup.ctx.cgroup_book.device_status("GPU-x", setting="auto", kind=DeviceKind.GPU)
     assert "NVML refused" in status["why_not"]
 
