@@ -365,3 +365,23 @@ def test_an_mps_share_inside_a_mig_device_keeps_the_pinned_limit_only() -> None:
     assert port.calls == [] and recorded == []
     status = sup.ctx.cgroup_book.device_status("MIG-4f1c", setting="auto", kind=DeviceKind.MIG)
     assert status["in_force"] is False and "non-MIG device" in status["why_not"]
+
+
+def test_the_housekeeping_round_lowers_a_device_to_the_cap_it_showed() -> None:
+    """The MPS manager's ``clients_at_refusal`` (a refusal with clients running) reaches the
+    books after a housekeeping round: the pool takes no more clients than that."""
+    gpu = ManagedGpu(0, "GPU-0", "T4", "Tesla T4", 15360, MpsState())
+    node = NodeScheduler([gpu])
+    node.submit(Lease("a", LeaseRequest("j", 512, mode="mps"), 1000, 1, 0.0), 0.0, 0.0)
+    seen: dict[str, list[dict[str, Any]]] = {"GPU-0": [{"clients_at_refusal": None}]}
+    mps: Any = SimpleNamespace(cached_status_for=lambda uuid: seen.get(uuid, []))
+    ctx: Any = SimpleNamespace(sched=node, notes=[])
+    sup = MpsSupervisor(ctx, None, None)  # type: ignore[arg-type]
+    sup.apply_client_caps(mps)
+    assert node.mps_pool(gpu).max_clients == 48 and ctx.notes == []
+    seen["GPU-0"] = [{"clients_at_refusal": 21}]  # a T4 that refused at 21 (k8s-device-plugin#1118)
+    sup.apply_client_caps(mps)
+    sup.apply_client_caps(mps)
+    pool = node.mps_pool(gpu)
+    assert (pool.max_clients, pool.clients_cap_seen) == (21, 21)
+    assert len(ctx.notes) == 1 and "at most 21 client processes" in ctx.notes[0]
