@@ -28,12 +28,18 @@ PYTHON=${PYTHON:-python3}
 MODE=${MIGD_MODE:-mps}
 UNIT=migd-gpucheck
 UNIT_DIR=${MIGD_UNIT_DIR:-/run/systemd/system}
-RUN=/run/$UNIT
-STATE=/var/lib/$UNIT
-CONF_DIR=/run/$UNIT-conf
+# Tests only: MIGD_SYSTEMD_CHECK_PREFIX puts the runtime, state and config paths under a
+# directory of their own, and MIGD_SYSTEMD_CHECK_ASSUME=1 skips the PID 1 and root checks
+# (tests/mps/test_gpu_check_script.py runs it so with a recording systemctl on PATH).
+PREFIX=${MIGD_SYSTEMD_CHECK_PREFIX:-}
+RUN=$PREFIX/run/$UNIT
+STATE=$PREFIX/var/lib/$UNIT
+CONF_DIR=$PREFIX/run/$UNIT-conf
 SOCK=$RUN/migd.sock
 mkdir -p "$OUT/unit"
-exec > >(tee -a "$OUT/systemd_check.log") 2>&1
+# tee ignores the signals a `timeout` sends the whole group, so the clean-up's lines still
+# reach the log (and the clean-up is not killed by SIGPIPE writing them).
+exec > >(trap '' TERM INT HUP; exec tee -a "$OUT/systemd_check.log") 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
 
 result() { printf '%s\n' "$1" >"$OUT/result.txt"; echo "RESULT: $1"; }
@@ -68,11 +74,12 @@ cp "$TREE/systemd/migd.service" "$OUT/unit/$UNIT.service"
 
 pid1=$(cat /proc/1/comm 2>/dev/null || echo unknown)
 why=""
-if [[ $pid1 != systemd || ! -d /run/systemd/system ]]; then
+assume=${MIGD_SYSTEMD_CHECK_ASSUME:-}
+if [[ -z $assume && ($pid1 != systemd || ! -d /run/systemd/system) ]]; then
   why="systemd is not PID 1 (PID 1 is $pid1): migd under systemd/migd.service stays unverified here"
 elif [[ -n ${MIGD_SIMULATE:-} ]]; then
   why="a simulated run installs no unit on this host"
-elif [[ $(id -u) != 0 ]]; then
+elif [[ -z $assume && $(id -u) != 0 ]]; then
   why="not root: installing and starting a system unit needs root"
 elif ! command -v systemctl >/dev/null; then
   why="no systemctl"
@@ -88,8 +95,24 @@ if [[ -n $why ]]; then
 fi
 
 installed=0
+child=""
+# waited CMD...: run CMD in the background and wait for it, so that a signal runs the
+# clean-up at once (bash runs a trap only after a foreground command ends, and `timeout`
+# puts its command in a process group of its own, out of reach of a group-wide signal).
+waited() {
+  "$@" &
+  child=$!
+  wait "$child"
+  local rc=$?
+  child=""
+  return "$rc"
+}
 cleanup() {
   trap - EXIT INT TERM HUP
+  if [[ -n $child ]]; then
+    kill -TERM "$child" 2>/dev/null
+    wait "$child" 2>/dev/null
+  fi
   ((installed)) || return
   echo "cleanup: stopping $UNIT and the MPS daemons it started"
   # The MPS daemons run in scopes of their own (they outlive migd by design); their
@@ -138,7 +161,7 @@ EOF
 cp "$OUT/unit/$UNIT.service" "$UNIT_DIR/$UNIT.service"
 cp "$OUT/unit/$UNIT.conf" "$UNIT_DIR/$UNIT.service.d/tree.conf"
 systemctl daemon-reload
-if ! timeout 120 systemctl start "$UNIT.service"; then
+if ! waited timeout 120 systemctl start "$UNIT.service"; then
   systemctl status --no-pager "$UNIT.service"
   journalctl -u "$UNIT.service" --no-pager -n 200 >"$OUT/journal.txt" 2>&1
   result "failed: $UNIT.service did not start (journal.txt)"
@@ -151,7 +174,7 @@ systemctl show "$UNIT.service" -p ActiveState -p SubState -p MainPID -p NRestart
 
 # One job through the wrapper: lease, MPS daemon (in its scope), the job's environment,
 # release. With PyTorch it allocates 256 MiB on its share.
-timeout 120 "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 1G --mode "$MODE" \
+waited timeout 120 "$PYTHON" -m migd.wrapper.main --socket "$SOCK" --gpu-memory 1G --mode "$MODE" \
   --job-id sd.1 -- "$PYTHON" -c '
 import os
 print("job env:", {k: v for k, v in os.environ.items() if k.startswith("CUDA_")}, flush=True)
