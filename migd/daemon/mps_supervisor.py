@@ -275,7 +275,11 @@ class MpsSupervisor:
                 hint="the job keeps its per-process pinned limit",
             )
             return
-        book.applied[lease.lease_id] = AppliedCgroupLimit(gpu_index, device, path, hard)
+        applied = AppliedCgroupLimit(gpu_index, device, path, hard)
+        if lease.state is not LeaseState.ACTIVE:  # released while the limit was being set
+            self.executor.submit(gpu_index, self._clear_cgroup, port, applied)
+            return
+        book.applied[lease.lease_id] = applied
         self.leases.record("mps.cgroup_limit", lease, cgroup=path, hard_mib=hard)
         log.info("mps.cgroup_limit", lease_id=lease.lease_id, cgroup=path, hard_mib=hard)
 

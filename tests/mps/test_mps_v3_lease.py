@@ -17,6 +17,7 @@ from migd.api import LeaseRequestMsg
 from migd.backends.mps.dmem import NvmlCgroupLimits
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.dmem import SimDmemNvml
+from migd.core.leases import LeaseState
 from migd.core.mps import (
     MPS_V3_RECHECK_S,
     CgroupLimitAction,
@@ -242,6 +243,7 @@ def supervisor(port: SpyLimits | None, setting: str = "auto") -> tuple[MpsSuperv
 def mps_lease(lease_id: str = "L1", clients: int = 2) -> Lease:
     lease = Lease(lease_id, LeaseRequest("j", 2048, mode="mps", mps_clients=clients), 1000, 1, 0.0)
     lease.gpu = 0
+    lease.state = LeaseState.ACTIVE
     return lease
 
 
@@ -385,3 +387,13 @@ def test_the_housekeeping_round_lowers_a_device_to_the_cap_it_showed() -> None:
     pool = node.mps_pool(gpu)
     assert (pool.max_clients, pool.clients_cap_seen) == (21, 21)
     assert len(ctx.notes) == 1 and "at most 21 client processes" in ctx.notes[0]
+
+
+def test_a_lease_released_while_its_limit_was_being_set_has_it_cleared_at_once() -> None:
+    port = SpyLimits(None)
+    sup, recorded = supervisor(port)
+    lease = mps_lease()
+    lease.state = LeaseState.RELEASED
+    asyncio.run(sup.limit_cgroup(lease, share(lease), "GPU-x", JOB))
+    assert [c[0] for c in port.calls] == ["support", "set", "clear"] and recorded == []
+    assert sup.ctx.cgroup_book.applied == {}
