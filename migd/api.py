@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from migd.core.mps import job_cgroup_problem
 from migd.errors import MigdError, ProtocolError
 from migd.protocol import API_VERSION, MAX_NESTING, decode, encode
 
@@ -26,6 +27,13 @@ SQLITE_MAX = 2**63 - 1
 PID = Annotated[int, Field(gt=0, le=2**31 - 1)]
 LEASE_ID = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 GPU_REF = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")]
+
+
+def _job_cgroup(path: str | None) -> str | None:
+    problem = None if path is None else job_cgroup_problem(path)
+    if problem is not None:
+        raise ValueError(problem)
+    return path
 
 
 class _Request(BaseModel):
@@ -55,6 +63,10 @@ class LeaseRequestMsg(_Request):
     # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (default: from min_compute, else none).
     mps_clients: Annotated[int, Field(ge=1, le=128)] = 1
     mps_thread_percentage: Annotated[int | None, Field(ge=1, le=100)] = None
+    # The job's cgroup v2 path as /proc/self/cgroup prints it ("/htcondor/condor_…"):
+    # an MPS share's memory is also set as that cgroup's limit where the driver can
+    # (docs/mps.md, "MPS v3"). Optional: older wrappers send none.
+    cgroup: Annotated[str | None, AfterValidator(_job_cgroup)] = None
 
 
 class LeaseRef(_Request):

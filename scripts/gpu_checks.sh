@@ -21,6 +21,11 @@
 #      MIG GPU inside a MIG device that scripts/with_mig_instance.py makes and destroys;
 #   5. scripts/gpu_daemon_check.sh -> OUT_DIR/daemon/: migd itself, in MIG mode on a MIG
 #      GPU (MIGD_MODE=mig), else in MPS mode.
+#   6. scripts/systemd_unit_check.sh -> OUT_DIR/systemd/: migd started by the shipped
+#      unit (systemd/migd.service, its sandbox included; a runtime copy named
+#      migd-gpucheck.service with a drop-in pointing ExecStart at this tree) for one short
+#      lease round trip, in the mode of step 5. Where systemd is not PID 1 (containers,
+#      most lent machines) it records that it skipped and why (OUT_DIR/systemd/result.txt).
 # Then lists any MPS daemon still running, so the log shows that none of ours is left.
 # It changes no GPU setting (MIG mode, compute mode, clocks) and never resets a GPU.
 # A signal (timeout, ^C, a lost terminal) reaches the step running, which cleans up
@@ -136,6 +141,10 @@ daemon_mode=mps
 [[ $mig == Enabled ]] && daemon_mode=mig
 MIGD_MODE=$daemon_mode PYTHON=$PYTHON timeout -k 30 300 bash "$HERE/gpu_daemon_check.sh" "$OUT/daemon"
 echo "[gpu_daemon_check ($daemon_mode) exit $?]"
+
+step "6. systemd_unit_check.sh (migd under the shipped unit)"
+MIGD_MODE=$daemon_mode PYTHON=$PYTHON timeout -k 30 300 bash "$HERE/systemd_unit_check.sh" "$OUT/systemd"
+echo "[systemd_unit_check ($daemon_mode) exit $?]"
 
 step "after"
 pgrep -a nvidia-cuda-mps || echo "no MPS daemon left running"

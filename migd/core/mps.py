@@ -46,7 +46,7 @@ persist pools in its state store.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -188,6 +188,9 @@ class MpsPool:
     kind: DeviceKind = DeviceKind.GPU
     shares: tuple[MpsShare, ...] = ()
     draining_for_uid: int | None = None
+    #: The client cap as seen: clients connected when the device refused one
+    #: (:func:`observe_client_cap`); ``max_clients`` is at most this once set.
+    clients_cap_seen: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_total_mib < 0 or self.reserve_mib < 0:
@@ -232,6 +235,7 @@ class MpsPool:
             "policy": self.policy.value,
             "kind": self.kind.value,
             "draining_for_uid": self.draining_for_uid,
+            "clients_cap_seen": self.clients_cap_seen,
             "shares": [
                 {
                     "share_id": s.share_id,
@@ -267,6 +271,7 @@ class MpsPool:
                 for s in data.get("shares", ())
             )
             draining = data.get("draining_for_uid")
+            seen = data.get("clients_cap_seen")
             return cls(
                 device_uuid=str(data["device_uuid"]),
                 memory_total_mib=int(data["memory_total_mib"]),
@@ -276,6 +281,7 @@ class MpsPool:
                 kind=DeviceKind(data.get("kind", DeviceKind.GPU.value)),
                 shares=shares,
                 draining_for_uid=None if draining is None else int(draining),
+                clients_cap_seen=None if seen is None else int(seen),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"unreadable MPS pool record: {exc}") from exc
@@ -432,6 +438,26 @@ def mark_waiting(pool: MpsPool, uid: int) -> MpsPool:
 def clear_waiting(pool: MpsPool) -> MpsPool:
     """Drop the drain mark (the waiting request was cancelled or timed out)."""
     return replace(pool, draining_for_uid=None)
+
+
+def observe_client_cap(pool: MpsPool, clients_at_refusal: int) -> MpsPool:
+    """The pool with its client capacity lowered to the cap the device showed.
+
+    ``clients_at_refusal`` is how many clients were connected when the device refused one
+    (``all CUDA-capable devices are busy or unavailable`` with clients running; the MPS
+    manager counts them, ``migctl status`` shows ``clients_at_refusal``). The device took
+    that many and no more, whatever the configured or documented cap (48, fewer on small
+    MIG devices, lower still on some GPUs: NVIDIA/k8s-device-plugin#1118), so the books
+    take no more either: the next share that would pass it waits or goes to another
+    device instead of being refused by the daemon. Clients that had left between the
+    refusal and the count make the figure low, never high, so it errs on the side of
+    waiting. Only ever lowers; shares already admitted stay (they were running).
+    """
+    cap = max(1, clients_at_refusal)
+    seen = cap if pool.clients_cap_seen is None else min(cap, pool.clients_cap_seen)
+    if seen == pool.clients_cap_seen and pool.max_clients <= seen:
+        return pool
+    return replace(pool, max_clients=min(pool.max_clients, seen), clients_cap_seen=seen)
 
 
 def format_limit_mib(memory_mib: int) -> str:
@@ -628,3 +654,128 @@ def mps_v3_unsupported(
     if not cgroup_v2:
         return "the host does not use cgroup v2 (unified hierarchy)"
     return None
+
+
+#: How long a GPU's MPS v3 detection holds before it is asked again (MIG mode can change
+#: under migd's own hand; a driver update needs a reload of the module, i.e. no jobs).
+MPS_V3_RECHECK_S = 300.0
+#: The longest job cgroup path a lease may name (PATH_MAX).
+CGROUP_PATH_MAX = 4096
+
+
+def job_cgroup_problem(path: str) -> str | None:
+    """Why ``path`` is not a job cgroup a lease may name, or ``None`` if it is.
+
+    The wrapper sends its own cgroup v2 path as ``/proc/self/cgroup`` prints it (``0::/…``):
+    absolute in the cgroup hierarchy, which the daemon joins to its cgroup root. A ``..``
+    or ``.`` component, an empty one, or a control character could make that join name
+    something else, so none is taken.
+    """
+    if not path.startswith("/"):
+        return f"cgroup path {path!r} is not absolute (as /proc/self/cgroup prints it)"
+    if len(path) > CGROUP_PATH_MAX:
+        return f"cgroup path is longer than {CGROUP_PATH_MAX} characters"
+    if any(ord(c) < 0x20 or c == "\x7f" for c in path):
+        return "cgroup path has a control character"
+    if path.rstrip("/") == "":
+        return "the root cgroup is not a job's cgroup"
+    parts = path.split("/")[1:]
+    if any(p in ("", ".", "..") for p in parts):
+        return f"cgroup path {path!r} has an empty, '.' or '..' component"
+    return None
+
+
+class CgroupLimitAction(StrEnum):
+    """What :func:`cgroup_limit_decision` says to do with an MPS share's job cgroup."""
+
+    DETECT = "detect"  # ask the port whether the GPU supports it, then decide again
+    APPLY = "apply"  # set the cgroup's hard limit
+    SKIP = "skip"  # keep the pinned per-process limit only; ``reason`` says why
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupSupport:
+    """A GPU's MPS v3 detection (:func:`mps_v3_unsupported` through the port) and when."""
+
+    reason: str | None  # None: supported
+    checked_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupLimitDecision:
+    action: CgroupLimitAction
+    reason: str = ""
+
+
+def cgroup_limit_decision(
+    *,
+    setting: str,
+    support: CgroupSupport | None,
+    now_s: float,
+    cgroup: str | None,
+    kind: DeviceKind,
+    hard_mib: int,
+    device_mib: int,
+    recheck_s: float = MPS_V3_RECHECK_S,
+) -> CgroupLimitDecision:
+    """Whether an MPS share's memory is also set as its job cgroup's hard limit (MPS v3).
+
+    ``setting`` is ``mps.cgroup_limits`` (``auto``: where detection allows; ``off``).
+    The pinned per-process limit stays in every case: this only adds the job-wide bound.
+    Order: the switch, the device kind (v3 memory partitioning is for "a non-MIG device"),
+    the cgroup (an older wrapper sends none), detection (asked when unknown or older than
+    ``recheck_s``), then the size (above the device there is nothing to bound).
+    """
+    if setting == "off":
+        return CgroupLimitDecision(CgroupLimitAction.SKIP, "mps.cgroup_limits = off")
+    if kind is DeviceKind.MIG:
+        return CgroupLimitDecision(
+            CgroupLimitAction.SKIP, "a MIG device: per-cgroup memory limits need a non-MIG device"
+        )
+    if cgroup is None:
+        return CgroupLimitDecision(
+            CgroupLimitAction.SKIP, "the lease named no job cgroup (a wrapper older than it)"
+        )
+    if support is None or now_s - support.checked_s >= recheck_s or now_s < support.checked_s:
+        return CgroupLimitDecision(CgroupLimitAction.DETECT)
+    if support.reason is not None:
+        return CgroupLimitDecision(CgroupLimitAction.SKIP, support.reason)
+    if hard_mib <= 0 or hard_mib > device_mib:
+        return CgroupLimitDecision(
+            CgroupLimitAction.SKIP,
+            f"{hard_mib} MiB is not a limit within the device's {device_mib} MiB",
+        )
+    return CgroupLimitDecision(CgroupLimitAction.APPLY)
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedCgroupLimit:
+    """A job cgroup limit migd set for a lease (cleared at its release)."""
+
+    gpu: int
+    device_uuid: str
+    cgroup: str  # the full path given to NVML
+    hard_mib: int
+
+
+@dataclass
+class CgroupLimitBook:
+    """What the daemon knows of MPS v3 limits: each GPU's detection, the limits in force
+    by lease, and the last reason a device's lease got none (for ``migctl status``)."""
+
+    support: dict[int, CgroupSupport] = field(default_factory=dict)
+    applied: dict[str, AppliedCgroupLimit] = field(default_factory=dict)
+    why_not: dict[str, str] = field(default_factory=dict)
+
+    def device_status(self, device_uuid: str, *, setting: str, kind: DeviceKind) -> dict[str, Any]:
+        """``{"in_force": bool, "leases": n, "why_not": str}`` of one MPS device."""
+        leases = sorted(k for k, v in self.applied.items() if v.device_uuid == device_uuid)
+        if leases:
+            why = ""
+        elif setting == "off":
+            why = "mps.cgroup_limits = off"
+        elif kind is DeviceKind.MIG:
+            why = "a MIG device: per-cgroup memory limits need a non-MIG device"
+        else:
+            why = self.why_not.get(device_uuid, "no lease with a job cgroup has started on it")
+        return {"in_force": bool(leases), "leases": len(leases), "why_not": why}

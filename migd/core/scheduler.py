@@ -61,7 +61,7 @@ from migd.core.gpus import (
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
-from migd.core.mps import MpsPool, client_environment
+from migd.core.mps import MpsPool, client_environment, observe_client_cap
 from migd.core.planner import (
     CreateOp,
     DestroyOp,
@@ -499,6 +499,24 @@ class NodeScheduler:
         return self._mps.pool(gpu)
 
     mps_thread_percentage = staticmethod(mps_thread_percentage)
+
+    def observe_mps_client_cap(self, device_uuid: str, clients_at_refusal: int) -> bool:
+        """Lower an MPS device's client capacity to the cap it showed at a refusal
+        (:func:`migd.core.mps.observe_client_cap`); whether the books changed. The caller
+        schedules afterwards (nothing new fits, but queued requests may go elsewhere)."""
+        for gpu in self.gpus.values():
+            state = gpu.state
+            pool = state.pool if isinstance(state, MpsState) else None
+            if pool is not None and pool.device_uuid == device_uuid:
+                assert isinstance(state, MpsState)
+                state.pool = observe_client_cap(pool, clients_at_refusal)
+                return state.pool is not pool
+            for inst in gpu.instances:
+                if inst.mps_pool is not None and inst.mps_pool.device_uuid == device_uuid:
+                    new = observe_client_cap(inst.mps_pool, clients_at_refusal)
+                    changed, inst.mps_pool = new is not inst.mps_pool, new
+                    return changed
+        return False
 
     # -- work results -----------------------------------------------------------------------
 

@@ -195,6 +195,12 @@ class MpsSection(_Section):
         description="offer MPS only on GPUs in EXCLUSIVE_PROCESS compute mode "
         "(nvidia-smi -c; migd never sets it)",
     )
+    cgroup_limits: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: also set an MPS share's memory as its job cgroup's limit where "
+        "the driver supports it (r615+, MPS v3; docs/mps.md); off: pinned limits only",
+    )
+    cgroup_root: Path = Field(Path("/sys/fs/cgroup"), description="the cgroup v2 hierarchy")
 
 
 class MetricsSection(_Section):

@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from migd.core.mps import CgroupLimitBook
 from migd.core.scheduler import NodeScheduler
 from migd.daemon.auth import Authorizer
 from migd.daemon.config import MigdConfig
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
-from migd.ports import Clock, GpuBackend, GpuInfo, MpsControl, ProcessTable
+from migd.ports import CgroupMemoryLimits, Clock, GpuBackend, GpuInfo, MpsControl, ProcessTable
 
 
 def _latency_series() -> collections.defaultdict[str, collections.deque[float]]:
@@ -34,6 +35,9 @@ class DaemonContext:
     notifier: Notifier
     auth: Authorizer
     mps: MpsControl | None = None
+    #: MPS v3 per-cgroup memory limits (None: not offered); their books.
+    cgroup_limits: CgroupMemoryLimits | None = None
+    cgroup_book: CgroupLimitBook = field(default_factory=CgroupLimitBook)
     store: StateStore | None = None
     scheduler: NodeScheduler | None = None
     gpus: list[GpuInfo] = field(default_factory=list)

@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from migd.backends.accounts import SystemAccounts
+    from migd.daemon.mps_supervisor import build_cgroup_limits
     from migd.daemon.service import Daemon, lock_instance
 
     # Every error that stops the start is one log line (what happened, what to do) and an
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             startd=startd,
             lock=lock,
         )
+        daemon.ctx.cgroup_limits = build_cgroup_limits(config.mps.cgroup_root, backend, node)
         return await daemon.run()
 
     try:

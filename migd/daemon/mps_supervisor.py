@@ -5,24 +5,40 @@ left running, flags the leases whose clients died with a daemon, runs the period
 housekeeping (restart dead daemons, stop idle ones, refresh their status) off the event
 loop, and stops a MIG instance's daemon before the instance is destroyed. The daemons
 themselves are driven through :class:`migd.ports.MpsControl`.
+
+Where the driver supports MPS v3 memory partitioning (detection through
+:class:`migd.ports.CgroupMemoryLimits`, ``mps.cgroup_limits = "auto"``), a share's memory
+is also set as its job cgroup's hard limit when the share starts, and cleared at release;
+a failure there is a log line and a status note, never a failed lease (the pinned
+per-process limit stays).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
+from migd.core.mps import (
+    AppliedCgroupLimit,
+    CgroupLimitAction,
+    CgroupSupport,
+    DeviceKind,
+    MpsPool,
+    MpsShare,
+    cgroup_limit_decision,
+)
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
 from migd.daemon.context import DaemonContext
 from migd.daemon.executor import GpuExecutor
 from migd.daemon.lease_service import LeaseService
 from migd.errors import MigdError
-from migd.ports import GpuInfo, GpuProcess, MpsControl, MpsHealthReport
+from migd.ports import CgroupMemoryLimits, GpuInfo, GpuProcess, MpsControl, MpsHealthReport
 
 log = structlog.get_logger("migd")
 #: GPU health while an MPS daemon on it cannot be brought back (cleared once it serves).
@@ -43,6 +59,28 @@ def mps_compute_mode_warning(info: GpuInfo) -> str:
         f"compute mode is {mode}, not EXCLUSIVE_PROCESS: a job that unsets "
         f"CUDA_MPS_PIPE_DIRECTORY runs outside MPS without a memory limit "
         f"(`nvidia-smi -i {info.index} -c EXCLUSIVE_PROCESS`)"
+    )
+
+
+def build_cgroup_limits(cgroup_root: Path, backend: Any, node: Any = None) -> CgroupMemoryLimits:
+    """The MPS v3 port over the daemon's NVML backend (its initialised pynvml, at first
+    use), or on a simulated node the stand-in NVML over that node (its driver version and
+    MIG modes decide detection)."""
+    from migd.backends.mps.dmem import NvmlCgroupLimits
+
+    if node is not None:
+        from migd.backends.simulated.dmem import SimDmemNvml
+
+        return NvmlCgroupLimits(
+            SimDmemNvml(node=node, cgroup_root=cgroup_root), cgroup_root=cgroup_root
+        )
+    return NvmlCgroupLimits(load=lambda: backend.nvml, cgroup_root=cgroup_root)
+
+
+def cgroup_limits_status(ctx: DaemonContext, pool: MpsPool) -> dict[str, Any]:
+    """Whether per-job (cgroup) limits are in force on an MPS device, and why not."""
+    return ctx.cgroup_book.device_status(
+        pool.device_uuid, setting=ctx.config.mps.cgroup_limits, kind=pool.kind
     )
 
 
@@ -156,8 +194,12 @@ class MpsSupervisor:
 
     # -- shares -----------------------------------------------------------------------------
 
-    async def ensure(self, lease: Lease) -> None:
-        """Start the lease's share on its device; a share that cannot start ends the lease."""
+    async def ensure(self, lease: Lease, cgroup: str | None = None) -> None:
+        """Start the lease's share on its device; a share that cannot start ends the lease.
+
+        ``cgroup``: the job's cgroup as the wrapper sent it (``/htcondor/…``); its limit is
+        set after the share started (:meth:`limit_cgroup`), never failing the lease.
+        """
         device = lease.mps_device_uuid
         if device is None or self.mps is None or lease.gpu is None:
             return
@@ -167,11 +209,97 @@ class MpsSupervisor:
         except MigdError:
             self.leases.release(lease, "MPS daemon could not start", end=LeaseEndReason.MPS_FAILED)
             raise
+        await self.limit_cgroup(lease, share, device, cgroup)
+
+    async def limit_cgroup(
+        self, lease: Lease, share: MpsShare, device: str, cgroup: str | None
+    ) -> None:
+        """MPS v3: set the share's memory (limit × clients, as the books count it) as the
+        job cgroup's hard limit where :func:`cgroup_limit_decision` says so. Detection and
+        the NVML calls run on the lease's GPU thread; any refusal is logged, noted for
+        `migctl status` and leaves the lease as it is."""
+        ctx, gpu_index = self.ctx, lease.gpu
+        if gpu_index is None or lease.lease_id in ctx.cgroup_book.applied:
+            return
+        book, port = ctx.cgroup_book, ctx.cgroup_limits
+        gpu = ctx.sched.gpus.get(gpu_index)
+        cfg = ctx.config.mps
+        mig = bool(lease.mig_uuid) or device.startswith("MIG-")
+        kind = DeviceKind.MIG if mig else DeviceKind.GPU
+        hard = share.accounted_mib
+        device_mib = gpu.memory_total_mib if gpu is not None else 0
+        for _ in range(2):  # at most one detection, then a decision
+            decision = cgroup_limit_decision(
+                setting=cfg.cgroup_limits,
+                support=book.support.get(gpu_index),
+                now_s=ctx.clock.monotonic(),
+                cgroup=cgroup,
+                kind=kind,
+                hard_mib=hard,
+                device_mib=device_mib,
+            )
+            if decision.action is not CgroupLimitAction.DETECT:
+                break
+            if port is None:
+                reason: str | None = "this migd has no per-cgroup memory limit port"
+            else:
+                try:
+                    reason = await self.executor.on_gpu(gpu_index, port.support, gpu_index)
+                except MigdError as exc:
+                    reason = f"detection failed: {exc.message}"
+            book.support[gpu_index] = CgroupSupport(reason, ctx.clock.monotonic())
+        if decision.action is not CgroupLimitAction.APPLY or port is None or cgroup is None:
+            book.why_not[device] = decision.reason
+            if cgroup is not None:
+                log.info(
+                    "mps.cgroup_limit_skipped", lease_id=lease.lease_id, reason=decision.reason
+                )
+            return
+        path = str(cfg.cgroup_root / cgroup.lstrip("/"))
+        try:
+            await self.executor.on_gpu(gpu_index, port.set_limit, gpu_index, path, hard)
+        except MigdError as exc:
+            why = f"could not limit cgroup {path} to {hard} MiB: {exc.message}"
+            note = (
+                f"MPS device {device}: NVML refused a job cgroup limit ({exc.message}); "
+                "its leases keep their pinned limit"
+            )
+            if note not in ctx.notes:  # once per device and cause, not per lease
+                ctx.notes.append(note)
+            book.why_not[device] = why
+            log.warning(
+                "mps.cgroup_limit_failed",
+                lease_id=lease.lease_id,
+                cgroup=path,
+                hard_mib=hard,
+                error=exc.message,
+                hint="the job keeps its per-process pinned limit",
+            )
+            return
+        applied = AppliedCgroupLimit(gpu_index, device, path, hard)
+        if lease.state is not LeaseState.ACTIVE:  # released while the limit was being set
+            self.executor.submit(gpu_index, self._clear_cgroup, port, applied)
+            return
+        book.applied[lease.lease_id] = applied
+        self.leases.record("mps.cgroup_limit", lease, cgroup=path, hard_mib=hard)
+        log.info("mps.cgroup_limit", lease_id=lease.lease_id, cgroup=path, hard_mib=hard)
 
     def release_share(self, gpu: int, device_uuid: str, lease_id: str) -> None:
-        """Drop a released lease's share, in its GPU's thread (the lease service's hook)."""
+        """Drop a released lease's share, in its GPU's thread (the lease service's hook),
+        and clear its job cgroup's limit (HTCondor removing the cgroup clears it too)."""
         if self.mps is not None:
             self.executor.submit(gpu, self.mps.release_share, device_uuid, lease_id)
+        applied = self.ctx.cgroup_book.applied.pop(lease_id, None)
+        if applied is not None and self.ctx.cgroup_limits is not None:
+            self.executor.submit(gpu, self._clear_cgroup, self.ctx.cgroup_limits, applied)
+
+    def _clear_cgroup(self, port: CgroupMemoryLimits, applied: AppliedCgroupLimit) -> None:
+        try:
+            port.clear_limit(applied.gpu, applied.cgroup)
+        except MigdError as exc:  # a cgroup already removed has no limit left to clear
+            log.warning("mps.cgroup_clear_failed", cgroup=applied.cgroup, error=exc.message)
+        else:
+            log.info("mps.cgroup_limit_cleared", cgroup=applied.cgroup)
 
     def _leases_on(self, device_uuid: str) -> list[Lease]:
         return [
@@ -219,6 +347,7 @@ class MpsSupervisor:
             self.apply_health(await loop.run_in_executor(None, mps.check_health))
             await loop.run_in_executor(None, mps.stop_idle)
             await loop.run_in_executor(None, mps.refresh_status)
+            self.apply_client_caps(mps)
         except Exception as exc:
             log.exception("mps.housekeeping_crashed", error=str(exc))
         now, mono = self.ctx.now()
@@ -243,6 +372,28 @@ class MpsSupervisor:
         for gpu in self.ctx.sched.gpus.values():
             if gpu.index not in sick_gpus and gpu.health.clear("mps"):
                 log.info("mps.recovered", gpu=gpu.index)
+
+    def apply_client_caps(self, mps: MpsControl) -> None:
+        """Lower each MPS device's client capacity in the books to the cap it showed (the
+        clients connected when it refused one: ``clients_at_refusal``), so the next lease
+        that would pass it waits or goes elsewhere instead of being refused by MPS."""
+        for gpu in self.ctx.sched.gpus.values():
+            pools = [i.mps_pool for i in gpu.instances if i.mps_pool is not None]
+            if gpu.mps_pool is not None:
+                pools.append(gpu.mps_pool)
+            for pool in pools:
+                seen = [
+                    int(d["clients_at_refusal"])
+                    for d in mps.cached_status_for(pool.device_uuid)
+                    if d.get("clients_at_refusal")
+                ]
+                if seen and self.ctx.sched.observe_mps_client_cap(pool.device_uuid, max(seen)):
+                    cap = min(pool.max_clients, max(seen))
+                    self.ctx.notes.append(
+                        f"MPS device {pool.device_uuid} refused a client with {max(seen)} "
+                        f"connected: it now takes at most {cap} client processes"
+                    )
+                    log.warning("mps.client_cap_lowered", device=pool.device_uuid, max_clients=cap)
 
     def stop_before_destroy(self, gpu: int, mig_uuid: str | None) -> None:
         """In the GPU's thread, before a MIG instance is destroyed: stop its MPS daemon and

@@ -226,7 +226,7 @@ class Ops:
             # what is left of the wait. Each round quarantines one instance, so it ends.
             left = max(0.0, deadline - ctx.clock.monotonic())
             request = dataclasses.replace(request, wait_s=left)
-        await self.mps.ensure(lease)
+        await self.mps.ensure(lease, cgroup=req.cgroup)
         view = self.lease_view(lease, peer)
         view["queued"] = first_state is LeaseState.QUEUED
         view["prepared"] = first_state is LeaseState.PREPARING

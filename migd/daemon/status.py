@@ -20,7 +20,7 @@ from migd.core.mps import MpsPool
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
-from migd.daemon.mps_supervisor import mps_compute_mode_warning
+from migd.daemon.mps_supervisor import cgroup_limits_status, mps_compute_mode_warning
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
@@ -192,6 +192,8 @@ def _mps_pool_status(daemon: DaemonContext, pool: MpsPool) -> dict[str, Any]:
         "capacity_mib": pool.capacity_mib,
         "clients": pool.clients,
         "max_clients": pool.max_clients,
+        "clients_cap_seen": pool.clients_cap_seen,
+        "cgroup_limits": cgroup_limits_status(daemon, pool),
         "uid": pool.owner_uid,
         "draining_for_uid": pool.draining_for_uid,
         "multi_user": sched.policy.mps_multi_user,

@@ -58,6 +58,7 @@ from migd.errors import (
     NoCapacity,
     RequestTooLarge,
 )
+from migd.wrapper.cgroup import own_cgroup
 from migd.wrapper.jobspec import JobSpec
 from migd.wrapper.settings import WrapperSettings
 
@@ -577,6 +578,7 @@ class JobRunner:
                 mode=spec.mode,
                 gpus=list(spec.gpus) if spec.gpus else None,
                 wait_s=wait,
+                cgroup=own_cgroup(),
             )
         except RequestTooLarge as exc:
             if first:

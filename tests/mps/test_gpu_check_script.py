@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_for
 
 from .conftest import pid_alive
 
@@ -229,6 +232,15 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
     assert "SIMULATED: " + description in log and "[gpu_probe exit 0]" in log
     assert mig_says in log
     assert json.loads((out / "probe.json").read_text())["gpus"]
+    # Step 6 never installs a unit in a simulated run (nor where systemd is not PID 1, as
+    # in the containers the suite runs in); it says so, and writes what it would install.
+    assert "[systemd_unit_check (" in log and "exit 0]" in log.split("[systemd_unit_check")[1]
+    assert (out / "systemd" / "result.txt").read_text().startswith("skipped: ")
+    dropin = (out / "systemd" / "unit" / "migd-gpucheck.conf").read_text()
+    assert f"ExecStart={sys.executable} -m migd --config" in dropin
+    assert (out / "systemd" / "unit" / "migd-gpucheck.service").read_text() == (
+        REPO / "systemd" / "migd.service"
+    ).read_text()
     if "mig=off" in description:
         assert "[mig_calibrate exit 3]" in log and "[mps_gpu_check exit 0]" in log
         (mps_run,) = (out / "mps").iterdir()
@@ -246,3 +258,148 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
         assert "[gpu_daemon_check (mps) exit 0]" in log
     assert "no nv-hostengine (DCGM) running" in log
     assert log.rstrip().count("no MPS daemon left running") >= 2
+
+
+SYSTEMD_CHECK = REPO / "scripts" / "systemd_unit_check.sh"
+
+
+def test_the_systemd_unit_check_installs_nothing_where_it_cannot_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """A simulated run (or one where systemd is not PID 1) records that it skipped and why,
+    and writes the unit and drop-in it would install; it needs no root and no systemd."""
+    out = tmp_path / "out"
+    unit_dir = tmp_path / "units"
+    env = {
+        **os.environ,
+        "MIGD_SIMULATE": "1xV100-32GB",
+        "PYTHON": sys.executable,
+        "MIGD_UNIT_DIR": str(unit_dir),
+    }
+    run = subprocess.run(
+        ["bash", str(SYSTEMD_CHECK), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = (out / "result.txt").read_text()
+    assert result.startswith("skipped: ")
+    assert "systemd is not PID 1" in result or "simulated run installs no unit" in result
+    assert "SKIPPED: " in (out / "systemd_check.log").read_text()
+    assert not unit_dir.exists()
+    dropin = (out / "unit" / "migd-gpucheck.conf").read_text()
+    assert "ExecStart=\n" in dropin and f"ExecStart={sys.executable} -m migd" in dropin
+    assert "RuntimeDirectory=migd-gpucheck" in dropin and "StateDirectory=migd-gpucheck" in dropin
+
+
+FAKE_SYSTEMCTL = """#!/bin/bash
+# Records every call; "start" snapshots the installed unit and leaves an MPS scope record
+# as migd would, then hangs while FAKE_START_BLOCKS is set (longer than the test waits).
+echo "$*" >>"$FAKE_LOG"
+case "$1" in
+  start)
+    cp -r "$MIGD_UNIT_DIR" "$FAKE_SNAPSHOT"
+    mkdir -p "$MIGD_SYSTEMD_CHECK_PREFIX/run/migd-gpucheck/mps/dev"
+    echo '{"scope_unit": "migd-mps-gpu-0a1b-abc123"}' \\
+      >"$MIGD_SYSTEMD_CHECK_PREFIX/run/migd-gpucheck/mps/dev/migd-mps.json"
+    if [[ -n ${FAKE_START_BLOCKS:-} ]]; then touch "$FAKE_LOG.blocked"; exec sleep 600; fi
+    ;;
+  show) printf 'Result=success\\nExecMainStatus=0\\n';;
+  is-active) echo inactive; exit 3;;
+esac
+exit 0
+"""
+
+
+def fake_systemd(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (bin_dir / "journalctl").write_text("#!/bin/sh\necho no journal here\n")
+    for tool in ("systemctl", "journalctl"):
+        (bin_dir / tool).chmod(0o755)
+    log = tmp_path / "systemctl.log"
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "MIGD_UNIT_DIR": str(tmp_path / "units"),
+        "MIGD_SYSTEMD_CHECK_PREFIX": str(tmp_path / "root"),
+        "MIGD_SYSTEMD_CHECK_ASSUME": "1",
+        "FAKE_LOG": str(log),
+        "FAKE_SNAPSHOT": str(tmp_path / "installed"),
+    }
+    env.pop("MIGD_SIMULATE", None)
+    return env, log
+
+
+def assert_cleaned_up(tmp_path: Path, calls: list[str]) -> None:
+    assert "stop migd-gpucheck.service" in calls
+    assert "stop migd-mps-gpu-0a1b-abc123" in calls  # the MPS scope migd left
+    assert calls[-1] == "is-active migd-gpucheck.service" and "daemon-reload" in calls[-3:]
+    assert not (tmp_path / "units" / "migd-gpucheck.service").exists()
+    assert not (tmp_path / "units" / "migd-gpucheck.service.d").exists()
+    assert not (tmp_path / "root" / "run" / "migd-gpucheck-conf").exists()
+    assert not (tmp_path / "root" / "var" / "lib" / "migd-gpucheck").exists()
+
+
+def test_the_systemd_unit_check_installs_the_shipped_unit_and_removes_it_after(
+    tmp_path: Path,
+) -> None:
+    """With systemd assumed (a recording systemctl): the shipped unit and the drop-in are
+    what gets installed, and everything is stopped and removed at the end."""
+    env, log = fake_systemd(tmp_path)
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(SYSTEMD_CHECK), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    installed = tmp_path / "installed"
+    assert (installed / "migd-gpucheck.service").read_text() == (
+        REPO / "systemd" / "migd.service"
+    ).read_text()
+    dropin = (installed / "migd-gpucheck.service.d" / "tree.conf").read_text()
+    assert f"ExecStart={sys.executable} -m migd --config" in dropin
+    # No migd really started (systemctl is a recorder), so the job's lease fails.
+    assert (out / "result.txt").read_text().startswith("failed: job exit"), run.stdout
+    calls = log.read_text().splitlines()
+    assert calls[:3] == [
+        "is-active --quiet migd.service",
+        "daemon-reload",
+        "start migd-gpucheck.service",
+    ]
+    assert_cleaned_up(tmp_path, calls)
+
+
+def test_the_systemd_unit_check_cleans_up_on_sigterm(tmp_path: Path) -> None:
+    """SIGTERM to its process group (as `timeout` sends it) while the unit's start hangs:
+    the clean-up runs at once, not when the start gives up, stopping the unit and the MPS
+    scope and removing every installed file."""
+    env, log = fake_systemd(tmp_path)
+    env["FAKE_START_BLOCKS"] = "1"
+    proc = subprocess.Popen(
+        ["bash", str(SYSTEMD_CHECK), str(tmp_path / "out")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(
+            lambda: Path(f"{log}.blocked").exists(),
+            timeout_s=120,
+            what="the check to block in systemctl start",
+        )
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert_cleaned_up(tmp_path, log.read_text().splitlines())

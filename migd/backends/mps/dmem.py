@@ -20,6 +20,7 @@ unsupported, never called. docs/mps.md, "MPS v3", has the design and what stays 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,9 +63,24 @@ def has_symbol(nvml: Any, name: str = MPS_V3_NVML_SYMBOL) -> bool:
 class NvmlCgroupLimits:
     """:class:`~migd.ports.CgroupMemoryLimits` on NVML (``nvml``: pynvml or a stand-in)."""
 
-    def __init__(self, nvml: Any, *, cgroup_root: Path = CGROUP_ROOT) -> None:
-        self.nvml = nvml
+    def __init__(
+        self,
+        nvml: Any = None,
+        *,
+        cgroup_root: Path = CGROUP_ROOT,
+        load: Callable[[], Any] | None = None,
+    ) -> None:
+        """``nvml``, or ``load`` to get it at first use (the daemon's NVML backend's
+        initialised module: NVML is not touched before the daemon opens)."""
+        self._nvml = nvml
+        self._load = load
         self.cgroup_root = cgroup_root
+
+    @property
+    def nvml(self) -> Any:
+        if self._nvml is None and self._load is not None:
+            self._nvml = self._load()
+        return self._nvml
 
     def support(self, gpu: int) -> str | None:
         nvml = self.nvml
