@@ -56,6 +56,7 @@ from migd.errors import (
     LeaseTimeout,
     MigdError,
     NoCapacity,
+    ProtocolError,
     RequestTooLarge,
 )
 from migd.wrapper.cgroup import own_cgroup
@@ -570,16 +571,26 @@ class JobRunner:
         try:
             if self.stop_signal is not None:
                 raise StopRequested(self.stop_signal)
-            lease: dict[str, Any] = self.client.lease(
-                job_id=spec.job_id,
-                slot=spec.slot or None,
-                gpu_memory_mib=memory,
-                min_compute=spec.min_compute or None,
-                mode=spec.mode,
-                gpus=list(spec.gpus) if spec.gpus else None,
-                wait_s=wait,
-                cgroup=own_cgroup(),
-            )
+            fields: dict[str, Any] = {
+                "job_id": spec.job_id,
+                "slot": spec.slot or None,
+                "gpu_memory_mib": memory,
+                "min_compute": spec.min_compute or None,
+                "mode": spec.mode,
+                "gpus": list(spec.gpus) if spec.gpus else None,
+                "wait_s": wait,
+            }
+            cgroup = own_cgroup()
+            try:
+                lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
+            except ProtocolError as exc:
+                # A daemon older than the field refuses it as unknown (a package upgrade
+                # replaces this wrapper before migd restarts): ask again without it; the
+                # per-process MPS limit still holds.
+                if cgroup is None or "cgroup" not in exc.message:
+                    raise
+                self.debug("migd does not take the job's cgroup yet; asking without it")
+                lease = self.client.lease(**fields)
         except RequestTooLarge as exc:
             if first:
                 raise WrapperFailure(
