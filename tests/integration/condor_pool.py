@@ -355,6 +355,12 @@ class CondorChroot:
         marker = self.path(MARKER)
         return marker.is_file() and marker.read_text(encoding="utf-8").strip() == RECIPE
 
+    def packages_sound(self) -> bool:
+        """Whether dpkg has every package of the chroot fully installed (``dpkg --audit``
+        prints nothing); it reads the chroot's own database, so nothing needs mounting."""
+        audit = _run_host(["dpkg", f"--root={self.root}", "--audit"], check=False, timeout=60)
+        return audit.returncode == 0 and not audit.stdout.strip()
+
     # ---- preconditions -------------------------------------------------- #
     @staticmethod
     def check_host() -> None:
@@ -421,7 +427,13 @@ class CondorChroot:
         cache = Path(cache_tarball) if cache_tarball is not None else default_cache()
         with _flock(self.lock_path):
             if not force and self.is_built():
-                return "present"
+                if self.packages_sound():
+                    return "present"
+                # A run stopped mid-install (Ctrl-C, a killed CI job) leaves packages
+                # unpacked but not configured: every later install there fails. Start over
+                # from the cache rather than make every test that installs migd fail.
+                _log(f"{self.root}: packages left half-installed by an interrupted run")
+                force = not (use_cache and self._cache_valid(cache))
             # Two chroots made at once (scripts/test.sh runs two) share the cache: the second
             # waits for the first to build and save it, then restores instead of building.
             with _flock(cache.with_name(cache.name + ".lock")):
