@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from migd.client import MigdClient  # noqa: E402
+from migd.errors import MigdError  # noqa: E402
 from migd.protocol import API_VERSION, encode  # noqa: E402
 
 BATCH = 100  # connections sent at once: under asyncio's default listen backlog (100)
@@ -73,6 +74,10 @@ class Run:
     drain_s: float | None = None  # None: not drained within the bound
     watchdog_gap_s: float = 0.0
     watchdog_gap_open: bool = False  # the longest gap had not ended when the run stopped
+    # How long the watchdog had been quiet already at t0 (part of the longest gap when
+    # that gap spans t0), and the longest gap while the N requests were being queued.
+    watchdog_quiet_at_t0_s: float | None = None
+    fill_watchdog_gap_s: float | None = None
     pings: list[float] = field(default_factory=list)
     ping_open_s: float | None = None  # a ping still unanswered when the run stopped
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -187,7 +192,10 @@ class Pinger(threading.Thread):
         while not self.stopping.is_set():
             sent = time.monotonic()
             self.in_flight = sent
-            self.client.ping()
+            try:
+                self.client.ping()
+            except MigdError:  # the daemon is stopping at the end of the run
+                break
             self.in_flight = None
             self.samples.append((sent, time.monotonic() - sent))
             self.stopping.wait(max(0.0, sent + PING_EVERY_S - time.monotonic()))
@@ -198,7 +206,9 @@ def leases(status: dict[str, Any]) -> dict[str, int]:
     return counts
 
 
-def one_run(tree_name: str, tree: Path, n: int, bound_s: float, work: Path) -> Run:
+def one_run(
+    tree_name: str, tree: Path, n: int, bound_s: float, fill_bound_s: float, work: Path
+) -> Run:
     run = Run(n=n, tree=tree_name)
     root = Path(tempfile.mkdtemp(prefix=f"hb-{tree_name}-{n}-", dir=work))
     daemon = Daemon(tree, root, n)
@@ -208,6 +218,7 @@ def one_run(tree_name: str, tree: Path, n: int, bound_s: float, work: Path) -> R
     try:
         admin.lease(job_id="big", gpu_memory_mib=40000, wait_s=30)
         t = time.monotonic()
+        fill_marks = len(daemon.watchdog)
         for first in range(0, n, BATCH):
             for k in range(first, min(n, first + BATCH)):
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -219,10 +230,12 @@ def one_run(tree_name: str, tree: Path, n: int, bound_s: float, work: Path) -> R
             wait(
                 f"{want} queued requests",
                 lambda want=want: leases(admin.status())["queued"] >= want,
-                bound_s,
+                fill_bound_s,
                 every_s=0.2,
             )
         run.fill_s = time.monotonic() - t
+        filling = [t, *daemon.watchdog[fill_marks:], time.monotonic()]
+        run.fill_watchdog_gap_s = max(b - a for a, b in itertools.pairwise(filling))
         pinger.start()
         wait("a first ping", lambda: pinger.samples, 60, every_s=0.05)
         # t0: every queued client hangs up at once.
@@ -242,6 +255,7 @@ def one_run(tree_name: str, tree: Path, n: int, bound_s: float, work: Path) -> R
         before = [w for w in daemon.watchdog if w < t0]
         during = [w for w in daemon.watchdog if t0 <= w <= stop]
         marks = before[-1:] + during
+        run.watchdog_quiet_at_t0_s = t0 - before[-1] if before else None
         gaps = [b - a for a, b in itertools.pairwise(marks)]
         tail = stop - marks[-1] if marks else stop - t0
         run.watchdog_gap_s = max([*gaps, tail])
@@ -268,13 +282,12 @@ def pct(values: list[float], q: float) -> float:
 
 def figures(run: Run) -> dict[str, float | None]:
     """Seconds; None where the run stopped before it was known."""
-    worst = max(run.pings, default=0.0)
-    if run.ping_open_s is not None:
-        worst = max(worst, run.ping_open_s)
+    # A ping still waiting when the run stopped counts with the time it had waited.
+    pings = run.pings + ([run.ping_open_s] if run.ping_open_s is not None else [])
     return {
         "watchdog_gap_s": run.watchdog_gap_s,
-        "worst_ping_s": worst,
-        "p99_ping_s": pct(run.pings, 0.99) if run.pings else None,
+        "worst_ping_s": max(pings, default=None),
+        "p99_ping_s": pct(pings, 0.99) if pings else None,
         "drain_s": run.drain_s,
     }
 
@@ -303,20 +316,20 @@ def report(runs: list[Run], args: argparse.Namespace, trees: list[list[str]]) ->
         "",
         f"{command} as root, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"Python {platform.python_version()}, {os.cpu_count()} cores shared with other work "
-        f"(1-minute load average at the end of the runs: {min(loads):.1f}-{max(loads):.1f}). "
+        f"(1-minute load average at the end of each run: {min(loads):.1f}-{max(loads):.1f}). "
         "A real migd on a simulated 1 x A100-40GB node, the GPU held by one lease, N lease "
-        "requests queued each on its own connection, then all N connections closed at once. "
-        "From that moment until only the holder's lease is left: the longest gap between "
-        "`WATCHDOG=1` notifications (WATCHDOG_USEC 2 s: one about every 0.5-1 s when "
-        "served), ping latency (a ping every 50 ms on its own connection), the time to drain. "
-        "Medians over the runs (min-max in brackets); ≥: the gap was still open when the "
-        "run stopped.",
+        "requests queued each on its own connection, then all N connections closed at once "
+        "(t0). From t0 until only the holder's lease is left: the longest gap between "
+        "`WATCHDOG=1` notifications, counted from the last one before t0 as systemd counts "
+        "it (WATCHDOG_USEC 2 s: one every 0.5 s when served), ping latency (a ping every "
+        "50 ms on its own connection), the time to drain. Medians over the runs (min-max "
+        "in brackets); ≥: the gap was still open when the run stopped.",
         "",
         "| N | version | runs | longest watchdog gap | worst ping | p99 ping | time to drain "
         "| time to queue N |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for n in args.n:
+    for n in sorted({r.n for r in runs}):
         for name, _ in trees:
             mine = [r for r in runs if r.n == n and r.tree == name]
             if not mine:
@@ -331,6 +344,32 @@ def report(runs: list[Run], args: argparse.Namespace, trees: list[list[str]]) ->
                 f"| {cell([f['drain_s'] for f in figs], args.bound_s)} "
                 f"| {statistics.median(r.fill_s for r in mine):.1f} s |"
             )
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "In run order. Quiet at t0: how long the watchdog had already gone without a "
+        "`WATCHDOG=1` when the clients hung up (part of the longest gap when that gap spans "
+        "t0); longest gap while queueing: while the N requests were sent and taken in; "
+        "pings: how many were answered or waiting during the drain (-: not recorded).",
+        "",
+        "| N | version | longest watchdog gap | quiet at t0 | worst ping | pings | time to drain "
+        "| time to queue N | longest gap while queueing | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def sec(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f} s"
+
+    for r in runs:
+        f = figures(r)
+        count = len(r.pings) + (r.ping_open_s is not None)
+        lines.append(
+            f"| {r.n:,} | {r.tree} | {sec(r.watchdog_gap_s)} | {sec(r.watchdog_quiet_at_t0_s)} "
+            f"| {sec(f['worst_ping_s'])} | {count} "
+            f"| {sec(r.drain_s) if r.drain_s is not None else f'> {args.bound_s:.0f} s'} "
+            f"| {sec(r.fill_s)} | {sec(r.fill_watchdog_gap_s)} | {r.load[0]:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -339,12 +378,29 @@ def main() -> None:
     parser.add_argument("--n", type=int, action="append", default=None)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--tree", action="append", default=None, help="NAME=DIR")
-    parser.add_argument("--bound-s", type=float, default=300.0)
+    parser.add_argument("--bound-s", type=float, default=300.0, help="drain limit")
+    parser.add_argument("--fill-bound-s", type=float, default=900.0, help="queueing limit")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--raw", type=Path, default=None, help="every run's samples, JSON")
+    parser.add_argument(
+        "--raw",
+        type=Path,
+        action="append",
+        default=None,
+        help="every run's samples, JSON (written; with --report-only read, several may be given)",
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="no runs: the report of the runs in --raw"
+    )
     args = parser.parse_args()
     args.n = args.n or [1000, 3000, 7000]
     trees = [t.split("=", 1) for t in (args.tree or [f"now={ROOT}"])]
+    if args.report_only:
+        runs = [Run(**r) for f in args.raw for r in json.loads(f.read_text())]
+        text = report(runs, args, trees)
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = max(args.n) + 1024
     if hard != resource.RLIM_INFINITY and hard < need:
@@ -356,11 +412,13 @@ def main() -> None:
         for n in args.n:
             for _ in range(args.runs):
                 for name, tree in trees:
-                    run = one_run(name, Path(tree).resolve(), n, args.bound_s, work)
+                    run = one_run(
+                        name, Path(tree).resolve(), n, args.bound_s, args.fill_bound_s, work
+                    )
                     runs.append(run)
                     print(json.dumps({"tree": name, "n": n, **figures(run)}), flush=True)
                     if args.raw:
-                        args.raw.write_text(json.dumps([asdict(r) for r in runs]))
+                        args.raw[0].write_text(json.dumps([asdict(r) for r in runs]))
                     if args.out:
                         args.out.write_text(report(runs, args, trees))
     finally:
