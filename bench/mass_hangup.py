@@ -395,8 +395,8 @@ def main() -> None:
     args.n = args.n or [1000, 3000, 7000]
     trees = [t.split("=", 1) for t in (args.tree or [f"now={ROOT}"])]
     if args.report_only:
-        runs = [Run(**r) for f in args.raw for r in json.loads(f.read_text())]
-        text = report(runs, args, trees)
+        saved = [Run(**r) for f in args.raw for r in json.loads(f.read_text())]
+        text = report(saved, args, trees)
         print(text)
         if args.out:
             args.out.write_text(text)
