@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,9 @@ from migd.daemon.config import validate_config
 from migd.daemon.periodic import Watchdog
 from migd.daemon.systemd import Notifier
 from migd.protocol import API_VERSION, encode
+from tests.waiting import limit
+
+REPO = Path(__file__).resolve().parents[2]
 
 QUEUED = 2000  # batches of LeaseService.HANGUP_BATCH: dozens of turns of the loop
 
@@ -50,15 +55,14 @@ async def _until(what: str, check: object, limit_s: float = 300.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.slow  # thousands of real connections: seconds
-def test_a_mass_hang_up_of_queued_clients_leaves_ping_and_watchdog_served(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def run_scenario(root: Path) -> tuple[list[int], list[int]]:
+    """Queue QUEUED requests on a daemon of this process, hang them all up at once, and
+    return how many were still to be released each time the watchdog and a ping were
+    served."""
     from migd.backends.procs import PsutilProcessTable
     from migd.backends.simulated import simulated_backend
     from migd.daemon.service import Daemon
 
-    root = tmp_path / "r"
     config = validate_config(
         {
             "daemon": {"state_dir": str(root / "state"), "runtime_dir": str(root / "run")},
@@ -89,7 +93,7 @@ def test_a_mass_hang_up_of_queued_clients_leaves_ping_and_watchdog_served(
             watchdog_saw.append(left())
             return step(self, mono)
 
-        monkeypatch.setattr(Watchdog, "step", recording_step)
+        Watchdog.step = recording_step  # type: ignore[method-assign]  # this process only
         await daemon.start()
         sched = daemon.ctx.sched
         try:
@@ -118,7 +122,31 @@ def test_a_mass_hang_up_of_queued_clients_leaves_ping_and_watchdog_served(
         asyncio.run(scenario())
     finally:
         gc.unfreeze()
+    return watchdog_saw, ping_saw
+
+
+@pytest.mark.slow  # thousands of real connections: seconds
+def test_a_mass_hang_up_of_queued_clients_leaves_ping_and_watchdog_served(tmp_path: Path) -> None:
+    # A daemon and thousands of sockets in a fresh interpreter: inside a pytest-xdist worker
+    # that had run hundreds of tests before, the worker itself died mid-scenario on a loaded
+    # host (twice, never alone); here a crash is this test's failure, with its output.
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.unit.test_mass_hangup", str(tmp_path / "r")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=limit(900),
+        check=False,
+    )
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-3000:]}"
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    watchdog_saw, ping_saw = result["watchdog_saw"], result["ping_saw"]
     during = [n for n in ping_saw if 0 < n < QUEUED]
     assert len(during) >= 2, f"no ping answered while the hang-ups were released: {ping_saw}"
     served = [n for n in watchdog_saw if 0 < n < QUEUED]
     assert len(served) >= 2, f"no watchdog step while the hang-ups were released: {watchdog_saw}"
+
+
+if __name__ == "__main__":
+    saw_watchdog, saw_ping = run_scenario(Path(sys.argv[1]))
+    print(json.dumps({"watchdog_saw": saw_watchdog, "ping_saw": saw_ping}))
