@@ -59,7 +59,12 @@ def test_a_job_killed_by_a_signal_is_reported_killed_by_it(tmp_path: Path, signu
 def test_a_signal_sent_to_the_wrapper_reaches_the_job(tmp_path: Path) -> None:
     """Any signal, not only the six the supervising path forwards (here SIGWINCH)."""
     proc = wrapped(
-        tmp_path, "/bin/sh", "-c", "trap 'echo got WINCH; exit 7' WINCH; echo ready; read x"
+        # It waits in sleeps, not `read`: stdin may be at its end already (pytest-xdist's
+        # workers), and a read that returned ends the job before the signal arrives.
+        tmp_path,
+        "/bin/sh",
+        "-c",
+        "trap 'echo got WINCH; exit 7' WINCH; echo ready; while :; do sleep 0.2; done",
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"  # the trap is set
