@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from migd.core.mps import CgroupLimitBook
 from migd.core.scheduler import NodeScheduler
-from migd.daemon.auth import Authorizer
+from migd.daemon.api.auth import Authorizer
 from migd.daemon.config import MigdConfig
-from migd.daemon.store import StateStore
+from migd.daemon.store.state import StateStore
 from migd.daemon.systemd import Notifier
 from migd.ports import CgroupMemoryLimits, Clock, GpuBackend, GpuInfo, MpsControl, ProcessTable
 

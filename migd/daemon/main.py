@@ -205,7 +205,7 @@ def _gpu_findings(config: MigdConfig) -> Findings:
 def check_config(config: MigdConfig, source: str) -> int:
     """``migd --check-config``: the values' meaning on this node (config_check.py)."""
     from migd.backends.accounts import SystemAccounts
-    from migd.daemon.metrics_http import listen_warnings
+    from migd.daemon.metrics.exporter import listen_warnings
 
     found = check_catalog(config)
     found.extend(check_accounts(config.api, SystemAccounts()))
@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from migd.backends.accounts import SystemAccounts
-    from migd.daemon.mps_supervisor import build_cgroup_limits
     from migd.daemon.service import Daemon, lock_instance
+    from migd.daemon.supervision.mps import build_cgroup_limits
 
     # Every error that stops the start is one log line (what happened, what to do) and an
     # exit status systemd acts on (exit_codes.py): no traceback.

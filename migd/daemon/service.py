@@ -5,13 +5,13 @@ GPUs, reconcile (adopt instances, reload leases, reclaim dead ones), bind the so
 then ``READY=1``. Decisions come from :class:`migd.core.scheduler.NodeScheduler`; the
 parts add the I/O (see docs/architecture.md):
 
-* :mod:`migd.daemon.api_server` (socket, admission, op table) with the handlers of
-  :mod:`migd.daemon.ops` (and :mod:`migd.daemon.sim_ops` on simulated GPUs);
-* :mod:`migd.daemon.lease_service`: persistence, history, waiting clients;
-* :mod:`migd.daemon.executor`: one worker thread per GPU and the work run in it;
-* :mod:`migd.daemon.reconciler`: start-up reconcile, GPU resync, lease restore;
-* :mod:`migd.daemon.mps_supervisor`: the MPS control daemons;
-* :mod:`migd.daemon.periodic`: reaper, timers, sampler, watchdog.
+* :mod:`migd.daemon.api.server` (socket, admission, op table) with the handlers of
+  :mod:`migd.daemon.api.ops` (and :mod:`migd.daemon.api.sim_ops` on simulated GPUs);
+* :mod:`migd.daemon.leases.service`: persistence, history, waiting clients;
+* :mod:`migd.daemon.leases.executor`: one worker thread per GPU and the work run in it;
+* :mod:`migd.daemon.leases.reconciler`: start-up reconcile, GPU resync, lease restore;
+* :mod:`migd.daemon.supervision.mps`: the MPS control daemons;
+* :mod:`migd.daemon.supervision.periodic`: reaper, timers, sampler, watchdog.
 """
 
 from __future__ import annotations
@@ -32,20 +32,20 @@ from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
-from migd.daemon.api_server import ApiServer, not_simulated, socket_access
-from migd.daemon.auth import Authorizer
+from migd.daemon.api.auth import Authorizer
+from migd.daemon.api.ops import Ops
+from migd.daemon.api.server import ApiServer, not_simulated, socket_access
 from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys, removals
 from migd.daemon.context import DaemonContext
-from migd.daemon.executor import GpuExecutor
 from migd.daemon.exit_codes import exit_status
-from migd.daemon.gpu_health import GpuHealthMonitor
-from migd.daemon.lease_service import LeaseService
-from migd.daemon.metrics import MetricsService
-from migd.daemon.mps_supervisor import MpsSupervisor
-from migd.daemon.ops import Ops
-from migd.daemon.periodic import PeriodicTasks, Reaper
-from migd.daemon.reconciler import Reconciler
-from migd.daemon.store import StateStore
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.reconciler import Reconciler
+from migd.daemon.leases.service import LeaseService
+from migd.daemon.metrics.service import MetricsService
+from migd.daemon.store.state import StateStore
+from migd.daemon.supervision.gpu_health import GpuHealthMonitor
+from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.periodic import PeriodicTasks, Reaper
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
 from migd.paths import InstanceLock, ensure_dir
@@ -195,11 +195,11 @@ class Daemon:
         else:
             self.api.missing["sim_xid"] = not_simulated
         if sim_node is not None:
-            from migd.daemon.sim_ops import SimOps
+            from migd.daemon.api.sim_ops import SimOps
 
             SimOps(sim_node, ctx).register(self.api)
         else:
-            from migd.daemon.sim_ops import SIM_OPS
+            from migd.daemon.api.sim_ops import SIM_OPS
 
             self.api.missing.update(dict.fromkeys(SIM_OPS, not_simulated))
         self._tasks: list[asyncio.Task[Any]] = []

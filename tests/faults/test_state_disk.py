@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from migd.daemon.store import StateStore
+from migd.daemon.store.state import StateStore
 from migd.errors import StateDiskError, StateStoreError
 from tests.faults.conftest import SmallDisk
 from tests.unit.test_daemon_parts import _lease

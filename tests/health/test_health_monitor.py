@@ -12,9 +12,9 @@ from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.gpu_health import GpuHealthMonitor, clear_condition, raise_condition
-from migd.daemon.metrics import MetricsService
-from migd.daemon.metrics_http import render
+from migd.daemon.metrics.exporter import render
+from migd.daemon.metrics.service import MetricsService
+from migd.daemon.supervision.gpu_health import GpuHealthMonitor, clear_condition, raise_condition
 from migd.ports import ManualClock
 from tests.metrics.conftest import finish, gpu, lease
 

@@ -40,8 +40,8 @@ from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.node import SimNode
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, InstanceStatus, Lease, LeaseRequest
+from migd.daemon.api.ops import Ops
 from migd.daemon.config import validate_config
-from migd.daemon.ops import Ops
 from migd.daemon.service import Daemon
 from migd.daemon.systemd import Notifier
 from migd.errors import MigdError

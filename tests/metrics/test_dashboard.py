@@ -11,9 +11,9 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
-from migd.daemon.metrics import build_registry
-from migd.daemon.metrics_http import render
-from migd.daemon.metrics_recorder import MetricsRecorder
+from migd.daemon.metrics.exporter import render
+from migd.daemon.metrics.recorder import MetricsRecorder
+from migd.daemon.metrics.service import build_registry
 from tests.metrics.conftest import finish, gpu, lease
 from tests.metrics.test_metrics import Source
 

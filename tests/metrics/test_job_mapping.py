@@ -12,8 +12,8 @@ import structlog.testing
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
 from migd.daemon.config import validate_config
-from migd.daemon.job_mapping import JobMappingWriter, job_mapping
-from migd.daemon.metrics import MetricsService
+from migd.daemon.leases.job_mapping import JobMappingWriter, job_mapping
+from migd.daemon.metrics.service import MetricsService
 from tests.metrics.conftest import finish, gpu, lease
 
 

@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
 from migd.daemon.config import MigdConfig, validate_config
-from migd.daemon.metrics import build_registry
-from migd.daemon.metrics_collector import MIB
-from migd.daemon.metrics_http import MetricsServer, render
-from migd.daemon.metrics_recorder import InstrumentedBackend, MetricsRecorder
+from migd.daemon.metrics.collector import MIB
+from migd.daemon.metrics.exporter import MetricsServer, render
+from migd.daemon.metrics.recorder import InstrumentedBackend, MetricsRecorder
+from migd.daemon.metrics.service import build_registry
 from migd.errors import GpuError, NoCapacity
 from migd.ports import GpuInfo, MigInstance
 from tests.metrics.conftest import finish, gpu, lease

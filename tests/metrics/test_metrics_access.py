@@ -20,9 +20,9 @@ from prometheus_client.registry import Collector
 
 from migd.core.scheduler import Lease, LeaseRequest, NodeScheduler
 from migd.daemon.config import MigdConfig, validate_config
-from migd.daemon.metrics import MetricsService, build_registry
-from migd.daemon.metrics_http import MetricsServer, listen_warnings, render
-from migd.daemon.metrics_recorder import MetricsRecorder
+from migd.daemon.metrics.exporter import MetricsServer, listen_warnings, render
+from migd.daemon.metrics.recorder import MetricsRecorder
+from migd.daemon.metrics.service import MetricsService, build_registry
 from migd.errors import ConfigError
 from tests.metrics.conftest import finish, gpu
 from tests.metrics.test_metrics import Source, _http, scrape

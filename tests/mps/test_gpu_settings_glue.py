@@ -8,9 +8,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from migd.core.scheduler import ManagedGpu, MigState, MpsState
+from migd.daemon.api.status import gpu_warnings
 from migd.daemon.config import MigdConfig
-from migd.daemon.mps_supervisor import MpsSupervisor
-from migd.daemon.status import gpu_warnings
+from migd.daemon.supervision.mps import MpsSupervisor
 from migd.ports import GpuInfo, ManualClock
 
 INFO = GpuInfo(

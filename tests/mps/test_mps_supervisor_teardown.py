@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection
 from types import SimpleNamespace
 from typing import Any
 
-from migd.daemon.mps_supervisor import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor
 from migd.ports import GpuProcess
 
 MIG = "MIG-0a1b2c3d-0000-4000-8000-0000000000c1"

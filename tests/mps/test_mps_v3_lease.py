@@ -34,7 +34,7 @@ from migd.core.mps import (
 )
 from migd.core.scheduler import Lease, LeaseRequest, ManagedGpu, MpsState, NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.mps_supervisor import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor
 from migd.errors import GpuError
 from migd.ports import CgroupMemoryLimit, ManualClock
 from migd.wrapper.cgroup import own_cgroup

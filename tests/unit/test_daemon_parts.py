@@ -29,7 +29,7 @@ from migd.cli.migctl import slice_bar
 from migd.core.condor_shares import short_uuid
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
-from migd.daemon.api_server import check_socket_path
+from migd.daemon.api.server import check_socket_path
 from migd.daemon.config import (
     MigdConfig,
     changed_restart_keys,
@@ -37,7 +37,7 @@ from migd.daemon.config import (
     load_config,
     validate_config,
 )
-from migd.daemon.store import StateStore
+from migd.daemon.store.state import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, ProtocolError
 
@@ -565,7 +565,7 @@ def test_per_gpu_ad_has_free_memory_largest_profile_mode_and_health() -> None:
 
 def test_release_job_permission_follows_hook_users() -> None:
     from migd.backends.simulated.accounts import FakeAccounts
-    from migd.daemon.auth import Authorizer, Peer
+    from migd.daemon.api.auth import Authorizer, Peer
 
     # The hook's user by name, as sites write it; the accounts are the test's, not the host's.
     accounts = FakeAccounts(users={0: "root", 4242: "condorhook"}, groups={"hooks": 4242})
@@ -701,7 +701,7 @@ def test_socket_group_is_looked_up_through_the_accounts_port() -> None:
     """The socket's group by name comes from the accounts port (not the host's group
     database), so it follows the same SIGHUP-cleared cache as the access rules."""
     from migd.backends.simulated.accounts import FakeAccounts
-    from migd.daemon.api_server import socket_access
+    from migd.daemon.api.server import socket_access
     from migd.daemon.config import ApiSection
 
     accounts = FakeAccounts(groups={"gpu-users": 4242})

@@ -21,9 +21,9 @@ from migd.core.health import Condition, GpuHealth
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
 from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
-from migd.daemon.mps_supervisor import MPS_UNHEALTHY
-from migd.daemon.periodic import Timers, Watchdog
 from migd.daemon.service import Daemon, keep_restart_keys
+from migd.daemon.supervision.mps import MPS_UNHEALTHY
+from migd.daemon.supervision.periodic import Timers, Watchdog
 from migd.daemon.systemd import Notifier
 from migd.ports import ManualClock
 

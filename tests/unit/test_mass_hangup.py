@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from migd.daemon.config import validate_config
-from migd.daemon.periodic import Watchdog
+from migd.daemon.supervision.periodic import Watchdog
 from migd.daemon.systemd import Notifier
 from migd.protocol import API_VERSION, encode
 from tests.waiting import limit

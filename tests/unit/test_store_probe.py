@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from migd.daemon.store import StateStore
+from migd.daemon.store.state import StateStore
 
 
 def probes(path: Path) -> int:

@@ -3,10 +3,10 @@ docs/operations.md, Monitoring).
 
 Two kinds of metric, kept apart so a scrape never has to trust a stale copy:
 
-* **State** (:mod:`migd.daemon.metrics_collector`): read from the scheduler's books at
+* **State** (:mod:`migd.daemon.metrics.collector`): read from the scheduler's books at
   scrape time (GPUs, MIG instances, MPS devices, the queue, lease counts). Nothing is
   cached, so the numbers match ``migctl status --json`` taken at the same moment.
-* **Events** (:mod:`migd.daemon.metrics_recorder`): counters and histograms fed as things
+* **Events** (:mod:`migd.daemon.metrics.recorder`): counters and histograms fed as things
   happen (lease transitions, refusals, wrapper restarts, NVML create/destroy calls, XID
   events).
 
@@ -18,7 +18,7 @@ lease and job ids appear only on gauges that describe what exists now (one serie
 live instance), never on counters, and only when the admin opts in on a restricted
 listener (``metrics.identifying_labels``: they say which user's job runs where).
 
-The endpoint (:mod:`migd.daemon.metrics_http`) is a small HTTP server with a thread and
+The endpoint (:mod:`migd.daemon.metrics.exporter`) is a small HTTP server with a thread and
 event loop of its own, not prometheus_client's threaded server: collection reads the
 scheduler, which only the daemon's event loop may touch, so it is handed to that loop (a
 scrape sees one consistent state and never races a lease change), while connections are
@@ -38,10 +38,10 @@ from prometheus_client import CollectorRegistry
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.job_mapping import JobMappingWriter, job_mapping
-from migd.daemon.metrics_collector import MetricsSource, StateCollector
-from migd.daemon.metrics_http import MetricsServer, listen_warnings
-from migd.daemon.metrics_recorder import InstrumentedBackend, MetricsRecorder
+from migd.daemon.leases.job_mapping import JobMappingWriter, job_mapping
+from migd.daemon.metrics.collector import MetricsSource, StateCollector
+from migd.daemon.metrics.exporter import MetricsServer, listen_warnings
+from migd.daemon.metrics.recorder import InstrumentedBackend, MetricsRecorder
 from migd.errors import ConfigError, MigdError
 from migd.ports import GpuBackend
 
@@ -63,7 +63,7 @@ class MetricsService:
 
     The daemon calls :meth:`wrap_backend` before discovery, :meth:`start` once its books
     exist, and :meth:`close` on shutdown; as a lease observer and an event observer
-    (:mod:`migd.daemon.lease_service`) it hears of every lease transition, refusal and
+    (:mod:`migd.daemon.leases.service`) it hears of every lease transition, refusal and
     history record.
     """
 
@@ -120,7 +120,7 @@ class MetricsService:
     def on_transition(
         self, lease: Lease, old: LeaseState | None, new: LeaseState, now: float
     ) -> None:
-        """A lease observer (:class:`migd.daemon.lease_service.LeaseObserver`)."""
+        """A lease observer (:class:`migd.daemon.leases.service.LeaseObserver`)."""
         if not self._counting:
             return
         self.recorder.lease_changed(lease, new, now)

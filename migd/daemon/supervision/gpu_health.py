@@ -32,10 +32,10 @@ from migd.api import SimXidRequest
 from migd.backends.nvml_events import GpuEvent, NvmlEventListener, events_module
 from migd.core.lease_end import LeaseEndReason
 from migd.core.scheduler import Lease, ManagedGpu
-from migd.daemon.api_server import Access, ApiServer, Call
+from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.context import DaemonContext
-from migd.daemon.lease_service import LeaseService
-from migd.daemon.metrics import MetricsService
+from migd.daemon.leases.service import LeaseService
+from migd.daemon.metrics.service import MetricsService
 from migd.errors import InvalidRequest, MigdError
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class GpuHealthMonitor:
             raise InvalidRequest(str(exc)) from exc
         return {"gpu": req.gpu, "xid": req.xid, "delivered": delivered}
 
-    # -- event observer (migd.daemon.lease_service.EventObserver) ---------------------------
+    # -- event observer (migd.daemon.leases.service.EventObserver) ---------------------------
 
     def lease_refused(self, error: MigdError) -> None:
         pass

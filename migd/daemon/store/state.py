@@ -7,7 +7,7 @@ Tables: ``leases`` (every lease, its state and its full record as JSON),
 ``meta`` (schema version, GPU drain flags, demand counts).
 
 Opening the file, its schema, recovery from a corrupt file and the disk's failures are
-:mod:`migd.daemon.store_db`'s (:class:`StateDatabase`, which :class:`StateStore` extends).
+:mod:`migd.daemon.store.database`'s (:class:`StateDatabase`, which :class:`StateStore` extends).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from migd.core.leases import LeaseState
 from migd.core.scheduler import Lease, LeaseRequest
-from migd.daemon.store_db import StateDatabase
+from migd.daemon.store.database import StateDatabase
 
 # History kept, in bytes of event data (rows are pruned by count *and* by bytes, so a few
 # large reports cannot grow the database without bound).

@@ -22,7 +22,7 @@ from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
 from migd.core.scheduler import GpuMode, InstanceStatus, ManagedGpu, Work
 from migd.daemon.context import DaemonContext
-from migd.daemon.lease_service import LeaseService
+from migd.daemon.leases.service import LeaseService
 from migd.errors import GpuBusy, GpuError, MigdError, StateDiskError
 
 T = TypeVar("T")
@@ -260,7 +260,7 @@ class GpuExecutor:
     def starved_gpus(self, stale_after: float, mono: float | None = None) -> list[int]:
         """GPUs whose thread has owed an answer to a heartbeat for ``stale_after`` seconds
         at monotonic time ``mono`` (default: now), unless NVML work younger than
-        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.periodic.Watchdog`).
+        ``daemon.work_timeout_s`` runs (see :class:`migd.daemon.supervision.periodic.Watchdog`).
 
         Only a heartbeat sent and not answered counts against a thread: when the event
         loop was too busy to send one (or to run the answer's callback), that is the

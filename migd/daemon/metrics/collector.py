@@ -1,6 +1,6 @@
 """migd's state metrics: read from the scheduler's books at scrape time (GPUs, MIG instances,
 MPS devices, the queue, lease counts), so nothing is cached and the numbers match ``migctl
-status --json`` taken at the same moment. The overview is :mod:`migd.daemon.metrics`'s
+status --json`` taken at the same moment. The overview is :mod:`migd.daemon.metrics.service`'s
 docstring.
 """
 

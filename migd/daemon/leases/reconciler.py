@@ -26,9 +26,9 @@ from migd.core.scheduler import (
 )
 from migd.core.states import StateSpace, state_space
 from migd.daemon.context import DaemonContext
-from migd.daemon.executor import GpuExecutor
-from migd.daemon.lease_service import LeaseService
-from migd.daemon.mps_supervisor import MpsSupervisor
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.service import LeaseService
+from migd.daemon.supervision.mps import MpsSupervisor
 from migd.errors import ConfigError, MigdError
 from migd.ports import GpuInfo, MigInstance
 

@@ -1,6 +1,6 @@
 """migd's event metrics: counters and histograms fed as things happen (lease transitions,
 refusals, wrapper restarts, NVML create/destroy calls, XID events), and the backend wrapper
-that times NVML's MIG calls. The overview is :mod:`migd.daemon.metrics`'s docstring.
+that times NVML's MIG calls. The overview is :mod:`migd.daemon.metrics.service`'s docstring.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A connection carries one request line and gets one reply line (see docs/api.md).
 server checks the socket's location and access, limits connections per user, decodes
 the request, checks the authorisation its op declares (:class:`Access`) and calls the
 op's handler from the table (:meth:`ApiServer.register`). Handlers live with what they
-drive (:mod:`migd.daemon.ops`, :mod:`migd.daemon.sim_ops`).
+drive (:mod:`migd.daemon.api.ops`, :mod:`migd.daemon.api.sim_ops`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import structlog
 
 from migd.api import LeaseRef, ReportRequest, Request, decode_request, error_reply, ok_reply
 from migd.core.scheduler import Lease
-from migd.daemon.auth import Peer
+from migd.daemon.api.auth import Peer
 from migd.daemon.config import ApiSection
 from migd.daemon.context import DaemonContext
 from migd.errors import (

@@ -1,5 +1,5 @@
 """migd's ``/metrics`` endpoint: a small HTTP server (why not prometheus_client's threaded
-server: see :mod:`migd.daemon.metrics`), and the exposition it serves.
+server: see :mod:`migd.daemon.metrics.service`), and the exposition it serves.
 
 A scrape must never hold up the API, which runs on the daemon's event loop. So the
 endpoint has a thread and an event loop of its own: connections are accepted, read,

@@ -1,8 +1,8 @@
 """The API's op handlers, and the table that declares who may call each op.
 
 :func:`register_ops` puts every production op into the server's table with its
-:class:`~migd.daemon.api_server.Access`; simulator-only ops are registered apart
-(:mod:`migd.daemon.sim_ops`). Handlers get a :class:`~migd.daemon.api_server.Call`
+:class:`~migd.daemon.api.server.Access`; simulator-only ops are registered apart
+(:mod:`migd.daemon.api.sim_ops`). Handlers get a :class:`~migd.daemon.api.server.Call`
 whose authorisation is already checked.
 """
 
@@ -33,15 +33,15 @@ from migd.api import (
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
-from migd.daemon.api_server import Access, ApiServer, Call
-from migd.daemon.auth import Peer
+from migd.daemon.api.auth import Peer
+from migd.daemon.api.server import Access, ApiServer, Call
+from migd.daemon.api.status import build_status, explain_job
 from migd.daemon.context import DaemonContext
-from migd.daemon.executor import GpuExecutor
-from migd.daemon.lease_service import LeaseService
-from migd.daemon.leftovers import check_handout, quarantine_leftovers
-from migd.daemon.mps_supervisor import MpsSupervisor
-from migd.daemon.periodic import known_sum
-from migd.daemon.status import build_status, explain_job
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.leftovers import check_handout, quarantine_leftovers
+from migd.daemon.leases.service import LeaseService
+from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.periodic import known_sum
 from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
 
 _CLUSTER_PROC = re.compile(r"\d+\.\d+")

@@ -17,8 +17,8 @@ from typing import Any
 
 from migd.api import SimRequest
 from migd.backends.simulated.node import SimCudaError, SimNode, SimOutOfMemory
-from migd.daemon.api_server import Access, ApiServer, Call
-from migd.daemon.auth import Peer
+from migd.daemon.api.auth import Peer
+from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.context import DaemonContext
 from migd.errors import InvalidRequest, NotAuthorized
 

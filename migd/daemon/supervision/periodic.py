@@ -32,10 +32,10 @@ from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
 from migd.daemon.context import DaemonContext
-from migd.daemon.executor import GpuExecutor
-from migd.daemon.lease_service import LeaseService
-from migd.daemon.mps_supervisor import MpsSupervisor
-from migd.daemon.reconciler import Reconciler
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.reconciler import Reconciler
+from migd.daemon.leases.service import LeaseService
+from migd.daemon.supervision.mps import MpsSupervisor
 from migd.errors import MigdError, StartdError
 from migd.ports import GpuProcess, StartdControl
 

@@ -9,7 +9,7 @@ NVML for the processes on the lease's instance; if there are any, the instance i
 quarantined (UNEXPLAINED: ``migctl status`` shows it busy with the reason, idle
 teardown and the planner leave it alone), the pids are logged and recorded in the
 job's history (``migctl explain``), and the reaper's resync adopts the instance again
-once they have exited (:meth:`migd.daemon.reconciler.Reconciler.resync_gpu`).
+once they have exited (:meth:`migd.daemon.leases.reconciler.Reconciler.resync_gpu`).
 
 A late orphan (a detached child that creates its CUDA context only after the lease
 ended) is not there yet at release. So a grant that reuses an idle instance is checked
@@ -24,8 +24,8 @@ import structlog
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, Lease
 from migd.daemon.context import DaemonContext
-from migd.daemon.executor import GpuExecutor
-from migd.daemon.lease_service import LeaseService
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.service import LeaseService
 from migd.errors import MigdError
 
 log = structlog.get_logger("migd")

@@ -20,7 +20,7 @@ from migd.core.mps import MpsPool
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
-from migd.daemon.mps_supervisor import cgroup_limits_status, mps_compute_mode_warning
+from migd.daemon.supervision.mps import cgroup_limits_status, mps_compute_mode_warning
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1

@@ -35,8 +35,8 @@ from migd.core.mps import (
 )
 from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
 from migd.daemon.context import DaemonContext
-from migd.daemon.executor import GpuExecutor
-from migd.daemon.lease_service import LeaseService
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.service import LeaseService
 from migd.errors import MigdError
 from migd.ports import CgroupMemoryLimits, GpuInfo, GpuProcess, MpsControl, MpsHealthReport
 

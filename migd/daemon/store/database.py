@@ -14,7 +14,7 @@ and while running (the request fails with that typed error, :attr:`StateDatabase
 says why, and the first write that succeeds again clears it; :meth:`StateDatabase.probe`
 is that write for callers that want to find out without a request).
 
-What is stored and how it is queried is :mod:`migd.daemon.store`'s.
+What is stored and how it is queried is :mod:`migd.daemon.store.state`'s.
 """
 
 from __future__ import annotations
