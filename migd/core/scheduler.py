@@ -398,7 +398,10 @@ class NodeScheduler:
         """Place every member of a waiting group now, or none (the books are put back
         as they were: see :class:`migd.core.groups.Trial`)."""
         members = [self.leases[i] for i in self._groups[leader_id]]
-        gpus = {g.index: g for lease in members for g in self._candidate_gpus(lease.request)}
+        try:
+            gpus = {g.index: g for lease in members for g in self._candidate_gpus(lease.request)}
+        except InvalidRequest:  # a GPU it names left (a reload): it waits, as one lease would
+            return None
         trial = Trial(gpus.values(), members, self._pending_work, self._changed)
         taken: set[int] = set()
         works: list[Work] = []
