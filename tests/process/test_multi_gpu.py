@@ -103,3 +103,35 @@ def test_out_of_memory_on_one_gpu_moves_every_gpu_bigger(daemon: DaemonProcess) 
     assert len(grants) == 4, grants
     assert sorted(by_profile) != ["1g.5gb"] and "1g.5gb" in by_profile, by_profile
     assert all(sorted(gpus) == [0, 1] for gpus in by_profile.values()), by_profile
+
+
+def test_a_waiting_job_that_dies_leaves_no_member_behind(daemon: DaemonProcess) -> None:
+    """The wrapper is killed while its group waits: migd sees the connection close and
+    ends both leases (none stays queued, none is granted later)."""
+    daemon.start()
+    holder = daemon.client()
+    blocker = holder.lease(job_id="full.1", gpu_memory_mib=39_000, gpus=["0"], wait_s=0)
+    job = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "migd.wrapper.main", "--socket", str(daemon.socket_path)),
+            *("--gpus", "2", "--gpu-memory", "3G", "--wait", "300", "--job-id", "dies.0", "--"),
+            *(*SIMJOB, "--start", "1G", "--steps", "1"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "MIGD_API_SOCKET": str(daemon.socket_path)},
+    )
+
+    def mine() -> list[dict[str, Any]]:
+        leases = daemon.client().call("leases")["leases"]
+        return [x for x in leases if x["job_id"] == "dies.0"]
+
+    try:
+        wait_for(lambda: len(mine()) == 2, timeout_s=60, what="both leases of dies.0 to queue")
+    finally:
+        job.kill()
+        job.wait()
+    wait_for(lambda: mine() == [], timeout_s=60, what="both leases of dies.0 to end")
+    history = daemon.client().call("history", job_id="dies.0", limit=50)["history"]
+    assert not [h for h in history if h["event"] == "granted"], history
+    holder.release(blocker["lease_id"])
