@@ -456,6 +456,7 @@ def test_request_gpus_two_gets_a_partition_on_each_assigned_gpu(
     assert ad["ExitCode"] == 0, err
     assigned = [s.strip() for s in str(ad["MachineAttrAssignedGPUs0"]).split(",")]
     assert len(assigned) == 2, ad
+    print(f"request_GPUs = 2: HTCondor assigned {assigned}")  # one GPU or two: both served
     env = dict(line.split("=", 1) for line in pool.job_output(cluster).splitlines() if "=" in line)
     devices = env["CUDA_VISIBLE_DEVICES"].split(",")
     assert len(devices) == 2 and len(set(devices)) == 2, env
