@@ -57,6 +57,11 @@ class LeaseRequestMsg(_Request):
     profile: Annotated[str | None, Field(max_length=64)] = None
     mode: Literal["mig", "mps", "auto"] = "auto"
     gpus: Annotated[list[GPU_REF] | None, Field(max_length=64)] = None
+    # Several GPUs for one job (docs/api.md, "Several GPUs per job"): gpu_count leases,
+    # one per GPU, granted all or none, each of gpu_memory_mib. With ``gpus`` of exactly
+    # gpu_count entries, member i goes on gpus[i] (a GPU may repeat: HTCondor assigned
+    # two of its shares). Absent (older wrappers): 1, the single lease as ever.
+    gpu_count: Annotated[int, Field(ge=1, le=64)] = 1
     wait_s: Annotated[float | None, Field(ge=0)] = None  # None: the daemon's default
     holder_pid: PID | None = None
     # MPS shares: CUDA client processes the job runs (each gets the pinned limit), and a

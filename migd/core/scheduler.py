@@ -58,6 +58,7 @@ from migd.core.gpus import (
     Work,
     mode_state,
 )
+from migd.core.groups import Trial
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
@@ -72,7 +73,7 @@ from migd.core.planner import (
 from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import Miss, QueuedRequest, QueuePolicy, RequestQueue
 from migd.core.states import StateSpace
-from migd.errors import InvalidRequest, NoCapacity
+from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
 
 # The lease (migd.core.leases), GPU and work (migd.core.gpus) and policy (migd.core.policy)
 # types live beside the scheduler; callers keep importing them here.
@@ -187,6 +188,10 @@ class NodeScheduler:
         self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
         # Per GPU, a number every change of its books bumps (see books_version).
         self._books_version: dict[int, int] = dict.fromkeys(self.gpus, 0)
+        # Lease groups (migd.core.groups): a waiting group's first member -> every
+        # member, and each member -> its group's first member, until it is forgotten.
+        self._groups: dict[str, tuple[str, ...]] = {}
+        self._member_of: dict[str, str] = {}
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -306,6 +311,114 @@ class NodeScheduler:
             return self._outcome(work, lease=lease, queued_position=position)
         return self._outcome(work, lease=lease)
 
+    def submit_group(self, leases: Sequence[Lease], now_s: float, mono_s: float) -> Outcome:
+        """Place a group of leases (one job on several GPUs) all at once, queue it as
+        one request, or refuse it (docs/api.md, "Several GPUs per job").
+
+        The members are placed in one step or not at all: no member holds a partition
+        while the group waits for the others. Each member goes on a GPU of its own,
+        except where its request pins it to a GPU another member is pinned to too
+        (HTCondor assigned two shares of one GPU). The outcome's ``lease`` is the first
+        member; a refusal refuses every member (none is kept).
+
+        Raises:
+            RequestTooLarge: a member can never fit here, or fewer GPUs here serve the
+                request than it has members (nothing changed).
+            InvalidRequest: a member names GPUs this node does not have.
+        """
+        if len(leases) < 2:
+            raise InvalidRequest("a lease group has at least two members")
+        ids = [lease.lease_id for lease in leases]
+        if len(set(ids)) != len(ids) or any(i in self.leases for i in ids):
+            raise InvalidRequest("the group's lease ids must be new and distinct")
+        usable: set[int] = set()
+        free = 0  # members not pinned to one GPU: each needs a GPU of its own
+        sizes: dict[str, Profile] = {}
+        for lease in leases:
+            candidates = self._candidate_gpus(lease.request)
+            sizes.update(self._check_ever_fits(lease, candidates))
+            usable.update(g.index for g in candidates)
+            free += not _pinned(lease)
+        if free and len(usable) < len(leases):
+            raise RequestTooLarge(
+                f"the job asks for {len(leases)} GPUs; {len(usable)} GPU(s) on this node "
+                "serve its request",
+                hint="ask for fewer GPUs, or match a node with as many",
+            )
+        for model, profile in sizes.items():
+            self.demand.observe(model, profile.profile_id, now_s)
+        leader = leases[0]
+        wait_s = leader.request.wait_s
+        for lease in leases:
+            lease.updated_s = now_s
+            if wait_s is not None:
+                lease.deadline_s = now_s + wait_s
+            self.leases[lease.lease_id] = lease
+            self._changed[lease.lease_id] = (lease, None)
+            self._member_of[lease.lease_id] = leader.lease_id
+        self._groups[leader.lease_id] = tuple(ids)
+        self.queue.push(
+            leader.lease_id,
+            leader.lease_id,
+            now_s=mono_s,
+            memory_mib=leader.request.memory_mib,
+            wait_s=wait_s if wait_s is None or wait_s > 0 else 0.0,
+            klass=("group", leader.lease_id),  # a class of its own: placed as a whole
+        )
+        work = self._schedule(now_s, mono_s)
+        if leader.state is LeaseState.QUEUED:
+            if wait_s is not None and wait_s <= 0:
+                self.queue.remove(leader.lease_id)
+                self._groups.pop(leader.lease_id, None)
+                for lease in leases:
+                    del self.leases[lease.lease_id]
+                    self._changed.pop(lease.lease_id, None)
+                    self._member_of.pop(lease.lease_id, None)
+                refusal = NoCapacity(
+                    f"no partition for {leader.request.memory_mib} MiB is free now on each "
+                    f"of {len(leases)} GPUs",
+                    considered=self._why_not(leader),
+                )
+                return self._outcome(work, lease=leader, refusal=refusal)
+            position = self.queue.position(leader.lease_id, mono_s)
+            return self._outcome(work, lease=leader, queued_position=position)
+        return self._outcome(work, lease=leader)
+
+    def group_of(self, lease_id: str) -> tuple[str, ...]:
+        """The members of ``lease_id``'s group (itself alone when it has none), while the
+        scheduler keeps it."""
+        leader = self._member_of.get(lease_id)
+        if leader is None:
+            return (lease_id,)
+        return self._groups.get(leader) or tuple(
+            k for k, v in self._member_of.items() if v == leader
+        )
+
+    def _place_group(self, leader_id: str, now_s: float) -> list[Work] | None:
+        """Place every member of a waiting group now, or none (the books are put back
+        as they were: see :class:`migd.core.groups.Trial`)."""
+        members = [self.leases[i] for i in self._groups[leader_id]]
+        try:
+            gpus = {g.index: g for lease in members for g in self._candidate_gpus(lease.request)}
+        except InvalidRequest:  # a GPU it names left (a reload): it waits, as one lease would
+            return None
+        trial = Trial(gpus.values(), members, self._pending_work, self._changed)
+        taken: set[int] = set()
+        works: list[Work] = []
+        for lease in members:
+            # A member pinned by its request may share a GPU with another (HTCondor
+            # assigned both shares there); an unpinned one takes a GPU of its own.
+            avoid = frozenset() if _pinned(lease) else frozenset(taken)
+            placed = self._place(lease, now_s, avoid=avoid)
+            if placed is None:
+                trial.undo()
+                return None
+            assert lease.gpu is not None
+            taken.add(lease.gpu)
+            works.append(placed)
+        del self._groups[leader_id]
+        return works
+
     def _candidate_gpus(self, request: LeaseRequest) -> list[ManagedGpu]:
         gpus = [g for g in self.gpus.values() if g.mode is not GpuMode.OFF]
         if request.gpu_uuids:
@@ -397,6 +510,14 @@ class NodeScheduler:
             lease = self.leases.get(item.payload)
             if lease is None or lease.state is not LeaseState.QUEUED:
                 return True  # stale entry: drop it
+            if lease.lease_id in self._groups:
+                placed_all = self._place_group(lease.lease_id, now_s)
+                if placed_all is None:
+                    return False
+                for member_work in placed_all:
+                    if member_work.ops:
+                        work.append(member_work)
+                return True
             request = lease.request
             by_uid = mps_capable.get(request.mode)
             if by_uid is None:
@@ -459,15 +580,18 @@ class NodeScheduler:
             self.mode_ops(g).admits_by_uid(g) for g in self.gpus.values()
         )
 
-    def _place(self, lease: Lease, now_s: float) -> Work | None:
+    def _place(
+        self, lease: Lease, now_s: float, *, avoid: frozenset[int] = frozenset()
+    ) -> Work | None:
         """Place one lease now, or return None. Commits the decision on success.
 
-        Each mode's driver tries its candidate GPUs, in the drivers' order (MIG, with
-        MPS inside MIG first, then MPS GPUs, then whole GPUs)."""
+        Each mode's driver tries its candidate GPUs (less those in ``avoid``), in the
+        drivers' order (MIG, with MPS inside MIG first, then MPS GPUs, then whole GPUs)."""
         try:
             gpus = self._candidate_gpus(lease.request)
         except InvalidRequest:
             return None
+        gpus = [g for g in gpus if g.index not in avoid]
         for mode, driver in self._drivers.items():
             mine = [g for g in gpus if g.mode is mode]
             if mine and (work := driver.place(lease, mine, now_s)) is not None:
@@ -621,6 +745,12 @@ class NodeScheduler:
             return
         item = self._placed_items.pop(lease.lease_id, None)
         if lease.state is not LeaseState.PREPARING:  # released meanwhile: nothing to retry
+            return
+        if lease.lease_id in self._member_of:
+            # A group member alone back in the queue would leave the others holding
+            # their partitions while it waits: it fails, and whoever waits for the group
+            # (the daemon) releases the others and answers the job.
+            self.transition(lease, LeaseEvent.FAIL, now_s, reason=reason)
             return
         lease.gpu = lease.gpu_uuid = lease.profile = lease.start = None
         lease.memory_limit_mib = None
@@ -777,6 +907,15 @@ class NodeScheduler:
             lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released"), end=end
         )
         self.queue.remove(lease_id)
+        leader = self._member_of.get(lease_id)
+        if was is LeaseState.QUEUED and leader is not None:
+            # A waiting group leaves the queue as one: its other members end with it.
+            self.queue.remove(leader)
+            for other in self._groups.pop(leader, ()):
+                sibling = self.leases.get(other)
+                if sibling is not None and sibling.state is LeaseState.QUEUED:
+                    self.transition(sibling, event, now_s, reason=f"{lease_id}: {lease.reason}")
+            lease_id = leader  # the queue entry that left (see _pass_after_leaving)
         work: list[Work] = []
         if was.holds_resources and lease.gpu is not None:
             self._touch(lease.gpu)
@@ -792,7 +931,7 @@ class NodeScheduler:
         later (the daemon releases hung-up requests in batches, off the hot path)."""
         lease = self.leases.get(lease_id)
         if lease is not None and lease.state is LeaseState.QUEUED:
-            self.queue.remove(lease_id)
+            self.queue.remove(self._member_of.get(lease_id, lease_id))
 
     def _pass_after_leaving(self, lease_id: str) -> bool:
         """Whether a queued request that leaves (cancelled, its client gone) can let
@@ -879,11 +1018,12 @@ class NodeScheduler:
         """
         gone = False
         for item in self.queue.expired(mono_s):
-            lease = self.leases.get(item.payload)
-            if lease is not None and lease.state is LeaseState.QUEUED:
-                reason = "no partition before the deadline"
-                self.transition(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
-                gone = True
+            for member in self._groups.pop(item.payload, (item.payload,)):
+                lease = self.leases.get(member)
+                if lease is not None and lease.state is LeaseState.QUEUED:
+                    reason = "no partition before the deadline"
+                    self.transition(lease, LeaseEvent.EXPIRE, now_s, reason=reason)
+                    gone = True
         return self._outcome(self._schedule(now_s, mono_s) if gone else [])
 
     def idle_teardown(self, now_s: float, mono_s: float) -> Outcome:
@@ -996,6 +1136,14 @@ class NodeScheduler:
         """Drop one ended lease from memory, with what the queue kept for it."""
         self.leases.pop(lease_id, None)
         self._placed_items.pop(lease_id, None)
+        leader = self._member_of.pop(lease_id, None)
+        if leader is not None and leader not in self._member_of.values():
+            self._groups.pop(leader, None)
+
+
+def _pinned(lease: Lease) -> bool:
+    """Whether a group member's request names one GPU (the one HTCondor assigned it)."""
+    return len(lease.request.gpu_uuids or ()) == 1
 
 
 def placement_class(lease: Lease) -> Hashable:

@@ -9,7 +9,9 @@ attribute          meaning                                               default
 RequestVRAM        GPU memory in MiB (``request_VRAM = 10240``)          see below
 GPUsMinMemory      ``gpus_minimum_memory``: used when RequestVRAM is      none
                    absent
-RequestGPUs        GPUs; 0 or absent: not a GPU job, run it as is        0
+RequestGPUs        GPUs; 0 or absent: not a GPU job, run it as is; N > 1: 0
+                   N partitions, one on each GPU HTCondor assigned,
+                   each of the memory above (per GPU)
 MigdMode           ``"mig"``, ``"mps"`` or ``"auto"``                     ``"auto"``
 MigdMinCompute     minimum MIG compute slices                            0
 MigdMaxRestarts    OOM / forecast restarts on this node                  3
@@ -75,6 +77,10 @@ class JobSpec:
     min_compute: int = 0
     mode: str = "auto"
     gpus: tuple[str, ...] | None = None
+    # GPUs the job uses: one lease each, granted all or none (``request_GPUs``,
+    # ``migd-run --gpus``). With more than one, ``gpus`` lists the physical GPU of each
+    # assigned share in order (a GPU twice when HTCondor assigned two of its shares).
+    gpu_count: int = 1
     max_restarts: int = 3
     early_restart: bool = False
     horizon: float | None = None
@@ -165,6 +171,16 @@ def spec_from_ads(
         if pin and isinstance(assigned, str) and assigned.strip()
         else None
     )
+    # HTCondor's RequestGPUs is a whole number of GPUs; the job gets one partition on
+    # each (a fraction, which no submit file can make, counts as one).
+    count = max(1, int(gpus_requested))
+    if count > 64:
+        raise JobAdError(f"RequestGPUs = {gpus_requested:g} is more GPUs than migd serves (64)")
+    if gpus and count > 1:
+        # member i goes on the GPU of the i-th assigned share; a GPU may repeat
+        gpus_kept: tuple[str, ...] | None = gpus
+    else:
+        gpus_kept = tuple(dict.fromkeys(gpus)) if gpus else None
     horizon = _number(job_ad, "MigdHorizon", None)
     wait = _number(job_ad, "MigdWaitSeconds", None)
     return JobSpec(
@@ -174,7 +190,8 @@ def spec_from_ads(
         slot=str(machine.get("Name", "")),
         min_compute=int(_number(job_ad, "MigdMinCompute", 0.0) or 0),
         mode=mode,
-        gpus=tuple(dict.fromkeys(gpus)) if gpus else None,
+        gpus=gpus_kept,
+        gpu_count=count,
         max_restarts=int(_number(job_ad, "MigdMaxRestarts", 3.0) or 0),
         early_restart=_flag(job_ad, "MigdEarlyRestart"),
         horizon=horizon,
@@ -205,6 +222,7 @@ def spec_from_flags(
     horizon: float | None = None,
     growth_factor: float = 0.0,
     wait_s: float | None = None,
+    gpu_count: int = 1,
 ) -> JobSpec:
     """The request of ``migd-run --gpu-memory 10G -- cmd ...``.
 
@@ -218,6 +236,13 @@ def spec_from_flags(
     memory = parse_mib(gpu_memory)
     if memory <= 0:
         raise InvalidRequest("--gpu-memory must be more than 0")
+    if not 1 <= gpu_count <= 64:
+        raise InvalidRequest(f"--gpus must be 1 to 64, got {gpu_count}")
+    if gpu_count > 1 and mode == "mps":
+        raise InvalidRequest(
+            "--gpus above 1 cannot use MPS shares (one process reaches one MPS server)",
+            hint="use --mode mig or auto",
+        )
     return JobSpec(
         command=tuple(command),
         job_id=job_id,
@@ -225,6 +250,7 @@ def spec_from_flags(
         mode=mode,
         min_compute=min_compute,
         gpus=tuple(gpus) if gpus else None,
+        gpu_count=gpu_count,
         max_restarts=max_restarts,
         early_restart=early_restart,
         horizon=horizon,

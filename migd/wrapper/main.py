@@ -135,6 +135,13 @@ def run_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="auto", choices=["auto", "mig", "mps"])
     parser.add_argument("--min-compute", type=int, default=0, help="minimum MIG compute slices")
     parser.add_argument("--gpu", action="append", default=None, help="restrict to this GPU")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="partitions on N GPUs, all or none, each of --gpu-memory (with N --gpu: one each)",
+    )
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--early-restart", action="store_true", help="use the memory forecast")
     parser.add_argument("--horizon", type=float, default=None, help="total iterations or seconds")
@@ -153,6 +160,7 @@ def run_main(argv: list[str] | None = None) -> int:
             mode=args.mode,
             min_compute=args.min_compute,
             gpus=args.gpu,
+            gpu_count=args.gpus,
             max_restarts=args.max_restarts,
             early_restart=args.early_restart,
             horizon=args.horizon,

@@ -272,7 +272,8 @@ class JobRunner:
             # What the job holds now, in its ad (condor_q, condor_history): the slot's VRAM
             # keeps the size it was matched with, even after a restart on a bigger partition.
             self._chirp(partition_attrs(lease, restarts))
-            limit = int(lease.get("memory_limit_mib") or memory)
+            # Per GPU; a multi-GPU job's smallest partition is the one it outgrows first.
+            limit = min(int(m.get("memory_limit_mib") or memory) for m in _members(lease))
             try:
                 attempt = self._supervise(lease)
                 # While the lease is still active, migd hears what the wrapper knows the
@@ -450,7 +451,10 @@ class JobRunner:
                 best = size
         return best
 
-    def _where(self, lease: dict[str, Any]) -> str:
+    def _where(self, lease: Mapping[str, Any]) -> str:
+        members = _members(lease)
+        if len(members) > 1:
+            return f"{len(members)} GPUs: " + "; ".join(self._where(m) for m in members)
         if lease.get("profile"):
             return (
                 f"{lease['profile']} ({lease.get('memory_limit_mib')} MiB, GPU {lease.get('gpu')})"
@@ -494,7 +498,16 @@ class JobRunner:
         )
 
     def _lease_view(self, lease: dict[str, Any]) -> dict[str, Any] | None:
-        """The lease as migd sees it now, or ``None`` when migd cannot be asked."""
+        """The lease as migd sees it now, or ``None`` when migd cannot be asked. Of a
+        multi-GPU job's group: the first member migd no longer holds active, else the
+        first member (one taken back stops the whole job)."""
+        views = [self._member_view(member) for member in _members(lease)]
+        for view in views:
+            if view is not None and view.get("state") != "active":
+                return view
+        return views[0]
+
+    def _member_view(self, lease: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
             view: dict[str, Any] = self.client.call(
                 "get_lease", lease_id=lease["lease_id"], timeout_s=10.0
@@ -579,11 +592,19 @@ class JobRunner:
                 "mode": spec.mode,
                 "gpus": list(spec.gpus) if spec.gpus else None,
                 "wait_s": wait,
+                # Sent only for several GPUs: a one-GPU request stays what older daemons
+                # take (docs/api.md, "Several GPUs per job").
+                "gpu_count": spec.gpu_count if spec.gpu_count > 1 else None,
             }
             cgroup = own_cgroup()
             try:
                 lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
             except ProtocolError as exc:
+                if "gpu_count" in exc.message:
+                    raise WrapperFailure(
+                        f"migd on this node is too old to give a job {spec.gpu_count} GPUs "
+                        f"({exc.message}); upgrade migd, or ask for one GPU"
+                    ) from exc
                 # A daemon older than the field refuses it as unknown (a package upgrade
                 # replaces this wrapper before migd restarts): ask again without it; the
                 # per-process MPS limit still holds.
@@ -617,6 +638,16 @@ class JobRunner:
         return lease
 
     def _release(self, lease: dict[str, Any], reason: str) -> dict[str, Any]:
+        """Release the lease (every lease of a multi-GPU job's group); the reply of the
+        first, with the highest peak of any."""
+        results = [self._release_one(member, reason) for member in _members(lease)]
+        peaks = [r["peak_used_mib"] for r in results if isinstance(r.get("peak_used_mib"), int)]
+        result = dict(results[0])
+        if peaks:
+            result["peak_used_mib"] = max(peaks)
+        return result
+
+    def _release_one(self, lease: Mapping[str, Any], reason: str) -> dict[str, Any]:
         try:
             result: dict[str, Any] = self.client.release(lease["lease_id"], reason=reason)
             return result
@@ -657,6 +688,8 @@ class JobRunner:
         env = dict(os.environ)
         extra = dict(lease.get("env") or {})
         extra["MIGD_LEASE_ID"] = lease["lease_id"]
+        if lease.get("group"):
+            extra["MIGD_LEASE_IDS"] = ",".join(m["lease_id"] for m in _members(lease))
         extra["MIGD_GPU_MEMORY_LIMIT_MIB"] = str(lease.get("memory_limit_mib") or "")
         if memstats is not None:
             extra["MIGD_MEMSTATS_FILE"] = str(memstats)
@@ -800,7 +833,13 @@ class JobRunner:
                 out.flush()
 
     def _usage(self, lease: dict[str, Any], job_pgid: int) -> int | None:
-        """The job's GPU memory now (MiB), or ``None`` when it cannot be told apart."""
+        """The job's GPU memory now (MiB), or ``None`` when it cannot be told apart; of a
+        multi-GPU job, the most on any one of its GPUs (limits are per GPU)."""
+        used = [self._member_usage(member, job_pgid) for member in _members(lease)]
+        known = [u for u in used if u is not None]
+        return max(known) if known else None
+
+    def _member_usage(self, lease: Mapping[str, Any], job_pgid: int) -> int | None:
         try:
             usage = self.client.call("usage", lease_id=lease["lease_id"], timeout_s=10.0)
         except MigdError:
@@ -867,3 +906,9 @@ class JobRunner:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGKILL)
+
+
+def _members(lease: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The leases a grant holds: a multi-GPU job's group, in GPU order, else itself."""
+    group = lease.get("group")
+    return list(group) if isinstance(group, list) and group else [lease]

@@ -22,6 +22,7 @@ import pytest
 from condor_pool import CondorChroot, PersonalPool
 
 from migd.backends.simulated.hardware import MIG_IDLE_USED_MIB
+from migd.core.condor_shares import physical_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = "/opt/migd"  # the venv the migd package installs
@@ -433,3 +434,41 @@ def test_a_lease_migd_takes_back_requeues_the_job_with_the_reason(
     assert "Job was evicted" in log, log
     [first, _] = migd.job_leases(lease["job_id"])
     assert first["end_reason"] == "admin_release"
+
+
+def test_request_gpus_two_gets_a_partition_on_each_assigned_gpu(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    """``request_GPUs = 2`` (issue 22, pool scenario n6): two partitions, one behind each
+    share HTCondor assigned, both in the job's CUDA_VISIBLE_DEVICES; condor_history
+    records the assigned shares (job_machine_attrs) and a clean exit."""
+    pool = gpu_pool(personal_pool)
+    migd_slots(pool)
+    job = simjob(
+        4000,
+        *("--print-env", "--start", "1G", "--steps", "1"),
+        request_GPUs="2",
+        job_machine_attrs="AssignedGPUs",
+    )
+    cluster = pool.submit(job)
+    [ad] = pool.wait(cluster, timeout=180)
+    err = pool.job_error(cluster)
+    assert ad["ExitCode"] == 0, err
+    assigned = [s.strip() for s in str(ad["MachineAttrAssignedGPUs0"]).split(",")]
+    assert len(assigned) == 2, ad
+    print(f"request_GPUs = 2: HTCondor assigned {assigned}")  # one GPU or two: both served
+    env = dict(line.split("=", 1) for line in pool.job_output(cluster).splitlines() if "=" in line)
+    devices = env["CUDA_VISIBLE_DEVICES"].split(",")
+    assert len(devices) == 2 and len(set(devices)) == 2, env
+    assert all(d.startswith("MIG-") for d in devices), env
+    assert env["APPTAINERENV_CUDA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"]
+    assert len(env["MIGD_LEASE_IDS"].split(",")) == 2
+    leases = migd.job_leases(ad["GlobalJobId"])
+    assert len(leases) == 2, leases
+    by_device = {x["mig_uuid"]: x for x in leases}
+    assert set(by_device) == set(devices), leases
+    # member i on the GPU behind the i-th assigned share, in CUDA_VISIBLE_DEVICES order
+    for share, device in zip(assigned, devices, strict=True):
+        assert by_device[device]["gpu_uuid"].startswith(physical_gpu(share)), (share, leases)
+    assert all(x["profile"] == "1g.5gb" for x in leases)  # 4000 MiB per GPU, not in total
+    assert migd.leases() == []

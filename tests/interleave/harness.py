@@ -151,6 +151,7 @@ WEIGHTS = {
     "xid_clear": 3,
     "reset": 1,
     "restart": 1,
+    "submit_group": 6,
 }
 
 
@@ -183,6 +184,10 @@ class World:
     steps: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)
     executors: dict[int, SteppedExecutor] = field(default_factory=dict)
+    # Jobs on several GPUs (lease groups): off unless a test asks (the seeds of the
+    # one-GPU runs keep their sequences); each group's member lease ids.
+    group_size: int = 0
+    groups: list[list[str]] = field(default_factory=list)
     _n: int = 0
 
     def __post_init__(self) -> None:
@@ -332,6 +337,8 @@ class World:
             if stepped.pending:
                 out.append(("gpu", index))
         out.append(("submit", None))
+        if self.group_size:
+            out.append(("submit_group", None))
         out.append(("reaper", None))
         out.append(("timers", None))
         out.append(("restart", None))
@@ -374,6 +381,32 @@ class World:
         if outcome.refusal is None:
             self.jobs[lease.lease_id] = Job(lease.lease_id, holder, 20_000 + n)
         return f"L{n} {memory} MiB"
+
+    def _do_submit_group(self, _: Any) -> str:
+        """A job on ``group_size`` GPUs: one lease per GPU, submitted as a group."""
+        self._n += 1
+        n = self._n
+        memory = self.rng.choice([1000, 4000, 9000, 19000])
+        holder = 10_000 + n
+        members = [
+            Lease(
+                f"L{n}g{i}",
+                LeaseRequest(f"{n}.0", memory, wait_s=3600),
+                1000,
+                holder,
+                self.clock.now(),
+                owner_start_s=1.0,
+            )
+            for i in range(self.group_size)
+        ]
+        d = self.daemon
+        outcome = d.ctx.sched.submit_group(members, self.clock.now(), self.clock.monotonic())
+        d.leases.apply(outcome)
+        if outcome.refusal is None:
+            self.groups.append([m.lease_id for m in members])
+            for i, m in enumerate(members):
+                self.jobs[m.lease_id] = Job(m.lease_id, holder, 30_000 + 10 * n + i)
+        return f"L{n}g* {self.group_size} x {memory} MiB"
 
     def _do_start_job(self, job: Job) -> str:
         lease = self._lease(job)
@@ -501,6 +534,16 @@ class World:
                         f"{lease.mig_uuid} is granted to {lease.lease_id} while a process of "
                         f"{owner} (pid {proc.pid}) runs on it"
                     )
+        for group in self.groups:
+            # All or none: no member holds a partition while another still waits.
+            states = [(sched.leases.get(i) or self.daemon.ctx.db.get_lease(i)) for i in group]
+            waiting = any(m is not None and m.state is LeaseState.QUEUED for m in states)
+            holding = [m.lease_id for m in states if m is not None and m.state.holds_resources]
+            if waiting and holding:
+                self.fail(f"group {group}: {holding} hold partitions while another waits")
+            gpus = [m.gpu for m in states if m is not None and m.state.holds_resources]
+            if len(set(gpus)) != len(gpus):
+                self.fail(f"group {group}: two members on one GPU ({gpus})")
         for index in sched.gpus:
             present = self.gpu_uuids(index)
             for proc in self.node.procs.by_pid.values():
@@ -531,10 +574,12 @@ class World:
                 )
 
 
-def run_seed(seed: int, tmp: Path, steps: int) -> World:
+def run_seed(
+    seed: int, tmp: Path, steps: int, description: str = "1xA100-40GB", group_size: int = 0
+) -> World:
     """Run one seeded interleaving of ``steps`` steps, checking after each; raises
     :class:`Violation`."""
-    world = World(seed, tmp)
+    world = World(seed, tmp, description, group_size=group_size)
     try:
         world.check()
         for _ in range(steps):

@@ -42,6 +42,18 @@ def test_seeded_interleavings_keep_every_invariant(chunk: int, tmp_path: Path) -
             run_seed(seed, where, STEPS)
 
 
+@pytest.mark.parametrize("chunk", range(2))
+def test_seeded_interleavings_with_multi_gpu_jobs(chunk: int, tmp_path: Path) -> None:
+    """On two GPUs, with jobs on both (lease groups) among one-GPU jobs: besides every
+    invariant above, no member of a group holds a partition while another waits, and
+    no two members share a GPU."""
+    with quiet_logs():
+        for seed in range(chunk, SEEDS // 5, 2):
+            where = tmp_path / str(seed)
+            where.mkdir()
+            run_seed(seed, where, STEPS, "2xA100-40GB", group_size=2)
+
+
 def test_a_grant_made_while_the_reaper_reads_the_gpu_is_not_reclaimed(tmp_path: Path) -> None:
     """Seed 19 before the fix (step 40): the reaper's resync read the GPU, a create
     finished and was granted, then the read was applied and the new instance counted

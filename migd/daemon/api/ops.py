@@ -30,6 +30,7 @@ from migd.api import (
     ReportRequest,
     StatusRequest,
 )
+from migd.core.groups import merge_environments
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
@@ -217,6 +218,8 @@ class Ops:
             mps_clients=req.mps_clients,
             mps_thread_percentage=req.mps_thread_percentage,
         )
+        if req.gpu_count > 1:
+            return await self._lease_group(request, req, call, holder)
         deadline = ctx.clock.monotonic() + wait_s
         while True:
             lease, first_state = await self._grant(request, call, holder)
@@ -231,6 +234,111 @@ class Ops:
         view["queued"] = first_state is LeaseState.QUEUED
         view["prepared"] = first_state is LeaseState.PREPARING
         return view
+
+    async def _lease_group(
+        self, request: LeaseRequest, req: LeaseRequestMsg, call: Call[LeaseRequestMsg], holder: int
+    ) -> dict[str, Any]:
+        """A job on ``req.gpu_count`` GPUs: one lease per GPU, granted all or none.
+
+        The reply is the first member's lease view with ``group`` (every member's view,
+        in order) and ``env`` for the job's one process (every device listed:
+        :func:`migd.core.groups.merge_environments`). Whatever ends the wait for one
+        member (a refusal, the client gone, a failed partition) releases them all.
+        """
+        ctx = self.ctx
+        count = req.gpu_count
+        if request.mode == "mps":
+            raise InvalidRequest(
+                f"a job on {count} GPUs cannot run on MPS shares: one process reaches one "
+                "MPS server (one CUDA_MPS_PIPE_DIRECTORY)",
+                hint='ask for mode "mig" or "auto" (MigdMode, migd-run --mode)',
+            )
+        gpus = list(req.gpus or [])
+        if len(gpus) == count:  # member i on the i-th GPU HTCondor assigned
+            requests = [dataclasses.replace(request, gpu_uuids=(g,)) for g in gpus]
+        else:  # any GPUs of these (or of the node), one each
+            requests = [request] * count
+        deadline = ctx.clock.monotonic() + (request.wait_s or 0.0)
+        while True:
+            members, first_state = await self._grant_group(requests, call, holder)
+            handed = [await check_handout(ctx, self.executor, self.leases, m) for m in members]
+            if all(handed):
+                break
+            # A late orphan on one member's reused instance (that member is released and
+            # its instance quarantined): the others go too, and the group asks again.
+            self._release_group(members, "another GPU of the job's group was not clean")
+            left = max(0.0, deadline - ctx.clock.monotonic())
+            requests = [dataclasses.replace(r, wait_s=left) for r in requests]
+        try:
+            for member in members:
+                await self.mps.ensure(member, cgroup=req.cgroup)
+            env = merge_environments(members)
+        except MigdError:
+            self._release_group(members, "the job's GPUs could not be combined")
+            raise
+        view = self.lease_view(members[0], call.peer)
+        view["group"] = [self.lease_view(m, call.peer) for m in members]
+        if "env" in view:
+            view["env"] = env
+        view["queued"] = first_state is LeaseState.QUEUED
+        view["prepared"] = first_state is LeaseState.PREPARING
+        return view
+
+    def _release_group(self, members: list[Lease], reason: str) -> None:
+        for member in members:
+            self.leases.release(member, reason)
+
+    async def _grant_group(
+        self, requests: list[LeaseRequest], call: Call[LeaseRequestMsg], holder: int
+    ) -> tuple[list[Lease], LeaseState]:
+        """Submit a group's leases and wait until every one is active (as :meth:`_grant`
+        for one); also the first member's first state."""
+        ctx, peer = self.ctx, call.peer
+        now, mono = ctx.now()
+        members = [
+            Lease(
+                lease_id=f"{int(now)}-{secrets.token_hex(4)}",
+                request=request,
+                owner_uid=peer.uid,
+                owner_pid=holder,
+                owner_start_s=ctx.procs.start_time(holder),
+                created_s=now,
+            )
+            for request in requests
+        ]
+        ctx.db.require_writable()
+        try:
+            outcome = ctx.sched.submit_group(members, now, mono)
+        except MigdError as refusal:
+            self.leases.refused(refusal)
+            raise
+        if outcome.refusal is not None:
+            self.leases.refused(outcome.refusal)
+            self.leases.apply(outcome)
+            raise outcome.refusal
+        group = [m.lease_id for m in members]
+        for member in members:
+            self.leases.record(
+                "submitted",
+                member,
+                memory_mib=member.request.memory_mib,
+                mode=member.request.mode,
+                uid=peer.uid,
+                state=member.state.value,
+                queued_position=outcome.queued_position,
+                group=group,
+            )
+        self.leases.apply(outcome)
+        first_state = members[0].state
+        wait_s = requests[0].wait_s or 0.0
+        try:
+            for i, member in enumerate(members):
+                if member.state is not LeaseState.ACTIVE:
+                    members[i] = await self.leases.wait_active(member, call.reader, wait_s)
+        except MigdError:
+            self._release_group(members, "another GPU of the job's group was not granted")
+            raise
+        return members, first_state
 
     async def _grant(
         self, request: LeaseRequest, call: Call[LeaseRequestMsg], holder: int
