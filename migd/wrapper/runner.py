@@ -74,6 +74,7 @@ from migd.wrapper.exit_status import (
 from migd.wrapper.jobspec import JobSpec
 from migd.wrapper.settings import WrapperSettings
 from migd.wrapper.signals import ForwardPlan, forward_plan, under_pid_ns_init
+from migd.wrapper.wait_notice import WaitNotice, wait_reason
 
 OOM_EXIT_CODE = 86
 LEASE_LOST_EXIT_CODE = 85
@@ -655,16 +656,21 @@ class JobRunner:
                 "wait_s": wait,
             }
             cgroup = own_cgroup()
-            try:
-                lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
-            except ProtocolError as exc:
-                # A daemon older than the field refuses it as unknown (a package upgrade
-                # replaces this wrapper before migd restarts): ask again without it; the
-                # per-process MPS limit still holds.
-                if cgroup is None or "cgroup" not in exc.message:
-                    raise
-                self.debug("migd does not take the job's cgroup yet; asking without it")
-                lease = self.client.lease(**fields)
+            notice = WaitNotice(
+                self.settings.section.wait_notice_s,
+                lambda since: self._announce_wait(since, memory),
+            )
+            with notice:
+                try:
+                    lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
+                except ProtocolError as exc:
+                    # A daemon older than the field refuses it as unknown (a package
+                    # upgrade replaces this wrapper before migd restarts): ask again
+                    # without it; the per-process MPS limit still holds.
+                    if cgroup is None or "cgroup" not in exc.message:
+                        raise
+                    self.debug("migd does not take the job's cgroup yet; asking without it")
+                    lease = self.client.lease(**fields)
         except RequestTooLarge as exc:
             if first:
                 raise WrapperFailure(
@@ -683,12 +689,27 @@ class JobRunner:
             raise WrapperFailure(f"migd refused the job: {exc.message}") from exc
         finally:
             self._interruptible = False
+        if notice.fired:
+            waited = round(notice.waited_s())
+            self.say(f"waited {waited} s for the partition")
+            self._chirp({"MigdWaitReason": "", "MigdWaitedSeconds": waited})
         decision = lease.get("decision") or {}
         self.say(
             f"lease {lease['lease_id']}: {self._where(lease)}"
             + (f"; {decision['reason']}" if decision.get("reason") else "")
         )
         return lease
+
+    def _announce_wait(self, since: float, memory: int) -> None:
+        """Still waiting for the partition: say so (stderr, job ad); from the notice's
+        thread while the lease call blocks, so it never raises."""
+        try:
+            reason = wait_reason(self.client.status(), self.spec.job_id, memory, self.spec.gpus)
+        except MigdError as exc:
+            reason = f"no free partition of {memory} MiB yet (migd status: {exc.message})"
+        stamp = time.strftime("%H:%M:%S UTC", time.gmtime(since))
+        self.say(f"waiting inside migd since {stamp}: {reason}")
+        self._chirp({"MigdWaitingSince": int(since), "MigdWaitReason": reason[:500]})
 
     def _release(self, lease: dict[str, Any], reason: str) -> dict[str, Any]:
         try:

@@ -75,7 +75,12 @@ def recorder(marker: Path, exit_on: str, code: int) -> str:
 
 
 def start(
-    daemon: DaemonProcess, tmp_path: Path, ad_text: str, *command: str, outer: list[str] = ()
+    daemon: DaemonProcess,
+    tmp_path: Path,
+    ad_text: str,
+    *command: str,
+    outer: list[str] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     ad = tmp_path / "job.ad"
     ad.write_text(ad_text)
@@ -95,6 +100,7 @@ def start(
             "_CONDOR_PID_NS_INIT_STATUS_FILENAME": str(scratch / ".condor_pid_ns_status"),
             "MIGD_API_SOCKET": str(daemon.socket_path),
             "MIGD_SAMPLE_INTERVAL_S": "0.1",
+            **(env or {}),
         },
     )
 
