@@ -50,7 +50,11 @@ class WaitNotice:
 
 
 def wait_reason(status: Mapping[str, Any], job_id: str, memory_mib: int, gpus: Any) -> str:
-    """Why the job waits, in words, from migd's status (its queue head)."""
+    """Why the job waits, in words, from migd's status (its queue head, its GPUs)."""
+    return _queue_reason(status, job_id, memory_mib, gpus) + stranded_note(status, memory_mib, gpus)
+
+
+def _queue_reason(status: Mapping[str, Any], job_id: str, memory_mib: int, gpus: Any) -> str:
     where = f" on GPU {', '.join(map(str, gpus))} (the one HTCondor assigned)" if gpus else ""
     queue = status.get("queue") or []
     summary = status.get("queue_summary") or {}
@@ -63,3 +67,28 @@ def wait_reason(status: Mapping[str, Any], job_id: str, memory_mib: int, gpus: A
                 f"{entry.get('position')}{of} in migd's queue"
             )
     return f"no free partition of {memory_mib} MiB{where} yet (migd is making or freeing one)"
+
+
+def stranded_note(status: Mapping[str, Any], memory_mib: int, gpus: Any) -> str:
+    """When the job is pinned to GPUs that cannot place it while another GPU of this node
+    could now: say so (HTCondor's share assignment and claim reuse put it there,
+    docs/htcondor-notes.md (t)); else ''."""
+    if not gpus:
+        return ""
+    pinned = {str(g) for g in gpus}
+    could = []
+    for gpu in status.get("gpus") or []:
+        if not isinstance(gpu, dict) or gpu.get("healthy") is False:
+            continue
+        uuid, index = str(gpu.get("uuid", "")), str(gpu.get("index"))
+        if any(uuid.startswith(p) or p == index for p in pinned):
+            continue
+        placeable = (gpu.get("largest_placeable") or {}).get("memory_mib", 0)
+        if isinstance(placeable, int) and placeable >= memory_mib:
+            could.append(index)
+    if not could:
+        return ""
+    return (
+        f"; GPU {', '.join(could)} of this node could serve it now, but HTCondor assigned "
+        "this slot a share of the busy one (docs/htcondor-notes.md (t))"
+    )

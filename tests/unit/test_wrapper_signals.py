@@ -126,3 +126,31 @@ def test_job_ad_checkpoint_and_signal_fields() -> None:
     )
     assert by_signal.checkpoint_exit_signal == signal.SIGUSR1
     assert by_signal.checkpoint_exit_code is None
+
+
+def _status(queue_job: str | None) -> dict[str, object]:
+    gpus = [
+        {"index": 0, "uuid": "GPU-aaaa1111-x", "healthy": True, "largest_placeable": None},
+        {
+            "index": 1,
+            "uuid": "GPU-bbbb2222-y",
+            "healthy": True,
+            "largest_placeable": {"memory_mib": 40448, "profile": "7g.40gb"},
+        },
+    ]
+    queue = [{"job_id": queue_job, "position": 2}] if queue_job else []
+    return {"gpus": gpus, "queue": queue, "queue_summary": {"length": 3}}
+
+
+def test_wait_reason_names_the_queue_place_and_a_gpu_that_could_serve_now() -> None:
+    from migd.wrapper.wait_notice import wait_reason
+
+    reason = wait_reason(_status("7.0"), "7.0", 40000, ("GPU-aaaa1111",))
+    assert "no free partition of 40000 MiB on GPU GPU-aaaa1111" in reason
+    assert "position 2 of 3 in migd's queue" in reason
+    # HTCondor pinned it to the busy GPU while GPU 1 is free (issue 22 §7)
+    assert "GPU 1 of this node could serve it now" in reason
+    # not pinned, or nothing else fits: no such note
+    assert "could serve" not in wait_reason(_status(None), "7.0", 40000, None)
+    assert "could serve" not in wait_reason(_status(None), "7.0", 50000, ("GPU-aaaa1111",))
+    assert "making or freeing one" in wait_reason(_status(None), "7.0", 50000, None)
