@@ -23,8 +23,8 @@ KillSig            ``kill_sig``: sent first when migd takes the lease     SIGTER
 RemoveKillSig,     further signals the starter may send (condor_rm,       none
 HoldKillSig,       condor_hold, the periodic checkpoint): the wrapper
 CheckpointSig      passes each on to the job (migd.wrapper.signals)
-CheckpointExitCode ``checkpoint_exit_code``: that exit (or                none
-(-BySignal,        ``CheckpointExitSignal``) is a checkpoint, passed
+SuccessCheckpoint- ``checkpoint_exit_code``: that exit (or               none
+ExitCode (-BySig-  ``...ExitSignal``) is a checkpoint, passed
 -Signal)           through at once, never an out-of-memory failure
 MigdCheckpointVRAM the partition (MiB) the job held at its last           none
                    checkpoint: the run after it asks for at least that
@@ -218,15 +218,16 @@ def spec_from_ads(
 
 
 def _checkpoint(job_ad: Mapping[str, Any]) -> dict[str, Any]:
-    """What makes an exit a checkpoint: ``CheckpointExitCode``, or with
-    ``CheckpointExitBySignal`` the ``CheckpointExitSignal`` (condor_submit's
-    ``checkpoint_exit_code``; the starter compares the job's status with it)."""
+    """What makes an exit a checkpoint: ``SuccessCheckpointExitCode``, or with
+    ``SuccessCheckpointExitBySignal`` the ``SuccessCheckpointExitSignal`` (what
+    condor_submit 23.9 writes for ``checkpoint_exit_code``; the starter's
+    ``computeDesiredExitStatus("Checkpoint", ...)`` compares the job's status with it)."""
     code = signum = None
-    if _flag(job_ad, "CheckpointExitBySignal"):
-        number = signal_number(job_ad.get("CheckpointExitSignal"), default=0)
+    if _flag(job_ad, "SuccessCheckpointExitBySignal"):
+        number = signal_number(job_ad.get("SuccessCheckpointExitSignal"), default=0)
         signum = number or None
     else:
-        value = _number(job_ad, "CheckpointExitCode", None)
+        value = _number(job_ad, "SuccessCheckpointExitCode", None)
         code = int(value) if value is not None else None
     return {
         "checkpoint_exit_code": code,

@@ -284,7 +284,7 @@ def test_checkpoint_exit_passes_through_and_the_next_run_asks_for_as_much(
         f'echo "$@" >> {calls}'
     )
     env = fake_chirp(tmp_path, body)
-    ad = AD + "CheckpointExitCode = 85\nWantFTOnCheckpoint = true\n"
+    ad = AD + "SuccessCheckpointExitCode = 85\nWantFTOnCheckpoint = true\n"
     result, _ = wrapper(daemon, tmp_path, ad, "/bin/sh", "-c", OOM_THEN_CHECKPOINT, env=env)
     assert result.returncode == 85, result.stderr
     assert "restarting" not in result.stderr and "exited to checkpoint" in result.stderr

@@ -108,7 +108,7 @@ def test_job_ad_checkpoint_and_signal_fields() -> None:
         ["job"],
         {
             **base,
-            "CheckpointExitCode": 85,
+            "SuccessCheckpointExitCode": 85,
             "MigdCheckpointVRAM": 9984,
             "KillSig": "SIGALRM",
             "CheckpointSig": "SIGUSR2",
@@ -121,7 +121,7 @@ def test_job_ad_checkpoint_and_signal_fields() -> None:
     assert spec.stop_signals == {signal.SIGALRM}
     by_signal = spec_from_ads(
         ["job"],
-        {**base, "CheckpointExitBySignal": True, "CheckpointExitSignal": 10},
+        {**base, "SuccessCheckpointExitBySignal": True, "SuccessCheckpointExitSignal": 10},
         None,
     )
     assert by_signal.checkpoint_exit_signal == signal.SIGUSR1
