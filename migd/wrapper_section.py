@@ -43,8 +43,7 @@ class WrapperSection(BaseModel):
     wait_notice_s: float = Field(
         5.0,
         ge=0,
-        description="a job still waiting for its partition after this long says so "
-        "(stderr, MigdWaitingSince and MigdWaitReason in the job ad)",
+        description="a job still waiting for its partition after this long says so",
     )
     log_level: Literal["info", "debug"] = Field(
         "info", description="debug: also log forecast decisions that do not fire, with the fit"
