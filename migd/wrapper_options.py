@@ -75,6 +75,7 @@ RULES: dict[str, Rule] = {
     "term_grace_s": Rule("float", ge=0),
     "restart_wait_s": Rule("float", ge=0),
     "chirp_timeout_s": Rule("float", gt=0),
+    "wait_notice_s": Rule("float", ge=0),
     "log_level": Rule("choice", choices=("info", "debug")),
     "decision_log_interval_s": Rule("float", ge=0),
     "forecast_confidence": Rule("float", gt=0.5, lt=1.0),
@@ -107,6 +108,7 @@ class WrapperOptions:
     term_grace_s: float = 10.0
     restart_wait_s: float = 600.0
     chirp_timeout_s: float = 30.0
+    wait_notice_s: float = 5.0
     log_level: Literal["info", "debug"] = "info"
     decision_log_interval_s: float = 60.0
     forecast_confidence: float = 0.99

@@ -40,6 +40,11 @@ class WrapperSection(BaseModel):
     chirp_timeout_s: float = Field(
         30.0, gt=0, description="longest one condor_chirp update of the job ad may take"
     )
+    wait_notice_s: float = Field(
+        5.0,
+        ge=0,
+        description="a job still waiting for its partition after this long says so",
+    )
     log_level: Literal["info", "debug"] = Field(
         "info", description="debug: also log forecast decisions that do not fire, with the fit"
     )

@@ -126,6 +126,49 @@ def set_job_attrs(attrs: Mapping[str, str | int | bool], *, timeout_s: float = 3
     return binary
 
 
+def get_job_attr(name: str, *, timeout_s: float = 30.0) -> str | None:
+    """``condor_chirp get_job_attr NAME``: the attribute as the shadow has it now (what
+    an earlier run of this job chirped), as ClassAd text; ``None`` when undefined.
+
+    Raises:
+        ChirpError: chirp is not available, timed out or failed.
+    """
+    first_error: Exception | None = None
+    if os.environ.get("_CONDOR_CHIRP_CONFIG"):
+        try:
+            from htcondor2 import htchirp
+
+            with htchirp.HTChirp() as chirp:
+                value = chirp.get_job_attr(name)
+            return _defined(str(value))
+        except Exception as exc:  # the bindings raise plain OSError/RuntimeError/...
+            first_error = exc
+    binary = shutil.which("condor_chirp") or next(
+        (c for c in CHIRP_CANDIDATES if Path(c).exists()), None
+    )
+    if binary is None:
+        raise ChirpError(
+            f"cannot read {name}: no chirp ({first_error or 'no _CONDOR_CHIRP_CONFIG'})",
+            hint="submit with `+WantIOProxy = true`",
+        )
+    try:
+        rc, stdout, stderr = _run_tool([binary, "get_job_attr", name], timeout_s)
+    except OSError as exc:
+        raise ChirpError(f"cannot run {binary}: {exc.strerror or exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ChirpError(
+            f"condor_chirp get_job_attr {name} did not answer within {timeout_s:g} s"
+        ) from exc
+    if rc != 0:
+        raise ChirpError(f"condor_chirp get_job_attr {name} failed: {stderr.strip() or rc}")
+    return _defined(stdout)
+
+
+def _defined(text: str) -> str | None:
+    value = text.strip()
+    return None if value in ("", "UNDEFINED", "undefined") else value
+
+
 OFFLINE_FILE_HEADER = """\
 # Written by migd: the HTCondor GPU IDs of the GPUs migd has taken out of service (a
 # health condition such as an XID, or `migctl drain`). The shipped 10-migd-execute.config

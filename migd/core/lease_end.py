@@ -105,10 +105,9 @@ def signal_number(value: str | int | None, default: int = signal.SIGTERM) -> int
         return int(default)
     if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
         number = int(value)
-        try:
-            return int(signal.Signals(number))
-        except ValueError:
-            return int(default)
+        # (real-time signals are valid numbers without a Signals member)
+        valid = {int(s) for s in signal.valid_signals()} - {0}
+        return number if number in valid else int(default)
     name = str(value).strip().upper()
     if not name.startswith("SIG"):
         name = "SIG" + name

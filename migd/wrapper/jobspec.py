@@ -22,6 +22,14 @@ MigdWaitSeconds    how long to wait for a partition                      daemon'
 WantIOProxy        lets the wrapper update RequestVRAM through chirp      false
 KillSig            ``kill_sig``: sent first when migd takes the lease     SIGTERM
                    back (then SIGKILL after ``[wrapper] term_grace_s``)
+RemoveKillSig,     further signals the starter may send (condor_rm,       none
+HoldKillSig,       condor_hold, the periodic checkpoint): the wrapper
+CheckpointSig      passes each on to the job (migd.wrapper.signals)
+SuccessCheckpoint- ``checkpoint_exit_code``: that exit (or               none
+ExitCode (-BySig-  ``...ExitSignal``) is a checkpoint, passed
+-Signal)           through at once, never an out-of-memory failure
+MigdCheckpointVRAM the partition (MiB) the job held at its last           none
+                   checkpoint: the run after it asks for at least that
 ================== ===================================================== ============
 
 Attributes the wrapper itself writes through chirp (and reads back on the next
@@ -64,6 +72,7 @@ from migd.core.condor_shares import physical_gpu
 from migd.core.lease_end import signal_number
 from migd.core.units import parse_mib
 from migd.errors import InvalidRequest, JobAdError
+from migd.wrapper.signals import STOP_ATTRS, named_signals
 
 MODES = ("mig", "mps", "auto")
 
@@ -98,6 +107,19 @@ class JobSpec:
     # The job's soft kill signal (HTCondor's kill_sig, KillSig in the job ad): what the
     # wrapper sends first when migd takes the lease back, as HTCondor would on a vacate.
     kill_sig: int = int(signal.SIGTERM)
+    # Every signal the job ad names (KillSig, RemoveKillSig, HoldKillSig, CheckpointSig):
+    # passed on to the job whatever its number; the first three stop it.
+    named_signals: frozenset[int] = frozenset()
+    stop_signals: frozenset[int] = frozenset()
+    # checkpoint_exit_code (or a checkpoint exit by signal): the job's checkpoint exit
+    checkpoint_exit_code: int | None = None
+    checkpoint_exit_signal: int | None = None
+    checkpoint_vram: int = 0  # MigdCheckpointVRAM: the partition at the last checkpoint
+
+    @property
+    def checkpoints(self) -> bool:
+        """The job checkpoints itself (HTCondor restarts it after a checkpoint exit)."""
+        return self.checkpoint_exit_code is not None or self.checkpoint_exit_signal is not None
 
 
 def _number(ad: Mapping[str, Any], key: str, default: float | None) -> float | None:
@@ -206,7 +228,29 @@ def spec_from_ads(
         lease_losses=int(_number(job_ad, "MigdLeaseLosses", 0.0) or 0),
         lease_lost_marker=_flag(job_ad, "MigdLeaseLost"),
         kill_sig=signal_number(job_ad.get("KillSig")),
+        named_signals=named_signals(job_ad),
+        stop_signals=named_signals(job_ad, STOP_ATTRS),
+        **_checkpoint(job_ad),
     )
+
+
+def _checkpoint(job_ad: Mapping[str, Any]) -> dict[str, Any]:
+    """What makes an exit a checkpoint: ``SuccessCheckpointExitCode``, or with
+    ``SuccessCheckpointExitBySignal`` the ``SuccessCheckpointExitSignal`` (what
+    condor_submit 23.9 writes for ``checkpoint_exit_code``; the starter's
+    ``computeDesiredExitStatus("Checkpoint", ...)`` compares the job's status with it)."""
+    code = signum = None
+    if _flag(job_ad, "SuccessCheckpointExitBySignal"):
+        number = signal_number(job_ad.get("SuccessCheckpointExitSignal"), default=0)
+        signum = number or None
+    else:
+        value = _number(job_ad, "SuccessCheckpointExitCode", None)
+        code = int(value) if value is not None else None
+    return {
+        "checkpoint_exit_code": code,
+        "checkpoint_exit_signal": signum,
+        "checkpoint_vram": int(_number(job_ad, "MigdCheckpointVRAM", 0.0) or 0),
+    }
 
 
 def spec_from_flags(

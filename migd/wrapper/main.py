@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from migd.client import MigdClient
 from migd.errors import ConfigError, JobAdError, MigdError
 from migd.wrapper.entry import NeedBindings, PlainAd, exec_job
+from migd.wrapper.exit_status import JobEnd, record_for_starter
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
 from migd.wrapper.runner import JobRunner, StopRequested, WrapperFailure
 from migd.wrapper.settings import load_settings
@@ -25,8 +27,9 @@ from migd.wrapper.settings import load_settings
 WRAPPER_ERROR_ENV = "_CONDOR_WRAPPER_ERROR_FILE"
 
 
-def _fail(message: str, exit_code: int = 1) -> int:
+def _fail(message: str, exit_code: int = 1, command: Sequence[str] = ()) -> int:
     """Say why on stderr and, under HTCondor, in the wrapper error file (one line)."""
+    record_for_starter(JobEnd(exit_code=exit_code), command)  # under condor_pid_ns_init
     line = " ".join(message.split())
     print(f"[migd] {line}", file=sys.stderr, flush=True)
     path = os.environ.get(WRAPPER_ERROR_ENV)
@@ -50,27 +53,32 @@ def _run(spec: JobSpec, socket_path: str | None, notes: list[str] | None = None)
         # get here without this module (migd.wrapper.entry); an ad that entry's parse
         # was not sure of comes this way.
         return exec_job(list(spec.command))
-    from migd.backends.condor import set_job_attrs
+    from migd.backends.condor import get_job_attr, set_job_attrs
 
     try:
         settings = load_settings()
     except ConfigError as exc:
         hint = f" (hint: {exc.hint})" if exc.hint else ""
-        return _fail(f"migd-wrapper: bad setting: {exc.message}{hint}")
+        return _fail(f"migd-wrapper: bad setting: {exc.message}{hint}", command=spec.command)
     runner = JobRunner(
         spec,
         MigdClient(socket_path, timeout_s=30.0),
         settings=settings,
         set_job_attrs=functools.partial(set_job_attrs, timeout_s=settings.section.chirp_timeout_s),
+        get_job_attr=functools.partial(get_job_attr, timeout_s=settings.section.chirp_timeout_s),
     )
     for note in [*(notes or []), *settings.notes]:
         runner.debug(note)
     if settings.sources:
         runner.debug(f"settings from {', '.join(settings.sources)}")
     try:
-        return runner.run()
+        code = runner.run()
+        # Under condor_pid_ns_init the starter reads the job's end from its status file,
+        # not from our exit: where the code is ours (86, 127) it must say so.
+        record_for_starter(JobEnd(exit_code=code), spec.command)
+        return code
     except WrapperFailure as exc:
-        return _fail(exc.message, exc.exit_code)
+        return _fail(exc.message, exc.exit_code, spec.command)
     except StopRequested as exc:
         print(f"[migd] stopped by {exc} before the job started", file=sys.stderr, flush=True)
         runner.reraise(exc.signum)  # so HTCondor sees the signal, as it would from the job
@@ -117,7 +125,10 @@ def wrapper_main(argv: list[str] | None = None) -> int:
             machine_ad = read_ad(machine_path, "machine ad") if machine_path else None
             spec = spec_from_ads(command, job_ad, machine_ad)
     except JobAdError as exc:
-        return _fail(f"migd-wrapper: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""))
+        return _fail(
+            f"migd-wrapper: {exc.message}" + (f" (hint: {exc.hint})" if exc.hint else ""),
+            command=command,
+        )
     return _run(spec, os.environ.get("MIGD_API_SOCKET"), notes)
 
 

@@ -1,10 +1,14 @@
 """Run one job on a migd partition: lease, supervise, detect OOM, restart bigger, release.
 
-The job runs as a child in its own process group; every signal HTCondor sends
-(SIGTERM, SIGINT, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2) is forwarded to that group.
+The job runs as a child in its own process group; every signal HTCondor may send
+(the job ad's kill, remove, hold and checkpoint signals, whatever their numbers,
+and any other catchable signal) is passed on (:mod:`migd.wrapper.signals`).
 Its stderr is teed to ours (the job's error file) through a ring buffer that
 the OOM classifier reads. Exit: the job's exit code, or its signal re-raised on
-ourselves, so HTCondor records what the job did. The lease is released on every
+ourselves, so HTCondor records what the job did (:mod:`migd.wrapper.exit_status`,
+also under ``USE_PID_NAMESPACES``). A checkpoint exit (``checkpoint_exit_code``)
+passes straight through, and the run HTCondor starts after it asks for a
+partition at least as large (``MigdCheckpointVRAM``). The lease is released on every
 path; if we are SIGKILLed, the JOB_EXIT hook and then migd's reaper release it.
 
 Exit codes of our own (documented in docs/wrapper.md):
@@ -60,29 +64,27 @@ from migd.errors import (
     RequestTooLarge,
 )
 from migd.wrapper.cgroup import own_cgroup
+from migd.wrapper.exit_status import (
+    JobEnd,
+    die_of,
+    pid_ns_status_path,
+    read_pid_ns_status,
+    record_for_starter,
+)
 from migd.wrapper.jobspec import JobSpec
 from migd.wrapper.settings import WrapperSettings
+from migd.wrapper.signals import ForwardPlan, forward_plan, under_pid_ns_init
+from migd.wrapper.wait_notice import WaitNotice, wait_reason
 
 OOM_EXIT_CODE = 86
 LEASE_LOST_EXIT_CODE = 85
-FORWARDED_SIGNALS = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGQUIT,
-    signal.SIGHUP,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
-# Signals that mean "HTCondor is stopping this job": never restart after those.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
-# Signals whose disposition cannot be changed: re-raise them without signal.signal().
-UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 ENV_TWINS = ("APPTAINERENV_", "SINGULARITYENV_")
 # The first samples come sooner than sample_interval_s, so a job that fails within
 # seconds still has a measured peak.
 EARLY_SAMPLES_S = (0.25, 0.5, 1.0)
 
 AttrSetter = Callable[[Mapping[str, str | int | bool]], str]
+AttrGetter = Callable[[str], str | None]
 
 
 def partition_attrs(lease: Mapping[str, Any], restarts: int) -> dict[str, str | int | bool]:
@@ -158,18 +160,28 @@ class JobRunner:
         *,
         settings: WrapperSettings | None = None,
         set_job_attrs: AttrSetter | None = None,
+        get_job_attr: AttrGetter | None = None,
         err: IO[bytes] | None = None,
     ) -> None:
         self.spec = spec
         self.client = client
         self.settings = settings or WrapperSettings()
         self.set_job_attrs = set_job_attrs
+        self.get_job_attr = get_job_attr
         self.err = err or sys.stderr.buffer
         self.child: subprocess.Popen[bytes] | None = None
         self.stop_signal: int | None = None
         self._interruptible = False  # a stop signal may abort the current lease wait
         self._old_handlers: dict[int, Any] = {}
         self._chirped: dict[str, str | int | bool] = {}
+        # condor_pid_ns_init (USE_PID_NAMESPACES) between us and the job: it passes the
+        # signals on and writes the job's real end to its status file.
+        self.pid_ns_init = under_pid_ns_init(spec.command, os.environ)
+        self.forward: ForwardPlan = forward_plan(
+            spec.named_signals | {spec.kill_sig},
+            pid_ns_init=self.pid_ns_init,
+            stop=spec.stop_signals | {spec.kill_sig},
+        )
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -187,21 +199,25 @@ class JobRunner:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         del frame
-        if signum in STOP_SIGNALS:
+        stopping = signum in self.forward.stopping
+        if stopping:
             self.stop_signal = signum
         child = self.child
         if child is not None and child.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.pid, signum)
-        elif signum in STOP_SIGNALS and self._interruptible:
+                self.forward.send(child.pid, signum)
+        elif stopping and self._interruptible:
             # Only a wait for a lease is cut short; anywhere else (releasing, between
             # attempts) the run notices stop_signal and ends by re-raising it.
             self._interruptible = False
             raise StopRequested(signum)
 
     def _install_handlers(self) -> None:
-        for sig in FORWARDED_SIGNALS:
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        for sig in sorted(self.forward.forwarded):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (OSError, ValueError):  # reserved here (a libc's real-time signals)
+                continue
 
     def _restore_handlers(self) -> None:
         for sig, handler in self._old_handlers.items():
@@ -212,14 +228,9 @@ class JobRunner:
         """Die of ``signum`` so HTCondor records ExitBySignal like the job's."""
         self._restore_handlers()
         with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-        with contextlib.suppress(OSError, ValueError):
             self.err.flush()
-        if signum not in UNCATCHABLE:
-            signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        time.sleep(1.0)  # the signal is delivered before this returns
-        raise SystemExit(128 + signum)
+        record_for_starter(JobEnd(signum=signum), self.spec.command)
+        die_of(signum)
 
     # -- the whole run ----------------------------------------------------------------------
 
@@ -254,7 +265,7 @@ class JobRunner:
 
     def _run(self) -> int:
         spec = self.spec
-        memory = spec.memory_mib
+        memory = self._resume_size(spec.memory_mib)
         restarts = weak_restarts = 0
         peak = 0
         size: RestartSize | None = None
@@ -262,6 +273,21 @@ class JobRunner:
         while True:
             try:
                 lease = self._acquire(memory, first=size is None)
+            except WrapperFailure as exc:
+                if not (
+                    size is None
+                    and memory > spec.memory_mib
+                    and isinstance(exc.__cause__, RequestTooLarge)
+                ):
+                    raise
+                # Only the size remembered from a checkpoint on another node is too
+                # large here: what the job was matched with still fits.
+                self.say(
+                    f"no partition of the {memory} MiB the last checkpoint held fits here "
+                    f"({exc.__cause__.message}); asking for the {spec.memory_mib} MiB requested"
+                )
+                memory = spec.memory_mib
+                continue
             except _NoBigger as exc:
                 assert size is not None  # only a restart raises it
                 self.say(str(exc))
@@ -304,6 +330,16 @@ class JobRunner:
                 # job's own peak instead.
                 self._chirp({"MigdPeakMB": peak, "GPUsMemoryUsage": peak})
             if attempt.stopped or self.stop_signal is not None:
+                return self._finish(attempt)
+            if attempt.taken_back is None and self._checkpointed(attempt):
+                # HTCondor restarts the job from its checkpoint (the starter runs this
+                # wrapper again): never an out-of-memory failure, whatever its stderr
+                # says, and the next run asks for at least this partition.
+                self._chirp({"MigdCheckpointVRAM": max(limit, memory)})
+                self.say(
+                    f"the job exited to checkpoint ({self._end_text(attempt)}); the run "
+                    f"after it asks for at least {max(limit, memory)} MiB"
+                )
                 return self._finish(attempt)
             plan = attempt.taken_back or self._stop_plan()
             if attempt.taken_back is not None or (
@@ -376,6 +412,45 @@ class JobRunner:
             )
             self._chirp({"RequestVRAM": size.request_mib})
             memory = size.request_mib
+
+    def _resume_size(self, memory: int) -> int:
+        """The size to ask for first: the request, or the partition the job held at its
+        last checkpoint if that is larger (the job resumes with the state it saved)."""
+        if not self.spec.checkpoints:
+            return memory
+        remembered = self.spec.checkpoint_vram
+        if self.spec.under_condor and self.spec.want_chirp and self.get_job_attr is not None:
+            # The sandbox's job ad is the one this claim started with: ask the shadow
+            # for what the checkpoint exit before this run chirped.
+            try:
+                value = self.get_job_attr("MigdCheckpointVRAM")
+            except MigdError as exc:
+                self.debug(f"cannot read MigdCheckpointVRAM: {exc.message}")
+                value = None
+            if value is not None and value.strip().isdigit():
+                remembered = max(remembered, int(value))
+        if remembered > memory:
+            self.say(
+                f"resuming from a checkpoint taken on a {remembered} MiB partition: "
+                f"asking for at least that (request {memory} MiB)"
+            )
+            self._chirped["MigdCheckpointVRAM"] = remembered
+            return remembered
+        return memory
+
+    def _checkpointed(self, attempt: Attempt) -> bool:
+        spec = self.spec
+        if spec.checkpoint_exit_signal is not None:
+            return attempt.signum == spec.checkpoint_exit_signal
+        return spec.checkpoint_exit_code is not None and (
+            attempt.exit_code == spec.checkpoint_exit_code
+        )
+
+    @staticmethod
+    def _end_text(attempt: Attempt) -> str:
+        if attempt.signum is not None:
+            return f"signal {signal.Signals(attempt.signum).name}"
+        return f"exit code {attempt.exit_code}"
 
     def _classify(self, attempt: Attempt, limit: int) -> None:
         if attempt.forecast is not None:
@@ -597,21 +672,26 @@ class JobRunner:
                 "gpu_count": spec.gpu_count if spec.gpu_count > 1 else None,
             }
             cgroup = own_cgroup()
-            try:
-                lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
-            except ProtocolError as exc:
-                if "gpu_count" in exc.message:
-                    raise WrapperFailure(
-                        f"migd on this node is too old to give a job {spec.gpu_count} GPUs "
-                        f"({exc.message}); upgrade migd, or ask for one GPU"
-                    ) from exc
-                # A daemon older than the field refuses it as unknown (a package upgrade
-                # replaces this wrapper before migd restarts): ask again without it; the
-                # per-process MPS limit still holds.
-                if cgroup is None or "cgroup" not in exc.message:
-                    raise
-                self.debug("migd does not take the job's cgroup yet; asking without it")
-                lease = self.client.lease(**fields)
+            notice = WaitNotice(
+                self.settings.section.wait_notice_s,
+                lambda since: self._announce_wait(since, memory),
+            )
+            with notice:
+                try:
+                    lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
+                except ProtocolError as exc:
+                    if "gpu_count" in exc.message:
+                        raise WrapperFailure(
+                            f"migd on this node is too old to give a job {spec.gpu_count} "
+                            f"GPUs ({exc.message}); upgrade migd, or ask for one GPU"
+                        ) from exc
+                    # A daemon older than the field refuses it as unknown (a package
+                    # upgrade replaces this wrapper before migd restarts): ask again
+                    # without it; the per-process MPS limit still holds.
+                    if cgroup is None or "cgroup" not in exc.message:
+                        raise
+                    self.debug("migd does not take the job's cgroup yet; asking without it")
+                    lease = self.client.lease(**fields)
         except RequestTooLarge as exc:
             if first:
                 raise WrapperFailure(
@@ -630,12 +710,27 @@ class JobRunner:
             raise WrapperFailure(f"migd refused the job: {exc.message}") from exc
         finally:
             self._interruptible = False
+        if notice.fired:
+            waited = round(notice.waited_s())
+            self.say(f"waited {waited} s for the partition")
+            self._chirp({"MigdWaitReason": "", "MigdWaitedSeconds": waited})
         decision = lease.get("decision") or {}
         self.say(
             f"lease {lease['lease_id']}: {self._where(lease)}"
             + (f"; {decision['reason']}" if decision.get("reason") else "")
         )
         return lease
+
+    def _announce_wait(self, since: float, memory: int) -> None:
+        """Still waiting for the partition: say so (stderr, job ad); from the notice's
+        thread while the lease call blocks, so it never raises."""
+        try:
+            reason = wait_reason(self.client.status(), self.spec.job_id, memory, self.spec.gpus)
+        except MigdError as exc:
+            reason = f"no free partition of {memory} MiB yet (migd status: {exc.message})"
+        stamp = time.strftime("%H:%M:%S UTC", time.gmtime(since))
+        self.say(f"waiting inside migd since {stamp}: {reason}")
+        self._chirp({"MigdWaitingSince": int(since), "MigdWaitReason": reason[:500]})
 
     def _release(self, lease: dict[str, Any], reason: str) -> dict[str, Any]:
         """Release the lease (every lease of a multi-GPU job's group); the reply of the
@@ -734,6 +829,12 @@ class JobRunner:
                 memstats.unlink()
         tail = TailBuffer()
         plan = self._stop_plan()
+        ns_status = pid_ns_status_path() if self.pid_ns_init else None
+        if ns_status is not None:
+            # condor_pid_ns_init removes it too, but not if it never runs: an earlier
+            # attempt's end must not pass for this one's.
+            with contextlib.suppress(OSError):
+                ns_status.unlink()
         child = self.child = self._start(self._environment(lease, memstats))
         assert child.stderr is not None
         pump = threading.Thread(target=self._pump, args=(child.stderr, tail), daemon=True)
@@ -813,10 +914,9 @@ class JobRunner:
         if memstats is not None:
             with contextlib.suppress(OSError):
                 memstats.unlink()
-        if returncode < 0:
-            attempt.signum = -returncode
-        else:
-            attempt.exit_code = returncode
+        # condor_pid_ns_init exits 0 for a job killed by a signal: its file has the truth.
+        end = read_pid_ns_status(ns_status) or JobEnd.from_returncode(returncode)
+        attempt.signum, attempt.exit_code = end.signum, end.exit_code
         attempt.stopped = self.stop_signal is not None
         attempt.tail = tail.data
         return attempt
