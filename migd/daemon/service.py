@@ -8,7 +8,8 @@ parts add the I/O (see docs/architecture.md):
 * :mod:`migd.daemon.api.server` (socket, admission, op table) with the handlers of
   :mod:`migd.daemon.api.ops` (and :mod:`migd.daemon.api.sim_ops` on simulated GPUs);
 * :mod:`migd.daemon.leases.service`: persistence, history, waiting clients;
-* :mod:`migd.daemon.leases.executor`: one worker thread per GPU and the work run in it;
+* :mod:`migd.daemon.leases.executor`: one worker thread and work queue per GPU;
+* :mod:`migd.daemon.leases.work`: each GPU's loop running the scheduler's work items;
 * :mod:`migd.daemon.leases.reconciler`: start-up reconcile, GPU resync, lease restore;
 * :mod:`migd.daemon.supervision.mps`: the MPS control daemons;
 * :mod:`migd.daemon.supervision.periodic`: reaper, timers, sampler, watchdog.
@@ -41,10 +42,12 @@ from migd.daemon.exit_codes import exit_status
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
+from migd.daemon.leases.submit import LeaseSubmitter
+from migd.daemon.leases.work import WorkRunner
 from migd.daemon.metrics.service import MetricsService
 from migd.daemon.store.state import StateStore
 from migd.daemon.supervision.gpu_health import GpuHealthMonitor
-from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor, ShareRelease
 from migd.daemon.supervision.periodic import PeriodicTasks, Reaper
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
@@ -170,23 +173,31 @@ class Daemon:
         )
         self.reload_config = reload_config
         self.stopping = asyncio.Event()
+        # Built one way: each part gets what it calls when it is made, nothing is patched
+        # in afterwards (the executor knows no leases; the work runner comes last).
         self.executor = GpuExecutor(ctx)
-        self.leases = LeaseService(ctx, self.executor.dispatch)
+        self.leases = LeaseService(ctx, self.executor.dispatch, ShareRelease(ctx, self.executor))
         self.leases.add_observer(self.metrics)
         self.leases.event_observers.append(self.metrics)
         self.mps = MpsSupervisor(ctx, self.executor, self.leases)
-        self.leases.release_share = self.mps.release_share
         self.reaper = Reaper(ctx, self.executor, self.leases)
         self.leases.add_observer(self.reaper)  # a grant starts the heartbeat clock
         self.reconciler = Reconciler(ctx, self.executor, self.leases, self.mps, self.reaper.reap)
-        self.executor.leases = self.leases
-        self.executor.resync = self.reconciler.resync_gpu
-        self.executor.before_destroy = self.mps.stop_before_destroy
+        self.work = WorkRunner(
+            ctx,
+            self.executor,
+            self.leases,
+            resync=self.reconciler.resync_gpu,
+            before_destroy=self.mps.stop_before_destroy,
+        )
         self.periodic = PeriodicTasks(
             ctx, self.executor, self.leases, self.reaper, self.reconciler, self.mps, startd
         )
         self.api = ApiServer(ctx, self.leases.lease_for, self.stopping)
-        Ops(ctx, self.leases, self.executor, self.mps, self.reload).register(self.api)
+        self.submitter = LeaseSubmitter(ctx, self.executor, self.leases, self.mps)
+        Ops(ctx, self.leases, self.executor, self.mps, self.submitter, self.reload).register(
+            self.api
+        )
         # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
         self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, sim_node=sim_node)
         self.leases.event_observers.append(self.health)
@@ -258,9 +269,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stopping.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
         for index in self.executor.workers:
-            self._tasks.append(
-                asyncio.create_task(self.executor.gpu_loop(index), name=f"gpu{index}")
-            )
+            self._tasks.append(asyncio.create_task(self.work.gpu_loop(index), name=f"gpu{index}"))
         self._tasks += self.periodic.start()
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(

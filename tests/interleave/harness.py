@@ -220,11 +220,18 @@ class World:
             self.executors[index] = stepped
         daemon.leases.add_observer(DisappearedWatch(self))
         self.daemon = daemon
-        self.ops = Ops(daemon.ctx, daemon.leases, daemon.executor, daemon.mps, daemon.reload)
+        self.ops = Ops(
+            daemon.ctx,
+            daemon.leases,
+            daemon.executor,
+            daemon.mps,
+            daemon.submitter,
+            daemon.reload,
+        )
         # Start-up runs alone (the socket is bound after it): reconcile, FIFO per GPU.
         self._run_alone(self._startup())
         for index in daemon.executor.workers:
-            self.tasks.append(self.loop.create_task(daemon.executor.gpu_loop(index)))
+            self.tasks.append(self.loop.create_task(daemon.work.gpu_loop(index)))
 
     async def _startup(self) -> None:
         d = self.daemon

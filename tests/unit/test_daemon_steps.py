@@ -66,15 +66,11 @@ class Parts:
     notifier: Pings
 
     def lease(self, memory_mib: int, pid: int = 500, wait_s: float | None = 60.0) -> Lease:
-        """Submit a lease as the API's lease op does, acting on the outcome."""
-        d, clock = self.daemon, self.clock
+        """Enter a lease as the API's lease op does (the lease service's own step), without
+        waiting for its grant: the test moves the clock."""
+        d = self.daemon
         n = len(d.ctx.sched.leases) + len(d.ctx.db.recent_leases(500))
-        request = LeaseRequest(f"{n}.0", memory_mib, wait_s=wait_s)
-        lease = Lease(f"L{n}", request, 1000, pid, clock.now(), owner_start_s=1.0)
-        outcome = d.ctx.sched.submit(lease, clock.now(), clock.monotonic())
-        assert outcome.refusal is None
-        d.leases.apply(outcome)
-        return lease
+        return d.leases.enter(LeaseRequest(f"{n}.0", memory_mib, wait_s=wait_s), 1000, pid)
 
     def history(self) -> list[tuple[str, str | None]]:
         return [(r.event, r.lease_id) for r in reversed(self.daemon.ctx.db.history(limit=100))]

@@ -8,11 +8,9 @@ whose authorisation is already checked.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,14 +30,15 @@ from migd.api import (
 )
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
+from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.daemon.api.auth import Peer
 from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.api.status import build_status, explain_job
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
-from migd.daemon.leases.leftovers import check_handout, quarantine_leftovers
+from migd.daemon.leases.leftovers import quarantine_leftovers
 from migd.daemon.leases.service import LeaseService
+from migd.daemon.leases.submit import LeaseSubmitter
 from migd.daemon.supervision.mps import MpsSupervisor
 from migd.daemon.supervision.periodic import known_sum
 from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
@@ -57,12 +56,14 @@ class Ops:
         leases: LeaseService,
         executor: GpuExecutor,
         mps: MpsSupervisor,
+        submitter: LeaseSubmitter,
         reload: Callable[..., Awaitable[dict[str, Any]]],
     ) -> None:
         self.ctx = ctx
         self.leases = leases
         self.executor = executor
         self.mps = mps
+        self.submitter = submitter
         self.reload = reload
 
     def register(self, server: ApiServer) -> None:
@@ -184,99 +185,14 @@ class Ops:
     # -- leases -----------------------------------------------------------------------------
 
     async def lease(self, call: Call[LeaseRequestMsg]) -> dict[str, Any]:
-        req = call.request
-        ctx, peer = self.ctx, call.peer
-        # The holder is the caller as the kernel names it (SO_PEERCRED, translated into
-        # migd's PID namespace). A client may name another process of its own; a PID
-        # that is not one (e.g. the caller's getpid() inside a PID namespace, as older
-        # wrappers sent) is ignored rather than refused.
-        holder = peer.pid
-        if req.holder_pid is not None and req.holder_pid != peer.pid:
-            if ctx.procs.uid(req.holder_pid) == peer.uid:
-                holder = req.holder_pid
-            else:
-                log.warning(
-                    "lease.holder_pid_ignored",
-                    holder_pid=req.holder_pid,
-                    uid=peer.uid,
-                    using_pid=peer.pid,
-                    reason="not a process of the caller's uid in migd's PID namespace",
-                )
-        policy = ctx.config.policy
-        wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
-        wait_s = min(wait_s, policy.max_wait_s)
-        request = LeaseRequest(
-            job_id=req.job_id,
-            memory_mib=req.gpu_memory_mib,
-            slot=req.slot,
-            min_compute=req.min_compute,
-            profile=req.profile,
-            mode=req.mode,
-            gpu_uuids=tuple(req.gpus) if req.gpus else None,
-            wait_s=wait_s,
-            mps_clients=req.mps_clients,
-            mps_thread_percentage=req.mps_thread_percentage,
+        peer = call.peer
+        lease, first_state = await self.submitter.submit(
+            call.request, peer.uid, peer.pid, call.reader
         )
-        deadline = ctx.clock.monotonic() + wait_s
-        while True:
-            lease, first_state = await self._grant(request, call, holder)
-            if await check_handout(ctx, self.executor, self.leases, lease):
-                break
-            # A late orphan holds the instance it got (now quarantined): ask again for
-            # what is left of the wait. Each round quarantines one instance, so it ends.
-            left = max(0.0, deadline - ctx.clock.monotonic())
-            request = dataclasses.replace(request, wait_s=left)
-        await self.mps.ensure(lease, cgroup=req.cgroup)
         view = self.lease_view(lease, peer)
         view["queued"] = first_state is LeaseState.QUEUED
         view["prepared"] = first_state is LeaseState.PREPARING
         return view
-
-    async def _grant(
-        self, request: LeaseRequest, call: Call[LeaseRequestMsg], holder: int
-    ) -> tuple[Lease, LeaseState]:
-        """Submit one lease for ``request`` and wait until it is active; also its first
-        state (queued: it waited for capacity; preparing: NVML made its partition)."""
-        ctx, peer = self.ctx, call.peer
-        wait_s = request.wait_s
-        now, mono = ctx.now()
-        lease = Lease(
-            lease_id=f"{int(now)}-{secrets.token_hex(4)}",
-            request=request,
-            owner_uid=peer.uid,
-            owner_pid=holder,
-            owner_start_s=ctx.procs.start_time(holder),
-            created_s=now,
-        )
-        # A state disk that refuses writes refuses the request here, before the books
-        # change (a grant migd cannot record would be lost by the next restart).
-        ctx.db.require_writable()
-        try:
-            outcome = ctx.sched.submit(lease, now, mono)
-        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
-            self.leases.refused(refusal)
-            raise
-        if outcome.refusal is not None:
-            self.leases.refused(outcome.refusal)
-            # Refused, but the same pass may have placed requests queued before it.
-            self.leases.apply(outcome)
-            raise outcome.refusal
-        self.leases.record(
-            "submitted",
-            lease,
-            memory_mib=request.memory_mib,
-            mode=request.mode,
-            uid=peer.uid,
-            state=lease.state.value,
-            queued_position=outcome.queued_position,
-        )
-        self.leases.apply(outcome)
-        # Queued: no capacity now, the grant waits for other leases to end. Preparing: the
-        # partition is being made for this request (NVML time, not queueing).
-        first_state = lease.state
-        if lease.state is not LeaseState.ACTIVE:
-            lease = await self.leases.wait_active(lease, call.reader, wait_s or 0.0)
-        return lease, first_state
 
     async def get_lease(self, call: Call[LeaseRef]) -> dict[str, Any]:
         return self.lease_view(call.owned, call.peer)

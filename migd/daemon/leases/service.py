@@ -24,6 +24,7 @@ history record of every transition) is the built-in one.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import structlog
 
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, Outcome, Transition, Work
+from migd.core.scheduler import Lease, LeaseRequest, Outcome, Transition, Work
 from migd.daemon.context import DaemonContext
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 
@@ -174,6 +175,52 @@ class LeaseService:
 
     def add_observer(self, observer: LeaseObserver) -> None:
         self.observers.append(observer)
+
+    # -- a new request ----------------------------------------------------------------------
+
+    def enter(self, request: LeaseRequest, uid: int, holder: int) -> Lease:
+        """Give ``request`` (of ``uid``, held by process ``holder``) to the scheduler and
+        act on the outcome: the new lease, granted, preparing or queued (the first half of
+        :meth:`migd.daemon.leases.submit.LeaseSubmitter.submit`, which waits for it).
+
+        Raises:
+            MigdError: the request is refused (it never fits, a bad profile, a state
+                disk that refuses writes), counted as such.
+        """
+        ctx = self.ctx
+        now, mono = ctx.now()
+        lease = Lease(
+            lease_id=f"{int(now)}-{secrets.token_hex(4)}",
+            request=request,
+            owner_uid=uid,
+            owner_pid=holder,
+            owner_start_s=ctx.procs.start_time(holder),
+            created_s=now,
+        )
+        # A state disk that refuses writes refuses the request here, before the books
+        # change (a grant migd cannot record would be lost by the next restart).
+        ctx.db.require_writable()
+        try:
+            outcome = ctx.sched.submit(lease, now, mono)
+        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
+            self.refused(refusal)
+            raise
+        if outcome.refusal is not None:
+            self.refused(outcome.refusal)
+            # Refused, but the same pass may have placed requests queued before it.
+            self.apply(outcome)
+            raise outcome.refusal
+        self.record(
+            "submitted",
+            lease,
+            memory_mib=request.memory_mib,
+            mode=request.mode,
+            uid=uid,
+            state=lease.state.value,
+            queued_position=outcome.queued_position,
+        )
+        self.apply(outcome)
+        return lease
 
     # -- the one place outcomes are acted on ------------------------------------------------
 

@@ -84,6 +84,33 @@ def cgroup_limits_status(ctx: DaemonContext, pool: MpsPool) -> dict[str, Any]:
     )
 
 
+class ShareRelease:
+    """Drops a released lease's MPS share, in its GPU's thread, and clears its job
+    cgroup's limit (HTCondor removing the cgroup clears it too): the lease service's
+    ``release_share``. Apart from :class:`MpsSupervisor`, which acts on leases, so that
+    the lease service is built before it, with this."""
+
+    def __init__(self, ctx: DaemonContext, executor: GpuExecutor) -> None:
+        self.ctx = ctx
+        self.executor = executor
+
+    def __call__(self, gpu: int, device_uuid: str, lease_id: str) -> None:
+        if self.ctx.mps is not None:
+            self.executor.run_detached(gpu, self.ctx.mps.release_share, device_uuid, lease_id)
+        applied = self.ctx.cgroup_book.applied.pop(lease_id, None)
+        if applied is not None and self.ctx.cgroup_limits is not None:
+            self.executor.run_detached(gpu, clear_cgroup, self.ctx.cgroup_limits, applied)
+
+
+def clear_cgroup(port: CgroupMemoryLimits, applied: AppliedCgroupLimit) -> None:
+    try:
+        port.clear_limit(applied.gpu, applied.cgroup)
+    except MigdError as exc:  # a cgroup already removed has no limit left to clear
+        log.warning("mps.cgroup_clear_failed", cgroup=applied.cgroup, error=exc.message)
+    else:
+        log.info("mps.cgroup_limit_cleared", cgroup=applied.cgroup)
+
+
 class MpsSupervisor:
     """See the module docstring. ``ctx.mps`` is ``None`` when migd runs no MPS daemons;
     every method is then a no-op (or the plain environment)."""
@@ -278,28 +305,11 @@ class MpsSupervisor:
             return
         applied = AppliedCgroupLimit(gpu_index, device, path, hard)
         if lease.state is not LeaseState.ACTIVE:  # released while the limit was being set
-            self.executor.submit(gpu_index, self._clear_cgroup, port, applied)
+            self.executor.run_detached(gpu_index, clear_cgroup, port, applied)
             return
         book.applied[lease.lease_id] = applied
         self.leases.record("mps.cgroup_limit", lease, cgroup=path, hard_mib=hard)
         log.info("mps.cgroup_limit", lease_id=lease.lease_id, cgroup=path, hard_mib=hard)
-
-    def release_share(self, gpu: int, device_uuid: str, lease_id: str) -> None:
-        """Drop a released lease's share, in its GPU's thread (the lease service's hook),
-        and clear its job cgroup's limit (HTCondor removing the cgroup clears it too)."""
-        if self.mps is not None:
-            self.executor.submit(gpu, self.mps.release_share, device_uuid, lease_id)
-        applied = self.ctx.cgroup_book.applied.pop(lease_id, None)
-        if applied is not None and self.ctx.cgroup_limits is not None:
-            self.executor.submit(gpu, self._clear_cgroup, self.ctx.cgroup_limits, applied)
-
-    def _clear_cgroup(self, port: CgroupMemoryLimits, applied: AppliedCgroupLimit) -> None:
-        try:
-            port.clear_limit(applied.gpu, applied.cgroup)
-        except MigdError as exc:  # a cgroup already removed has no limit left to clear
-            log.warning("mps.cgroup_clear_failed", cgroup=applied.cgroup, error=exc.message)
-        else:
-            log.info("mps.cgroup_limit_cleared", cgroup=applied.cgroup)
 
     def _leases_on(self, device_uuid: str) -> list[Lease]:
         return [

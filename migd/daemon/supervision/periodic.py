@@ -156,7 +156,7 @@ class Watchdog:
     serialises MIG changes across GPUs, must not get migd killed. A call that hangs
     stops the pings either way: a short call (memory sampling, the reaper) at once,
     a create or destroy when ``work_timeout_s`` ends it (migd then records the
-    failure and marks the GPU, see ``GpuExecutor.run_work``). systemd restarts migd
+    failure and marks the GPU, see ``WorkRunner.run_work``). systemd restarts migd
     one ``WatchdogSec`` after the last ping; leases survive in the state db.
     """
 

@@ -1,0 +1,106 @@
+"""The daemon's main use case: a client asks for a lease and waits until it can use it.
+
+:meth:`LeaseSubmitter.submit` takes the API's request as it came (the ``lease`` op's
+handler only moves it between the socket and here): it settles who holds the lease and
+how long it may wait, enters it (:meth:`LeaseService.enter`), waits for the grant,
+checks that a reused instance has no late orphan on it (else asks again for what is
+left of the wait), and starts its MPS share.
+
+Apart from :class:`~migd.daemon.leases.service.LeaseService` because it needs the MPS
+supervisor, which is built after (and with) the lease service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import structlog
+
+from migd.api import LeaseRequestMsg
+from migd.core.leases import LeaseState
+from migd.core.scheduler import Lease, LeaseRequest
+from migd.daemon.context import DaemonContext
+from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.leftovers import check_handout
+from migd.daemon.leases.service import LeaseService
+from migd.daemon.supervision.mps import MpsSupervisor
+
+log = structlog.get_logger("migd")
+
+
+class LeaseSubmitter:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        ctx: DaemonContext,
+        executor: GpuExecutor,
+        leases: LeaseService,
+        mps: MpsSupervisor,
+    ) -> None:
+        self.ctx = ctx
+        self.executor = executor
+        self.leases = leases
+        self.mps = mps
+
+    def holder(self, req: LeaseRequestMsg, uid: int, pid: int) -> int:
+        """The process that holds the lease: the caller as the kernel names it
+        (SO_PEERCRED, translated into migd's PID namespace). A client may name another
+        process of its own; a PID that is not one (e.g. the caller's getpid() inside a
+        PID namespace, as older wrappers sent) is ignored rather than refused."""
+        if req.holder_pid is None or req.holder_pid == pid:
+            return pid
+        if self.ctx.procs.uid(req.holder_pid) == uid:
+            return req.holder_pid
+        log.warning(
+            "lease.holder_pid_ignored",
+            holder_pid=req.holder_pid,
+            uid=uid,
+            using_pid=pid,
+            reason="not a process of the caller's uid in migd's PID namespace",
+        )
+        return pid
+
+    def request(self, req: LeaseRequestMsg) -> LeaseRequest:
+        """The scheduler's request for the API's, its wait capped by ``policy.max_wait_s``."""
+        policy = self.ctx.config.policy
+        wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
+        return LeaseRequest(
+            job_id=req.job_id,
+            memory_mib=req.gpu_memory_mib,
+            slot=req.slot,
+            min_compute=req.min_compute,
+            profile=req.profile,
+            mode=req.mode,
+            gpu_uuids=tuple(req.gpus) if req.gpus else None,
+            wait_s=min(wait_s, policy.max_wait_s),
+            mps_clients=req.mps_clients,
+            mps_thread_percentage=req.mps_thread_percentage,
+        )
+
+    async def submit(
+        self, req: LeaseRequestMsg, uid: int, pid: int, reader: asyncio.StreamReader
+    ) -> tuple[Lease, LeaseState]:
+        """The active lease for ``req`` from the caller ``uid``/``pid``, and its first
+        state (queued: it waited for capacity; preparing: NVML made its partition).
+        ``reader`` is the client's connection: a hang-up withdraws the request."""
+        ctx = self.ctx
+        holder = self.holder(req, uid, pid)
+        request = self.request(req)
+        deadline = ctx.clock.monotonic() + (request.wait_s or 0.0)
+        while True:
+            lease = self.leases.enter(request, uid, holder)
+            # Queued: no capacity now, the grant waits for other leases to end. Preparing:
+            # the partition is being made for this request (NVML time, not queueing).
+            first_state = lease.state
+            if lease.state is not LeaseState.ACTIVE:
+                lease = await self.leases.wait_active(lease, reader, request.wait_s or 0.0)
+            if await check_handout(ctx, self.executor, self.leases, lease):
+                break
+            # A late orphan holds the instance it got (now quarantined): ask again for
+            # what is left of the wait. Each round quarantines one instance, so it ends.
+            left = max(0.0, deadline - ctx.clock.monotonic())
+            request = dataclasses.replace(request, wait_s=left)
+        await self.mps.ensure(lease, cgroup=req.cgroup)
+        return lease, first_state
