@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from migd.backends.nvml_events import EVENT_XID_CRITICAL, classify
+from migd.backends.nvml.events import EVENT_XID_CRITICAL, classify
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
 from migd.core.scheduler import ManagedGpu, NodeScheduler

@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from migd.backends.nvml_events import GpuEvent
+from migd.backends.nvml.events import GpuEvent
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.node import SimNode
 from migd.core.leases import LeaseState

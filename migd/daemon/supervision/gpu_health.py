@@ -1,6 +1,6 @@
 """GPU health from NVML events, applied to the daemon's books (docs/operations.md, GPU health).
 
-:class:`GpuHealthMonitor` runs an :class:`~migd.backends.nvml_events.NvmlEventListener`
+:class:`GpuHealthMonitor` runs an :class:`~migd.backends.nvml.events.NvmlEventListener`
 and applies each event on the event loop:
 
 * every XID is counted (``migd_gpu_xid_events_total``), logged and recorded in the history;
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from migd.api import SimXidRequest
-from migd.backends.nvml_events import GpuEvent, NvmlEventListener, events_module
+from migd.backends.nvml.events import GpuEvent, NvmlEventListener, events_module
 from migd.core.lease_end import LeaseEndReason
 from migd.core.scheduler import Lease, ManagedGpu
 from migd.daemon.api.server import Access, ApiServer, Call
