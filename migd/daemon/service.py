@@ -22,7 +22,7 @@ import contextlib
 import gc
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from pydantic import BaseModel
@@ -35,7 +35,7 @@ from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler, SchedulerPolicy
 from migd.daemon.api.auth import Authorizer
 from migd.daemon.api.ops import Ops
-from migd.daemon.api.server import ApiServer, not_simulated, socket_access
+from migd.daemon.api.server import SIM_ONLY_OPS, ApiServer, not_simulated, socket_access
 from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys, removals
 from migd.daemon.context import DaemonContext
 from migd.daemon.exit_codes import exit_status
@@ -54,16 +54,15 @@ from migd.errors import ConfigError, DaemonUnavailable, MigdError
 from migd.paths import InstanceLock, ensure_dir
 from migd.ports import (
     Accounts,
+    CgroupMemoryLimits,
     Clock,
     GpuBackend,
+    GpuEvents,
     MpsControl,
     ProcessTable,
     StartdControl,
     SystemClock,
 )
-
-if TYPE_CHECKING:
-    from migd.backends.simulated.node import SimNode
 
 log = structlog.get_logger("migd")
 
@@ -150,8 +149,9 @@ class Daemon:
         clock: Clock | None = None,
         notifier: Notifier | None = None,
         reload_config: Callable[[], MigdConfig] | None = None,
-        sim_node: SimNode | None = None,
+        events: GpuEvents | None = None,
         mps: MpsControl | None = None,
+        cgroup_limits: CgroupMemoryLimits | None = None,
         accounts: Accounts | None = None,
         startd: StartdControl | None = None,
         lock: InstanceLock | None = None,
@@ -169,6 +169,7 @@ class Daemon:
             notifier=notifier or Notifier(),
             auth=Authorizer(config.api, self.accounts),
             mps=mps,
+            cgroup_limits=cgroup_limits,
             started_s=clock.now(),
         )
         self.reload_config = reload_config
@@ -199,20 +200,10 @@ class Daemon:
             self.api
         )
         # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
-        self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, sim_node=sim_node)
+        self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, events)
         self.leases.event_observers.append(self.health)
-        if sim_node is not None:
-            self.health.register_sim_op(self.api)
-        else:
-            self.api.missing["sim_xid"] = not_simulated
-        if sim_node is not None:
-            from migd.daemon.api.sim_ops import SimOps
-
-            SimOps(sim_node, ctx).register(self.api)
-        else:
-            from migd.daemon.api.sim_ops import SIM_OPS
-
-            self.api.missing.update(dict.fromkeys(SIM_OPS, not_simulated))
+        # Answered "not simulated" unless main() registers the simulator's ops over them.
+        self.api.missing.update(dict.fromkeys(SIM_ONLY_OPS, not_simulated))
         self._tasks: list[asyncio.Task[Any]] = []
 
     @property

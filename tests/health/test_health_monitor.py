@@ -44,7 +44,7 @@ class Books:
 
 
 def monitor(books: Books) -> GpuHealthMonitor:
-    return GpuHealthMonitor(books, books, MetricsService(books.config), nvml=object())  # type: ignore[arg-type]
+    return GpuHealthMonitor(books, books, MetricsService(books.config), events=object())  # type: ignore[arg-type]
 
 
 def node_with_two_leases() -> tuple[NodeScheduler, Any, Any]:

@@ -35,7 +35,6 @@ from typing import Any
 
 import structlog
 
-from migd.backends.nvml.events import GpuEvent
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.node import SimNode
 from migd.core.leases import LeaseState
@@ -45,7 +44,7 @@ from migd.daemon.config import validate_config
 from migd.daemon.service import Daemon
 from migd.daemon.systemd import Notifier
 from migd.errors import MigdError
-from migd.ports import ManualClock
+from migd.ports import GpuEvent, ManualClock
 
 
 class Violation(AssertionError):

@@ -416,6 +416,11 @@ async def _discard(reader: asyncio.StreamReader, cap: int) -> None:
         got += len(chunk)
 
 
+#: The simulator-only ops (:mod:`migd.daemon.api.sim_ops`, registered by ``main()`` on a
+#: simulated node); elsewhere each is answered with :func:`not_simulated`.
+SIM_ONLY_OPS = ("sim_attach", "sim_alloc", "sim_free", "sim_detach", "sim_xid")
+
+
 def not_simulated(op: str) -> MigdError:
     return InvalidRequest(
         f"{op} exists only with the simulated backend",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -60,21 +59,6 @@ def mps_compute_mode_warning(info: GpuInfo) -> str:
         f"CUDA_MPS_PIPE_DIRECTORY runs outside MPS without a memory limit "
         f"(`nvidia-smi -i {info.index} -c EXCLUSIVE_PROCESS`)"
     )
-
-
-def build_cgroup_limits(cgroup_root: Path, backend: Any, node: Any = None) -> CgroupMemoryLimits:
-    """The MPS v3 port over the daemon's NVML backend (its initialised pynvml, at first
-    use), or on a simulated node the stand-in NVML over that node (its driver version and
-    MIG modes decide detection)."""
-    from migd.backends.mps.dmem import NvmlCgroupLimits
-
-    if node is not None:
-        from migd.backends.simulated.dmem import SimDmemNvml
-
-        return NvmlCgroupLimits(
-            SimDmemNvml(node=node, cgroup_root=cgroup_root), cgroup_root=cgroup_root
-        )
-    return NvmlCgroupLimits(load=lambda: backend.nvml, cgroup_root=cgroup_root)
 
 
 def cgroup_limits_status(ctx: DaemonContext, pool: MpsPool) -> dict[str, Any]:
