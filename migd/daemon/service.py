@@ -28,7 +28,6 @@ import structlog
 from pydantic import BaseModel
 
 from migd import __version__
-from migd.backends.accounts import SystemAccounts
 from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
 from migd.core.queueing import QueuePolicy
@@ -146,20 +145,20 @@ class Daemon:
         backend: GpuBackend,
         procs: ProcessTable,
         *,
+        accounts: Accounts,
         clock: Clock | None = None,
         notifier: Notifier | None = None,
         reload_config: Callable[[], MigdConfig] | None = None,
         events: GpuEvents | None = None,
         mps: MpsControl | None = None,
         cgroup_limits: CgroupMemoryLimits | None = None,
-        accounts: Accounts | None = None,
         startd: StartdControl | None = None,
         lock: InstanceLock | None = None,
     ) -> None:
         clock = clock or SystemClock()
         #: Held from :meth:`open` (or given, taken earlier by ``main``) until :meth:`close`.
         self.lock = lock
-        self.accounts = accounts or SystemAccounts()
+        self.accounts = accounts
         self.metrics = MetricsService(config)  # docs/operations.md, Monitoring
         self.ctx = ctx = DaemonContext(
             config=config,

@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from migd.backends.accounts import SystemAccounts
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.node import SimNode
 from migd.core.leases import LeaseState
@@ -210,7 +211,14 @@ class World:
     def _start_daemon(self) -> None:
         backend, _ = simulated_backend(self.node)
         notifier = Notifier(environ={})
-        daemon = Daemon(self._config(), backend, self.procs, clock=self.clock, notifier=notifier)
+        daemon = Daemon(
+            self._config(),
+            backend,
+            self.procs,
+            accounts=SystemAccounts(),
+            clock=self.clock,
+            notifier=notifier,
+        )
         daemon.open()
         for index, worker in daemon.executor.workers.items():
             worker.executor.shutdown(wait=False)

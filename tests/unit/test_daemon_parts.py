@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from migd.api import LeaseRequestMsg, decode_request
+from migd.backends.accounts import SystemAccounts
 from migd.cli.condor_ad import render_condor_ad, render_inventory
 from migd.cli.migctl import slice_bar
 from migd.core.condor_shares import short_uuid
@@ -643,7 +644,13 @@ def test_watchdog_fed_through_a_slow_create_and_starved_by_a_hung_thread(tmp_roo
     notifier = _Pings()
 
     async def scenario() -> None:
-        daemon = Daemon(config, backend, PsutilProcessTable(), notifier=notifier)  # type: ignore[arg-type]
+        daemon = Daemon(
+            config,
+            backend,  # type: ignore[arg-type]
+            PsutilProcessTable(),
+            accounts=SystemAccounts(),
+            notifier=notifier,
+        )
         await daemon.start()
         try:
             await asyncio.sleep(0.6)

@@ -90,7 +90,9 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
     )
     backend, _ = simulated_backend("1xV100-32GB")
     clock, procs, notifier = ManualClock(), FakeProcs(), Pings()
-    daemon = Daemon(config, backend, procs, clock=clock, notifier=notifier)
+    daemon = Daemon(
+        config, backend, procs, accounts=SystemAccounts(), clock=clock, notifier=notifier
+    )
     daemon.open()
     try:
         yield Parts(daemon, clock, procs, notifier)
