@@ -39,8 +39,7 @@ from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.leftovers import quarantine_leftovers
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.leases.submit import LeaseSubmitter
-from migd.daemon.supervision.mps import MpsSupervisor
-from migd.daemon.supervision.periodic import known_sum
+from migd.daemon.supervision.mps import MpsSupervisor, known_sum
 from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
 
 _CLUSTER_PROC = re.compile(r"\d+\.\d+")

@@ -68,6 +68,13 @@ def cgroup_limits_status(ctx: DaemonContext, pool: MpsPool) -> dict[str, Any]:
     )
 
 
+def known_sum(procs: list[GpuProcess]) -> int | None:
+    """Memory of these processes (an MPS holder's), or None when NVML could not say for
+    any of them."""
+    known = [p.used_mib for p in procs if p.used_mib is not None]
+    return sum(known) if known else None
+
+
 class ShareRelease:
     """Drops a released lease's MPS share, in its GPU's thread, and clears its job
     cgroup's limit (HTCondor removing the cgroup clears it too): the lease service's

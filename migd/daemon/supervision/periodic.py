@@ -35,9 +35,9 @@ from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
-from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor, known_sum
 from migd.errors import MigdError, StartdError
-from migd.ports import GpuProcess, StartdControl
+from migd.ports import StartdControl
 
 log = structlog.get_logger("migd")
 
@@ -415,9 +415,3 @@ class PeriodicTasks:
             self.executor.send_heartbeats()
             await asyncio.sleep(watchdog.tick_s)
             watchdog.step(self.ctx.clock.monotonic())
-
-
-def known_sum(procs: list[GpuProcess]) -> int | None:
-    """Memory of these processes, or None when NVML could not say for any of them."""
-    known = [p.used_mib for p in procs if p.used_mib is not None]
-    return sum(known) if known else None
