@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from migd.core.geometry import Geometry
+from migd.core.leases import Lease
 from migd.core.mps import MpsShare
-from migd.core.scheduler import Lease
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,18 +45,13 @@ from migd.core.gpu_modes import (
     partition_request,
 )
 from migd.core.gpus import (
-    ExclusiveState,
     GpuMode,
     InstanceStatus,
     ManagedGpu,
     ManagedInstance,
-    MigState,
     MpsState,
-    OffState,
     Origin,
-    RequestMode,
     Work,
-    mode_state,
 )
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
@@ -73,30 +68,6 @@ from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import Miss, QueuedRequest, QueuePolicy, RequestQueue
 from migd.core.states import StateSpace
 from migd.errors import InvalidRequest, NoCapacity
-
-# The lease (migd.core.leases), GPU and work (migd.core.gpus) and policy (migd.core.policy)
-# types live beside the scheduler; callers keep importing them here.
-__all__ = [
-    "ExclusiveState",
-    "GpuMode",
-    "InstanceStatus",
-    "Lease",
-    "LeaseRequest",
-    "ManagedGpu",
-    "ManagedInstance",
-    "MigState",
-    "MpsState",
-    "NodeScheduler",
-    "OffState",
-    "Origin",
-    "Outcome",
-    "RequestMode",
-    "SchedulerPolicy",
-    "Transition",
-    "Work",
-    "default_mps_env",
-    "mode_state",
-]
 
 
 @dataclass(frozen=True)

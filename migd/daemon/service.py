@@ -30,8 +30,9 @@ from pydantic import BaseModel
 from migd import __version__
 from migd.core.hybrid import HybridPolicy, ShareRule
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
+from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import NodeScheduler, SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.api.auth import Authorizer
 from migd.daemon.api.ops import Ops
 from migd.daemon.api.server import SIM_ONLY_OPS, ApiServer, not_simulated, socket_access

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from migd.backends.nvml.events import EVENT_XID_CRITICAL, classify
+from migd.core.gpus import ManagedGpu
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
-from migd.core.scheduler import ManagedGpu, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.metrics.exporter import render
 from migd.daemon.metrics.service import MetricsService

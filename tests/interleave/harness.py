@@ -38,8 +38,8 @@ import structlog
 from migd.backends.accounts import SystemAccounts
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.node import SimNode
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, LeaseRequest
+from migd.core.gpus import GpuMode, InstanceStatus
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.api.ops import Ops
 from migd.daemon.config import validate_config
 from migd.daemon.service import Daemon

@@ -17,7 +17,8 @@ from migd.api import LeaseRequestMsg
 from migd.backends.mps.dmem import NvmlCgroupLimits
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.dmem import SimDmemNvml
-from migd.core.leases import LeaseState
+from migd.core.gpus import ManagedGpu, MpsState
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.mps import (
     MPS_V3_RECHECK_S,
     CgroupLimitAction,
@@ -32,7 +33,7 @@ from migd.core.mps import (
     job_cgroup_problem,
     observe_client_cap,
 )
-from migd.core.scheduler import Lease, LeaseRequest, ManagedGpu, MpsState, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.supervision.mps import MpsSupervisor, ShareRelease
 from migd.errors import GpuError

@@ -5,10 +5,11 @@ from __future__ import annotations
 from migd.backends.accounts import SystemAccounts
 from migd.backends.procs import PsutilProcessTable
 from migd.backends.simulated import simulated_backend
+from migd.core.gpus import GpuMode
 from migd.core.hybrid import ShareRule
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp
-from migd.core.scheduler import GpuMode, Lease, LeaseRequest, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.service import Daemon, scheduler_policy
 

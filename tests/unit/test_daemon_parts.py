@@ -28,8 +28,7 @@ from migd.backends.accounts import SystemAccounts
 from migd.cli.condor_ad import render_condor_ad, render_inventory
 from migd.cli.migctl import slice_bar
 from migd.core.condor_shares import short_uuid
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.api.server import check_socket_path
 from migd.daemon.config import (
     MigdConfig,

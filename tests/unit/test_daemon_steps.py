@@ -18,8 +18,7 @@ from migd.backends.accounts import SystemAccounts
 from migd.backends.mps import HealthEvent, HealthReport
 from migd.backends.simulated import simulated_backend
 from migd.core.health import Condition, GpuHealth
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
 from migd.daemon.service import Daemon, keep_restart_keys
 from migd.daemon.supervision.mps import MPS_UNHEALTHY

@@ -6,7 +6,7 @@ from migd.backends.accounts import SystemAccounts
 from migd.backends.procs import PsutilProcessTable
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated import simulated_backend
-from migd.core.scheduler import GpuMode
+from migd.core.gpus import GpuMode
 from migd.daemon.config import MigdConfig
 from migd.daemon.service import Daemon
 

@@ -28,9 +28,9 @@ from migd.api import (
     ReportRequest,
     StatusRequest,
 )
+from migd.core.gpus import GpuMode, ManagedGpu
 from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
+from migd.core.leases import Lease, LeaseState
 from migd.daemon.api.auth import Peer
 from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.api.status import build_status, explain_job

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from migd.api import LeaseRef, ReportRequest, Request, decode_request, error_reply, ok_reply
-from migd.core.scheduler import Lease
+from migd.core.leases import Lease
 from migd.daemon.api.auth import Peer
 from migd.daemon.config import ApiSection
 from migd.daemon.context import DaemonContext

@@ -9,15 +9,16 @@ from typing import Any
 from migd import __version__
 from migd.core.gpus import (
     ExclusiveState,
+    GpuMode,
+    ManagedGpu,
     ManagedInstance,
     MigState,
     ModeState,
     MpsState,
     OffState,
 )
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseState
 from migd.core.mps import MpsPool
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.supervision.mps import cgroup_limits_status, mps_compute_mode_warning

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from migd.core.scheduler import GpuMode, ManagedGpu, Work
+from migd.core.gpus import GpuMode, ManagedGpu, Work
 from migd.daemon.context import DaemonContext
 
 T = TypeVar("T")

@@ -15,15 +15,8 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from migd.core.geometry import Profile
-from migd.core.scheduler import (
-    GpuMode,
-    InstanceStatus,
-    Lease,
-    ManagedGpu,
-    OffState,
-    Origin,
-    mode_state,
-)
+from migd.core.gpus import GpuMode, InstanceStatus, ManagedGpu, OffState, Origin, mode_state
+from migd.core.leases import Lease
 from migd.core.states import StateSpace, state_space
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor

@@ -32,9 +32,10 @@ from typing import Any, Protocol
 
 import structlog
 
+from migd.core.gpus import Work
 from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest, Outcome, Transition, Work
+from migd.core.leases import Lease, LeaseRequest, LeaseState
+from migd.core.scheduler import Outcome, Transition
 from migd.daemon.context import DaemonContext
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 

@@ -18,8 +18,7 @@ import dataclasses
 import structlog
 
 from migd.api import LeaseRequestMsg
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.leftovers import check_handout

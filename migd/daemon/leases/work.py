@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from migd.core.gpus import InstanceStatus, Work
 from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
-from migd.core.scheduler import InstanceStatus, Work
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.service import LeaseService

@@ -35,8 +35,8 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, NodeScheduler
+from migd.core.leases import Lease, LeaseState
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.leases.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics.collector import MetricsSource, StateCollector

@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.store.database import StateDatabase
 
 # History kept, in bytes of event data (rows are pruned by count *and* by bytes, so a few

@@ -29,8 +29,9 @@ from typing import Any
 
 import structlog
 
+from migd.core.gpus import ManagedGpu
 from migd.core.lease_end import LeaseEndReason
-from migd.core.scheduler import Lease, ManagedGpu
+from migd.core.leases import Lease
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.metrics.service import MetricsService

@@ -21,8 +21,9 @@ from typing import Any
 
 import structlog
 
+from migd.core.gpus import GpuMode, ManagedGpu
 from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseState
 from migd.core.mps import (
     AppliedCgroupLimit,
     CgroupLimitAction,
@@ -32,7 +33,7 @@ from migd.core.mps import (
     MpsShare,
     cgroup_limit_decision,
 )
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
+from migd.core.scheduler import default_mps_env
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.service import LeaseService

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from migd.core.condor_shares import OfflineShares
+from migd.core.gpus import GpuMode, InstanceStatus, ManagedGpu
 from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
+from migd.core.leases import Lease, LeaseState
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.reconciler import Reconciler
