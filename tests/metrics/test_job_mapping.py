@@ -13,7 +13,7 @@ from migd.core.gpus import ManagedGpu, MpsState
 from migd.core.leases import LeaseState
 from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import validate_config
-from migd.daemon.leases.job_mapping import JobMappingWriter, job_mapping
+from migd.daemon.metrics.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics.service import MetricsService
 from tests.metrics.conftest import finish, gpu, lease
 
