@@ -53,6 +53,7 @@ from migd.core.gpus import (
     Origin,
     Work,
 )
+from migd.core.health import HealthSource
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
@@ -654,7 +655,7 @@ class NodeScheduler:
             mig.space.key_of((i.profile, i.start) for i in mig.instances)
         except Exception as exc:
             reason = f"layout not understood: {exc}"
-            gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
+            gpu.health.raise_(HealthSource.RESYNC, reason, now_s)  # cleared by the next resync
             notes.append(reason)
         return self._outcome(notes=notes)
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from migd.core.gpus import InstanceStatus, Work
+from migd.core.health import HealthSource
 from migd.core.leases import LeaseState
 from migd.core.planner import CreateOp, DestroyOp
 from migd.daemon.context import DaemonContext
@@ -112,7 +113,7 @@ class WorkRunner:
             )
             if isinstance(exc, TimeoutError):
                 self.executor.tripped = "an NVML call hung; the watchdog will restart migd"
-                gpu.health.raise_("watchdog", self.executor.tripped, now)
+                gpu.health.raise_(HealthSource.WATCHDOG, self.executor.tripped, now)
                 return
             for note in await self.resync(work.gpu):
                 log.info("resync", gpu=work.gpu, note=note)

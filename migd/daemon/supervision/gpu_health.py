@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from migd.core.gpus import ManagedGpu
+from migd.core.health import HealthSource
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease
 from migd.daemon.context import DaemonContext
@@ -41,7 +42,7 @@ from migd.ports import EventListener, GpuEvent, GpuEvents
 log = structlog.get_logger("migd.health")
 
 #: The health source of XID conditions (the agreed GpuHealth interface).
-SOURCE = "xid"
+SOURCE = HealthSource.XID
 
 
 def raise_condition(gpu: ManagedGpu, reason: str, now_s: float) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from migd.core.gpus import GpuMode, ManagedGpu
+from migd.core.health import HealthSource
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseState
 from migd.core.mps import (
@@ -140,7 +141,7 @@ class MpsSupervisor:
         if weak and self.ctx.config.mps.require_exclusive_process:
             if gpu.mode is GpuMode.MPS:
                 gpu.health.raise_(
-                    "startup",
+                    HealthSource.STARTUP,
                     f"{weak}; mps.require_exclusive_process keeps MPS off it",
                     self.ctx.clock.now(),
                 )
@@ -156,7 +157,7 @@ class MpsSupervisor:
                 mig.mps_profile = mig.space.member(mps_profile).name
             except MigdError as exc:
                 reason = f"mps_profile {mps_profile!r}: {exc.message}"
-                gpu.health.raise_("startup", reason, self.ctx.clock.now())
+                gpu.health.raise_(HealthSource.STARTUP, reason, self.ctx.clock.now())
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
         """The job environment of an MPS share (the scheduler's ``mps_env``): the core's,
@@ -369,10 +370,10 @@ class MpsSupervisor:
         now = self.ctx.clock.now()
         sick = {u: g for u in report.failed_devices if (g := self._gpu_of_device(u))}
         for uuid, gpu in sick.items():
-            gpu.health.raise_("mps", f"{MPS_UNHEALTHY}: {uuid}", now)
+            gpu.health.raise_(HealthSource.MPS, f"{MPS_UNHEALTHY}: {uuid}", now)
         sick_gpus = {gpu.index for gpu in sick.values()}
         for gpu in self.ctx.sched.gpus.values():
-            if gpu.index not in sick_gpus and gpu.health.clear("mps"):
+            if gpu.index not in sick_gpus and gpu.health.clear(HealthSource.MPS):
                 log.info("mps.recovered", gpu=gpu.index)
 
     def apply_client_caps(self, mps: MpsControl) -> None:
