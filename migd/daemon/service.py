@@ -29,9 +29,8 @@ from pydantic import BaseModel
 
 from migd import __version__
 from migd.core.hybrid import HybridPolicy, ShareRule
-from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
+from migd.core.planner import PlacementRule, PlannerPolicy
 from migd.core.policy import SchedulerPolicy
-from migd.core.queueing import QueuePolicy
 from migd.core.scheduler import NodeScheduler
 from migd.daemon.api.auth import Authorizer
 from migd.daemon.api.ops import Ops
@@ -74,17 +73,17 @@ def scheduler_policy(config: MigdConfig) -> SchedulerPolicy:
     p = config.policy
     return SchedulerPolicy(
         planner=PlannerPolicy(
-            placement=PlacementRule(p.placement),
-            gpu_choice=GpuChoice(p.gpu_choice),
+            placement=p.placement,
+            gpu_choice=p.gpu_choice,
             fission_fusion=p.fission_fusion,
         ),
-        queue=QueuePolicy(p.queue),
+        queue=p.queue,
         aging_s=p.aging_s,
         starvation_s=p.starvation_s,
         backfill=p.backfill,
         idle_policy=p.idle_policy,
         idle_timeout_s=p.idle_timeout_s,
-        demand_weighting=p.demand_weighting or p.placement == "weighted",
+        demand_weighting=p.demand_weighting or p.placement is PlacementRule.WEIGHTED,
         demand_prior={},
         demand_half_life_s=p.demand_half_life_s,
         mps_reserve_mib=config.mps.reserve_mib,

@@ -378,3 +378,14 @@ def test_applying_an_outcome_visits_only_the_leases_it_touched(parts: Parts) -> 
     assert dict.get(sched.leases, ending.lease_id) is None  # written, answered: forgotten
     assert d.ctx.db.get_lease(ending.lease_id).state is LeaseState.RELEASED  # type: ignore[union-attr]
     assert all(dict.get(sched.leases, lease.lease_id) is lease for lease in kept[1:])
+
+
+def test_every_op_of_the_request_types_is_served_or_answered_as_missing(parts: Parts) -> None:
+    """``migd.api.OPS`` is read from the request types; the daemon's table has each one
+    (a handler, or on real GPUs the simulator's "not simulated" answer) and no other."""
+    from migd.api import OPS
+
+    api = parts.daemon.api
+    assert len(OPS) == len(set(OPS)) > 15
+    assert set(api.ops) | set(api.missing) == set(OPS)
+    assert not set(api.ops) & set(api.missing)
