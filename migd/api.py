@@ -14,7 +14,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
 
 from migd.core.mps import job_cgroup_problem
 from migd.errors import MigdError, ProtocolError
@@ -52,7 +60,14 @@ class LeaseRequestMsg(_Request):
     op: Literal["lease"]
     job_id: JOB_ID
     slot: Annotated[str, Field(max_length=256)] = ""
-    gpu_memory_mib: Annotated[int, Field(ge=0, le=100_000_000)]
+    # The lease's GPU memory: ``memory_mib`` from migd-run's --gpu-memory to the NVML
+    # create. On the wire it is ``gpu_memory_mib``, the name every daemon so far takes
+    # (wrappers send it, so a wrapper upgraded before its daemon still works); this
+    # daemon takes ``memory_mib`` as well.
+    memory_mib: Annotated[
+        int,
+        Field(ge=0, le=100_000_000, validation_alias=AliasChoices("gpu_memory_mib", "memory_mib")),
+    ]
     min_compute: Annotated[int, Field(ge=0, le=64)] = 0
     profile: Annotated[str | None, Field(max_length=64)] = None
     mode: Literal["mig", "mps", "auto"] = "auto"

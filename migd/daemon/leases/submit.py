@@ -67,7 +67,7 @@ class LeaseSubmitter:
         wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
         return LeaseRequest(
             job_id=req.job_id,
-            memory_mib=req.gpu_memory_mib,
+            memory_mib=req.memory_mib,
             slot=req.slot,
             min_compute=req.min_compute,
             profile=req.profile,
