@@ -12,7 +12,7 @@ replies, never removed or changed in meaning.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypedDict, get_args
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +24,7 @@ from pydantic import (
     ValidationError,
 )
 
+from migd.core.leases import LeaseView
 from migd.core.mps import job_cgroup_problem
 from migd.errors import MigdError, ProtocolError
 from migd.protocol import API_VERSION, MAX_NESTING, decode, encode
@@ -242,3 +243,30 @@ def ok_reply(request_id: int | str | None, result: Any) -> bytes:
 
 def error_reply(request_id: int | str | None, error: MigdError) -> bytes:
     return encode({"version": API_VERSION, "id": request_id, "ok": False, "error": error.to_dict()})
+
+
+# -- replies ----------------------------------------------------------------------------------
+# The typed shapes of the main replies (the lease-ended event is
+# migd.core.lease_end.LeaseEnded, a lease view migd.core.leases.LeaseView).
+
+
+class LeaseReply(LeaseView):
+    """The ``lease`` op's reply: the active lease, and how it got there."""
+
+    queued: bool  # it waited in the queue for capacity
+    prepared: bool  # NVML made its partition for it (NVML time, not queueing)
+
+
+class StatusReply(TypedDict):
+    """The ``status`` op's reply (``migctl status``, the machine ad's numbers);
+    ``schema`` is its version (docs/api.md)."""
+
+    schema: int
+    node: str
+    daemon: dict[str, Any]  # version, pid, uptime, backend, socket, latency, policy
+    gpus: list[dict[str, Any]]  # per GPU: identity, mode, health, its mode's view
+    queue: list[dict[str, Any]]  # the head of the queue
+    queue_summary: dict[str, Any]  # length, shown, memory_mib, oldest_waiting_s
+    leases: dict[str, int]  # queued / preparing / active -> count
+    state_disk: dict[str, Any]  # ok, reason, since_s
+    notes: list[str]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import structlog
 
@@ -22,15 +22,17 @@ from migd.api import (
     GpuRequest,
     HistoryRequest,
     LeaseRef,
+    LeaseReply,
     LeaseRequestMsg,
     ReleaseJobRequest,
     ReloadRequest,
     ReportRequest,
+    StatusReply,
     StatusRequest,
 )
 from migd.core.gpus import GpuMode, ManagedGpu
-from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import Lease, LeaseState
+from migd.core.lease_end import LeaseEnded, LeaseEndReason
+from migd.core.leases import Lease, LeaseState, LeaseView
 from migd.daemon.api.auth import Peer
 from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.api.status import build_status, explain_job
@@ -42,6 +44,8 @@ from migd.daemon.leases.submit import LeaseSubmitter
 from migd.daemon.supervision.mps import MpsSupervisor, known_sum
 from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
 
+#: A reply as handed to :meth:`Ops._for_peer`, and its scrubbed copy.
+R = TypeVar("R", bound=Mapping[str, Any])
 _CLUSTER_PROC = re.compile(r"\d+\.\d+")
 log = structlog.get_logger("migd")
 
@@ -86,7 +90,7 @@ class Ops:
 
     # -- views ------------------------------------------------------------------------------
 
-    def lease_view(self, lease: Lease, peer: Peer) -> dict[str, Any]:
+    def lease_view(self, lease: Lease, peer: Peer) -> LeaseView:
         view = lease.to_dict()
         if peer.uid != lease.owner_uid and not self.ctx.auth.is_admin(peer):
             view.pop("env", None)  # another user's environment is not theirs to read
@@ -112,14 +116,13 @@ class Ops:
             and not lease.state.terminal
         )
 
-    def _for_peer(self, reply: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def _for_peer(self, reply: R, peer: Peer) -> R:
         """``reply`` with every UUID ``peer`` may not see replaced by None (in strings that
-        merely contain one, by "<hidden>")."""
+        merely contain one, by "<hidden>"): a copy of the same shape."""
         hidden = self._hidden_from(peer)
         if not hidden:
             return reply
-        scrubbed: dict[str, Any] = _scrub(reply, hidden)
-        return scrubbed
+        return cast(R, _scrub(reply, hidden))
 
     def _job_id(self, given: str) -> str:
         """A job as admins name it: its GlobalJobId as the wrapper sends it, or the
@@ -143,7 +146,7 @@ class Ops:
     async def ping(self, call: Call[Any]) -> dict[str, Any]:
         return {"version": __version__, "pid": os.getpid(), "backend": self.ctx.config.backend.kind}
 
-    async def status(self, call: Call[Any]) -> dict[str, Any]:
+    async def status(self, call: Call[Any]) -> StatusReply:
         return self._for_peer(build_status(self.ctx), call.peer)
 
     async def list_leases(self, call: Call[StatusRequest]) -> dict[str, Any]:
@@ -183,17 +186,18 @@ class Ops:
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def lease(self, call: Call[LeaseRequestMsg]) -> dict[str, Any]:
+    async def lease(self, call: Call[LeaseRequestMsg]) -> LeaseReply:
         peer = call.peer
         lease, first_state = await self.submitter.submit(
             call.request, peer.uid, peer.pid, call.reader
         )
-        view = self.lease_view(lease, peer)
-        view["queued"] = first_state is LeaseState.QUEUED
-        view["prepared"] = first_state is LeaseState.PREPARING
-        return view
+        return {
+            **self.lease_view(lease, peer),
+            "queued": first_state is LeaseState.QUEUED,
+            "prepared": first_state is LeaseState.PREPARING,
+        }
 
-    async def get_lease(self, call: Call[LeaseRef]) -> dict[str, Any]:
+    async def get_lease(self, call: Call[LeaseRef]) -> LeaseView:
         return self.lease_view(call.owned, call.peer)
 
     async def heartbeat(self, call: Call[LeaseRef]) -> dict[str, Any]:
@@ -205,7 +209,7 @@ class Ops:
         self.leases.save(lease)
         return {"state": lease.state.value}
 
-    async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
+    async def release(self, call: Call[LeaseRef]) -> LeaseEnded:
         req = call.request
         lease = call.owned
         leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
@@ -218,7 +222,9 @@ class Ops:
         result = self.leases.release(
             lease, req.reason or f"released by uid {call.peer.uid}", end=end
         )
-        return {**result, "leftover_pids": leftover} if leftover else result
+        if leftover:
+            result["leftover_pids"] = leftover
+        return result
 
     async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from migd import __version__
+from migd.api import StatusReply
 from migd.core.gpus import (
     ExclusiveState,
     GpuMode,
@@ -218,7 +219,7 @@ def _latency(daemon: DaemonContext) -> dict[str, dict[str, float]]:
     return out
 
 
-def build_status(daemon: DaemonContext) -> dict[str, Any]:
+def build_status(daemon: DaemonContext) -> StatusReply:
     now, mono = daemon.now()
     sched = daemon.sched
     counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
@@ -289,7 +290,7 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
 
 
 def explain_job(
-    daemon: DaemonContext, job_id: str, view: Callable[[Lease], dict[str, Any]]
+    daemon: DaemonContext, job_id: str, view: Callable[[Lease], Mapping[str, Any]]
 ) -> dict[str, Any]:
     """A job's leases (each as ``view`` shows it to the asking peer) and its history."""
     leases = {lease.lease_id: lease for lease in daemon.db.leases_for_job(job_id)}

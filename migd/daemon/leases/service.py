@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import structlog
 
 from migd.core.gpus import Work
-from migd.core.lease_end import LeaseEndReason
+from migd.core.lease_end import LeaseEnded, LeaseEndReason
 from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.scheduler import Outcome, Transition
 from migd.daemon.context import DaemonContext
@@ -42,10 +42,13 @@ from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateD
 log = structlog.get_logger("migd")
 
 
-def _end_fields(lease: Lease) -> dict[str, Any]:
-    """A release reply's ``end_reason``, and for wrappers older than it, ``gpu_lost``
-    (the lease's warning) when its GPU work was lost."""
-    out: dict[str, Any] = {"end_reason": lease.end_reason.value if lease.end_reason else None}
+def _ended(lease: Lease) -> LeaseEnded:
+    """A release reply: the lease's state and ``end_reason``, and for wrappers older than
+    it, ``gpu_lost`` (the lease's warning) when its GPU work was lost."""
+    out: LeaseEnded = {
+        "state": lease.state.value,
+        "end_reason": lease.end_reason.value if lease.end_reason else None,
+    }
     if lease.end_reason is LeaseEndReason.GPU_LOST:
         out["gpu_lost"] = lease.warning  # such a wrapper has HTCondor run the job again
     return out
@@ -380,13 +383,15 @@ class LeaseService:
         *,
         reclaim: bool = False,
         end: LeaseEndReason | None = None,
-    ) -> dict[str, Any]:
+    ) -> LeaseEnded:
         """End ``lease``; ``end`` says why (default: ``released``, or ``holder_gone`` for
         a reclaim). The reply's ``end_reason`` is the lease's: a reason set earlier
         (``gpu_lost`` while it was active) stays."""
         sched = self.ctx.sched
         if lease.lease_id not in sched.leases or lease.state.terminal:
-            return {"state": lease.state.value, "already": True, **_end_fields(lease)}
+            ended = _ended(lease)
+            ended["already"] = True
+            return ended
         now, mono = self.ctx.now()
         mps_device = lease.mps_device_uuid if lease.state.holds_resources else None
         outcome = sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason, end=end)
@@ -402,7 +407,9 @@ class LeaseService:
             end_reason=lease.end_reason.value if lease.end_reason else None,
         )
         self.apply(outcome)
-        return {"state": lease.state.value, "peak_used_mib": peak, **_end_fields(lease)}
+        ended = _ended(lease)
+        ended["peak_used_mib"] = peak
+        return ended
 
     # -- clients waiting for a grant --------------------------------------------------------
 

@@ -46,7 +46,8 @@ class HistoryRow:
 
 
 def lease_to_json(lease: Lease) -> str:
-    data = lease.to_dict()
+    # The view plus what only the state db keeps (the request whole, the holder's start).
+    data: dict[str, Any] = {**lease.to_dict()}
     data["request"] = {
         "job_id": lease.request.job_id,
         "memory_mib": lease.request.memory_mib,
