@@ -12,10 +12,19 @@ replies, never removed or changed in meaning.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+)
 
+from migd.core.leases import LeaseView
 from migd.core.mps import job_cgroup_problem
 from migd.errors import MigdError, ProtocolError
 from migd.protocol import API_VERSION, MAX_NESTING, decode, encode
@@ -52,7 +61,14 @@ class LeaseRequestMsg(_Request):
     op: Literal["lease"]
     job_id: JOB_ID
     slot: Annotated[str, Field(max_length=256)] = ""
-    gpu_memory_mib: Annotated[int, Field(ge=0, le=100_000_000)]
+    # The lease's GPU memory: ``memory_mib`` from migd-run's --gpu-memory to the NVML
+    # create. On the wire it is ``gpu_memory_mib``, the name every daemon so far takes
+    # (wrappers send it, so a wrapper upgraded before its daemon still works); this
+    # daemon takes ``memory_mib`` as well.
+    memory_mib: Annotated[
+        int,
+        Field(ge=0, le=100_000_000, validation_alias=AliasChoices("gpu_memory_mib", "memory_mib")),
+    ]
     min_compute: Annotated[int, Field(ge=0, le=64)] = 0
     profile: Annotated[str | None, Field(max_length=64)] = None
     mode: Literal["mig", "mps", "auto"] = "auto"
@@ -167,10 +183,12 @@ Request = Annotated[
     Field(discriminator="op"),
 ]
 _REQUEST = TypeAdapter(Request)
+#: Every op, in the order the request types declare them: read from their ``op`` fields,
+#: so a new request type is a new op with nothing else to list.
 OPS = [
-    *("ping", "lease", "release", "heartbeat", "get_lease", "usage", "release_job", "report"),
-    *("status", "leases", "reload", "explain", "history", "drain", "resume", "reset"),
-    *("sim_attach", "sim_alloc", "sim_free", "sim_detach", "sim_xid"),
+    op
+    for model in get_args(get_args(Request)[0])
+    for op in get_args(model.model_fields["op"].annotation)
 ]
 
 
@@ -230,3 +248,38 @@ def ok_reply(request_id: int | str | None, result: Any) -> bytes:
 
 def error_reply(request_id: int | str | None, error: MigdError) -> bytes:
     return encode({"version": API_VERSION, "id": request_id, "ok": False, "error": error.to_dict()})
+
+
+# -- replies ----------------------------------------------------------------------------------
+# The typed shapes of the main replies (the lease-ended event is
+# migd.core.lease_end.LeaseEnded, a lease view migd.core.leases.LeaseView).
+
+
+class LeaseReply(LeaseView):
+    """The ``lease`` op's reply: the active lease, and how it got there."""
+
+    queued: bool  # it waited in the queue for capacity
+    prepared: bool  # NVML made its partition for it (NVML time, not queueing)
+
+
+class GroupLeaseReply(LeaseReply):
+    """The ``lease`` op's reply for a job on several GPUs (``gpu_count`` > 1): the first
+    member's view, ``env`` listing every device, and every member's view in order
+    (docs/api.md, "Several GPUs per job")."""
+
+    group: list[LeaseView]
+
+
+class StatusReply(TypedDict):
+    """The ``status`` op's reply (``migctl status``, the machine ad's numbers);
+    ``schema`` is its version (docs/api.md)."""
+
+    schema: int
+    node: str
+    daemon: dict[str, Any]  # version, pid, uptime, backend, socket, latency, policy
+    gpus: list[dict[str, Any]]  # per GPU: identity, mode, health, its mode's view
+    queue: list[dict[str, Any]]  # the head of the queue
+    queue_summary: dict[str, Any]  # length, shown, memory_mib, oldest_waiting_s
+    leases: dict[str, int]  # queued / preparing / active -> count
+    state_disk: dict[str, Any]  # ok, reason, since_s
+    notes: list[str]

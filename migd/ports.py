@@ -17,13 +17,13 @@ Implementations:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from migd.core.geometry import Geometry
+from migd.core.leases import Lease
 from migd.core.mps import MpsShare
-from migd.core.scheduler import Lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +188,72 @@ class GpuBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """One NVML event as migd understands it.
+
+    Attributes:
+        gpu: NVML index of the GPU.
+        kind: ``xid``, ``ecc_dbe`` or ``mig_config``.
+        xid: the XID (``xid`` events), else None.
+        gi_id, ci_id: the GPU/compute instance NVML attributes the event to, else None.
+        critical: the GPU must take no new leases.
+        instance_lost: the attributed instance's work is lost (``gi_id`` set), or with
+            ``gi_id`` None every instance on the GPU.
+        reason: a sentence for status, logs and the jobs.
+    """
+
+    gpu: int
+    kind: str
+    xid: int | None = None
+    gi_id: int | None = None
+    ci_id: int | None = None
+    critical: bool = False
+    instance_lost: bool = False
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu,
+            "kind": self.kind,
+            "xid": self.xid,
+            "gi_id": self.gi_id,
+            "ci_id": self.ci_id,
+            "critical": self.critical,
+            "instance_lost": self.instance_lost,
+            "reason": self.reason,
+        }
+
+
+class EventListener(Protocol):
+    """A running listener of :class:`GpuEvents` (:meth:`start` registers the GPUs)."""
+
+    registered: dict[int, int]  # GPU index -> event mask registered
+    unsupported: dict[int, str]  # GPU index -> why it has no events
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class GpuEvents(Protocol):
+    """NVML's event stream (XIDs, ECC; docs/operations.md, GPU health).
+
+    A listener waits in a thread of its own and calls ``on_event`` there with each
+    classified event; ``ignore_xids`` are application faults (``health.ignore_xids``).
+    Real: :class:`migd.backends.nvml.events.NvmlEvents`; simulated:
+    :class:`migd.backends.simulated.nvml_events.SimGpuEvents`.
+    """
+
+    def listener(
+        self,
+        gpus: Iterable[int],
+        on_event: Callable[[GpuEvent], None],
+        *,
+        ignore_xids: Collection[int],
+    ) -> EventListener: ...
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 
 class LeaseEndReason(StrEnum):
@@ -75,6 +75,23 @@ _DESCRIBE: Mapping[LeaseEndReason, str] = {
     LeaseEndReason.GPU_LOST: "the job's GPU failed and its GPU work is lost",
     LeaseEndReason.MPS_FAILED: "the MPS daemon of the job's GPU share could not start",
 }
+
+
+class LeaseEnded(TypedDict):
+    """The lease-ended event as a ``release`` reply carries it (and a lease view's
+    ``end_reason`` with ``state``): what the wrapper reads to tell an end it asked for
+    from one it must stop the job for (:func:`end_reason_of`)."""
+
+    state: str
+    end_reason: str | None  # LeaseEndReason's value
+    #: The lease had ended before this release (the reply says how it ended).
+    already: NotRequired[bool]
+    peak_used_mib: NotRequired[int | None]
+    #: The lease's warning when its GPU work was lost: what wrappers older than
+    #: ``end_reason`` read (they have HTCondor run the job again).
+    gpu_lost: NotRequired[str]
+    #: Processes found on the instance at release (it is quarantined).
+    leftover_pids: NotRequired[list[int]]
 
 
 def end_reason_of(view: Mapping[str, Any]) -> LeaseEndReason | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from migd.core.gpus import GpuMode, RequestMode
 from migd.core.lease_end import LeaseEndReason
@@ -113,6 +113,40 @@ def next_state(state: LeaseState, event: LeaseEvent) -> LeaseState:
             state=state.value,
             event=event.value,
         ) from None
+
+
+class LeaseView(TypedDict):
+    """A lease as the API shows it (``Lease.to_dict``): the ``lease`` and ``get_lease``
+    replies, ``migctl leases``, the state db's rows. ``env`` is left out for a reader
+    who is neither the owner nor an admin."""
+
+    lease_id: str
+    job_id: str
+    slot: str
+    state: str
+    owner_uid: int
+    owner_pid: int
+    requested_mib: int
+    min_compute: int
+    requested_mode: str
+    mode: str | None
+    gpu: int | None
+    gpu_uuid: str | None
+    profile: str | None
+    start: int | None
+    mig_uuid: str | None
+    memory_limit_mib: int | None
+    mps_clients: int
+    mps_thread_percentage: int | None
+    warning: str
+    warning_s: float | None
+    end_reason: str | None  # LeaseEndReason's value once the lease ended, else None
+    env: NotRequired[dict[str, str]]
+    created_s: float
+    updated_s: float
+    deadline_s: float | None
+    reason: str
+    decision: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -233,7 +267,7 @@ class Lease:
         if self.state.terminal and self.end_reason is None:
             self.end_reason = end or DEFAULT_END[self.state]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> LeaseView:
         return {
             "lease_id": self.lease_id,
             "job_id": self.request.job_id,

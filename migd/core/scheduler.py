@@ -45,20 +45,16 @@ from migd.core.gpu_modes import (
     partition_request,
 )
 from migd.core.gpus import (
-    ExclusiveState,
     GpuMode,
     InstanceStatus,
     ManagedGpu,
     ManagedInstance,
-    MigState,
     MpsState,
-    OffState,
     Origin,
-    RequestMode,
     Work,
-    mode_state,
 )
 from migd.core.groups import Trial
+from migd.core.health import HealthSource
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
@@ -72,32 +68,9 @@ from migd.core.planner import (
 )
 from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import Miss, QueuedRequest, QueuePolicy, RequestQueue
+from migd.core.resync import match_read
 from migd.core.states import StateSpace
 from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
-
-# The lease (migd.core.leases), GPU and work (migd.core.gpus) and policy (migd.core.policy)
-# types live beside the scheduler; callers keep importing them here.
-__all__ = [
-    "ExclusiveState",
-    "GpuMode",
-    "InstanceStatus",
-    "Lease",
-    "LeaseRequest",
-    "ManagedGpu",
-    "ManagedInstance",
-    "MigState",
-    "MpsState",
-    "NodeScheduler",
-    "OffState",
-    "Origin",
-    "Outcome",
-    "RequestMode",
-    "SchedulerPolicy",
-    "Transition",
-    "Work",
-    "default_mps_env",
-    "mode_state",
-]
 
 
 @dataclass(frozen=True)
@@ -788,71 +761,15 @@ class NodeScheduler:
         if read_at != self.books_version(gpu_index):
             return self._outcome(stale=True, notes=["the GPU changed while it was read"])
         self._touch(gpu_index)
-        notes: list[str] = []
-        # A start can be in the books twice while work is pending (an instance being
-        # destroyed and the one planned in its place): each is matched by its profile.
-        known: dict[tuple[int, int], ManagedInstance] = {
-            (i.start, i.profile.profile_id): i for i in mig.instances
-        }
-        fresh: list[ManagedInstance] = []
-        for profile, start, gi_id, uuid, memory in observed:
-            inst = known.pop((start, profile.profile_id), None)
-            if inst is not None:
-                inst.gi_id, inst.uuid, inst.memory_mib = gi_id, uuid, memory
-                if inst.status is InstanceStatus.DESTROYING and self._pending_destroy(
-                    gpu_index, start
-                ):
-                    pass  # its destroy is queued: it stays out of reach until then
-                elif inst.status is not InstanceStatus.CREATING:
-                    inst.status = InstanceStatus.READY
-                if (
-                    inst.origin is Origin.UNEXPLAINED
-                    and uuid is not None
-                    and uuid not in busy_uuids
-                ):
-                    inst.origin, inst.note = Origin.ADOPTED, ""
-                    inst.idle_since_s = now_s
-                    notes.append(f"{inst} is idle now; adopted")
-                elif (
-                    uuid in busy_uuids
-                    and inst.lease_id is None
-                    and inst.mps_pool is None  # an MPS host's server is a process of its own
-                    and inst.status is InstanceStatus.READY
-                    and inst.origin is not Origin.UNEXPLAINED
-                ):
-                    # An idle instance with processes (a job's child that outlived its
-                    # lease): never handed out or destroyed until they exit.
-                    inst.origin = Origin.UNEXPLAINED
-                    inst.note = "processes run on it without a migd lease"
-                    notes.append(f"{inst}: unexplained ({inst.note})")
-                fresh.append(inst)
-                continue
-            origin, note = Origin.ADOPTED, ""
-            if uuid is None:
-                origin, note = Origin.UNEXPLAINED, "GPU instance without a compute instance"
-            elif uuid in busy_uuids:
-                origin, note = Origin.UNEXPLAINED, "processes run on it without a migd lease"
-            new = ManagedInstance(
-                profile=profile,
-                start=start,
-                memory_mib=memory,
-                gi_id=gi_id,
-                uuid=uuid,
-                origin=origin,
-                idle_since_s=now_s,
-                note=note,
-            )
-            fresh.append(new)
-            notes.append(f"{new}: {origin.value}" + (f" ({note})" if note else ""))
-        for gone in known.values():
-            if gone.status is InstanceStatus.CREATING:
-                fresh.append(gone)  # creation still in flight
-                continue
-            if gone.status is InstanceStatus.DESTROYING and self._pending_destroy(
-                gpu_index, gone.start
-            ):
-                continue  # destroyed on the GPU; its work's result is on its way
-            notes.append(f"{gone} disappeared")
+        read = match_read(
+            mig.instances,
+            observed,
+            busy_uuids,
+            now_s,
+            destroying=lambda start: self._pending_destroy(gpu_index, start),
+        )
+        notes = read.notes
+        for gone in read.gone:
             for lease in self._leases_on(gone):
                 if lease.state.holds_resources:
                     self.transition(
@@ -862,13 +779,13 @@ class NodeScheduler:
                         reason=f"instance {gone} disappeared",
                         end=LeaseEndReason.INSTANCE_GONE,
                     )
-        mig.instances = sorted(fresh, key=lambda i: i.start)
+        mig.instances = read.instances
         # The committed layout must stay a valid state; a layout that is not is reported.
         try:
             mig.space.key_of((i.profile, i.start) for i in mig.instances)
         except Exception as exc:
             reason = f"layout not understood: {exc}"
-            gpu.health.raise_("resync", reason, now_s)  # cleared by the next resync
+            gpu.health.raise_(HealthSource.RESYNC, reason, now_s)  # cleared by the next resync
             notes.append(reason)
         return self._outcome(notes=notes)
 

@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from migd.core.planner import GpuChoice, PlacementRule
+from migd.core.queueing import QueuePolicy
 from migd.errors import ConfigError
 from migd.wrapper_section import WrapperSection
 
@@ -151,10 +153,11 @@ class ApiSection(_Section):
 
 class PolicySection(_Section):
     profiles: str = Field("standard", description="standard | classic | media | all | a,b,c")
-    placement: Literal["reachability", "weighted", "driver", "max-cc"] = "reachability"
-    gpu_choice: Literal["rules", "first-fit"] = "rules"
+    # The names are the core's own enums: one list, here and in the planner and queue.
+    placement: PlacementRule = PlacementRule.REACHABILITY
+    gpu_choice: GpuChoice = GpuChoice.RULES
     fission_fusion: bool = True
-    queue: Literal["fifo", "size"] = "fifo"
+    queue: QueuePolicy = QueuePolicy.FIFO
     aging_s: float = Field(600.0, ge=0)
     starvation_s: float = Field(1800.0, ge=0)
     backfill: bool | None = None

@@ -18,6 +18,7 @@ from migd.daemon.config import DEFAULT_CONFIG_PATH, MigdConfig, example_toml, lo
 from migd.daemon.config_check import Findings, check_accounts, check_catalog, check_gpus
 from migd.daemon.logs import configure_logging
 from migd.errors import ConfigError, GeometryError, MigdError
+from migd.ports import CgroupMemoryLimits, GpuEvents
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +169,35 @@ def build_mps(config: MigdConfig) -> Any:
     )
 
 
+def build_events(config: MigdConfig, node: Any) -> GpuEvents | None:
+    """NVML's event stream for the GPU health monitor: the simulated node's (with the XIDs
+    ``health.sim_xids`` injects once it listens), or the real bindings' (None without)."""
+    if node is not None:
+        from migd.backends.simulated.nvml_events import SimGpuEvents
+
+        return SimGpuEvents(node, config.health.sim_xids)
+    if config.backend.kind == "simulated":
+        return None
+    from migd.backends.nvml.events import nvml_events
+
+    return nvml_events()
+
+
+def build_cgroup_limits(cgroup_root: Path, backend: Any, node: Any = None) -> CgroupMemoryLimits:
+    """The MPS v3 port over the daemon's NVML backend (its initialised pynvml, at first
+    use), or on a simulated node the stand-in NVML over that node (its driver version and
+    MIG modes decide detection)."""
+    from migd.backends.mps.dmem import NvmlCgroupLimits
+
+    if node is not None:
+        from migd.backends.simulated.dmem import SimDmemNvml
+
+        return NvmlCgroupLimits(
+            SimDmemNvml(node=node, cgroup_root=cgroup_root), cgroup_root=cgroup_root
+        )
+    return NvmlCgroupLimits(load=lambda: backend.nvml, cgroup_root=cgroup_root)
+
+
 def print_config_error(exc: ConfigError) -> None:
     print(f"migd: configuration error: {exc.message}", file=sys.stderr)
     if exc.hint:
@@ -291,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from migd.backends.accounts import SystemAccounts
     from migd.daemon.service import Daemon, lock_instance
-    from migd.daemon.supervision.mps import build_cgroup_limits
 
     # Every error that stops the start is one log line (what happened, what to do) and an
     # exit status systemd acts on (exit_codes.py): no traceback.
@@ -335,13 +364,17 @@ def main(argv: list[str] | None = None) -> int:
             backend,
             procs,
             reload_config=load,
-            sim_node=node,
+            events=build_events(config, node),
             mps=mps,
+            cgroup_limits=build_cgroup_limits(config.mps.cgroup_root, backend, node),
             accounts=SystemAccounts(),
             startd=startd,
             lock=lock,
         )
-        daemon.ctx.cgroup_limits = build_cgroup_limits(config.mps.cgroup_root, backend, node)
+        if node is not None:
+            from migd.daemon.api.sim_ops import SimOps
+
+            SimOps(node, daemon.ctx).register(daemon.api)  # fake CUDA jobs, XID injection
         return await daemon.run()
 
     try:

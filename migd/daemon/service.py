@@ -8,7 +8,8 @@ parts add the I/O (see docs/architecture.md):
 * :mod:`migd.daemon.api.server` (socket, admission, op table) with the handlers of
   :mod:`migd.daemon.api.ops` (and :mod:`migd.daemon.api.sim_ops` on simulated GPUs);
 * :mod:`migd.daemon.leases.service`: persistence, history, waiting clients;
-* :mod:`migd.daemon.leases.executor`: one worker thread per GPU and the work run in it;
+* :mod:`migd.daemon.leases.executor`: one worker thread and work queue per GPU;
+* :mod:`migd.daemon.leases.work`: each GPU's loop running the scheduler's work items;
 * :mod:`migd.daemon.leases.reconciler`: start-up reconcile, GPU resync, lease restore;
 * :mod:`migd.daemon.supervision.mps`: the MPS control daemons;
 * :mod:`migd.daemon.supervision.periodic`: reaper, timers, sampler, watchdog.
@@ -21,46 +22,46 @@ import contextlib
 import gc
 import signal
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from pydantic import BaseModel
 
 from migd import __version__
-from migd.backends.accounts import SystemAccounts
 from migd.core.hybrid import HybridPolicy, ShareRule
-from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
-from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import NodeScheduler, SchedulerPolicy
+from migd.core.planner import PlacementRule, PlannerPolicy
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.api.auth import Authorizer
 from migd.daemon.api.ops import Ops
-from migd.daemon.api.server import ApiServer, not_simulated, socket_access
+from migd.daemon.api.server import SIM_ONLY_OPS, ApiServer, not_simulated, socket_access
 from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys, removals
 from migd.daemon.context import DaemonContext
 from migd.daemon.exit_codes import exit_status
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
+from migd.daemon.leases.submit import LeaseSubmitter
+from migd.daemon.leases.work import WorkRunner
 from migd.daemon.metrics.service import MetricsService
 from migd.daemon.store.state import StateStore
 from migd.daemon.supervision.gpu_health import GpuHealthMonitor
-from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor, ShareRelease
 from migd.daemon.supervision.periodic import PeriodicTasks, Reaper
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
 from migd.paths import InstanceLock, ensure_dir
 from migd.ports import (
     Accounts,
+    CgroupMemoryLimits,
     Clock,
     GpuBackend,
+    GpuEvents,
     MpsControl,
     ProcessTable,
     StartdControl,
     SystemClock,
 )
-
-if TYPE_CHECKING:
-    from migd.backends.simulated.node import SimNode
 
 log = structlog.get_logger("migd")
 
@@ -72,17 +73,17 @@ def scheduler_policy(config: MigdConfig) -> SchedulerPolicy:
     p = config.policy
     return SchedulerPolicy(
         planner=PlannerPolicy(
-            placement=PlacementRule(p.placement),
-            gpu_choice=GpuChoice(p.gpu_choice),
+            placement=p.placement,
+            gpu_choice=p.gpu_choice,
             fission_fusion=p.fission_fusion,
         ),
-        queue=QueuePolicy(p.queue),
+        queue=p.queue,
         aging_s=p.aging_s,
         starvation_s=p.starvation_s,
         backfill=p.backfill,
         idle_policy=p.idle_policy,
         idle_timeout_s=p.idle_timeout_s,
-        demand_weighting=p.demand_weighting or p.placement == "weighted",
+        demand_weighting=p.demand_weighting or p.placement is PlacementRule.WEIGHTED,
         demand_prior={},
         demand_half_life_s=p.demand_half_life_s,
         mps_reserve_mib=config.mps.reserve_mib,
@@ -144,19 +145,20 @@ class Daemon:
         backend: GpuBackend,
         procs: ProcessTable,
         *,
+        accounts: Accounts,
         clock: Clock | None = None,
         notifier: Notifier | None = None,
         reload_config: Callable[[], MigdConfig] | None = None,
-        sim_node: SimNode | None = None,
+        events: GpuEvents | None = None,
         mps: MpsControl | None = None,
-        accounts: Accounts | None = None,
+        cgroup_limits: CgroupMemoryLimits | None = None,
         startd: StartdControl | None = None,
         lock: InstanceLock | None = None,
     ) -> None:
         clock = clock or SystemClock()
         #: Held from :meth:`open` (or given, taken earlier by ``main``) until :meth:`close`.
         self.lock = lock
-        self.accounts = accounts or SystemAccounts()
+        self.accounts = accounts
         self.metrics = MetricsService(config)  # docs/operations.md, Monitoring
         self.ctx = ctx = DaemonContext(
             config=config,
@@ -166,42 +168,41 @@ class Daemon:
             notifier=notifier or Notifier(),
             auth=Authorizer(config.api, self.accounts),
             mps=mps,
+            cgroup_limits=cgroup_limits,
             started_s=clock.now(),
         )
         self.reload_config = reload_config
         self.stopping = asyncio.Event()
+        # Built one way: each part gets what it calls when it is made, nothing is patched
+        # in afterwards (the executor knows no leases; the work runner comes last).
         self.executor = GpuExecutor(ctx)
-        self.leases = LeaseService(ctx, self.executor.dispatch)
+        self.leases = LeaseService(ctx, self.executor.dispatch, ShareRelease(ctx, self.executor))
         self.leases.add_observer(self.metrics)
         self.leases.event_observers.append(self.metrics)
         self.mps = MpsSupervisor(ctx, self.executor, self.leases)
-        self.leases.release_share = self.mps.release_share
         self.reaper = Reaper(ctx, self.executor, self.leases)
         self.leases.add_observer(self.reaper)  # a grant starts the heartbeat clock
         self.reconciler = Reconciler(ctx, self.executor, self.leases, self.mps, self.reaper.reap)
-        self.executor.leases = self.leases
-        self.executor.resync = self.reconciler.resync_gpu
-        self.executor.before_destroy = self.mps.stop_before_destroy
+        self.work = WorkRunner(
+            ctx,
+            self.executor,
+            self.leases,
+            resync=self.reconciler.resync_gpu,
+            before_destroy=self.mps.stop_before_destroy,
+        )
         self.periodic = PeriodicTasks(
             ctx, self.executor, self.leases, self.reaper, self.reconciler, self.mps, startd
         )
         self.api = ApiServer(ctx, self.leases.lease_for, self.stopping)
-        Ops(ctx, self.leases, self.executor, self.mps, self.reload).register(self.api)
+        self.submitter = LeaseSubmitter(ctx, self.executor, self.leases, self.mps)
+        Ops(ctx, self.leases, self.executor, self.mps, self.submitter, self.reload).register(
+            self.api
+        )
         # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
-        self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, sim_node=sim_node)
+        self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, events)
         self.leases.event_observers.append(self.health)
-        if sim_node is not None:
-            self.health.register_sim_op(self.api)
-        else:
-            self.api.missing["sim_xid"] = not_simulated
-        if sim_node is not None:
-            from migd.daemon.api.sim_ops import SimOps
-
-            SimOps(sim_node, ctx).register(self.api)
-        else:
-            from migd.daemon.api.sim_ops import SIM_OPS
-
-            self.api.missing.update(dict.fromkeys(SIM_OPS, not_simulated))
+        # Answered "not simulated" unless main() registers the simulator's ops over them.
+        self.api.missing.update(dict.fromkeys(SIM_ONLY_OPS, not_simulated))
         self._tasks: list[asyncio.Task[Any]] = []
 
     @property
@@ -258,9 +259,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stopping.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
         for index in self.executor.workers:
-            self._tasks.append(
-                asyncio.create_task(self.executor.gpu_loop(index), name=f"gpu{index}")
-            )
+            self._tasks.append(asyncio.create_task(self.work.gpu_loop(index), name=f"gpu{index}"))
         self._tasks += self.periodic.start()
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(

@@ -12,10 +12,11 @@ from typing import Literal
 
 from migd.core.forecast import ForecastPolicy
 from migd.core.geometry import Geometry
+from migd.core.gpus import GpuMode
 from migd.core.hybrid import HybridPolicy
 from migd.core.planner import GpuChoice, PlacementRule, PlannerPolicy
+from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import GpuMode, SchedulerPolicy
 from migd.core.states import describe, state_space
 from migd.errors import InvalidRequest
 

@@ -662,7 +662,7 @@ class JobRunner:
             fields: dict[str, Any] = {
                 "job_id": spec.job_id,
                 "slot": spec.slot or None,
-                "gpu_memory_mib": memory,
+                "gpu_memory_mib": memory,  # memory_mib's wire name (migd.api.LeaseRequestMsg)
                 "min_compute": spec.min_compute or None,
                 "mode": spec.mode,
                 "gpus": list(spec.gpus) if spec.gpus else None,

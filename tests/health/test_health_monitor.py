@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from migd.backends.nvml_events import EVENT_XID_CRITICAL, classify
+from migd.backends.nvml.events import EVENT_XID_CRITICAL, classify
+from migd.core.gpus import ManagedGpu
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import LeaseState
-from migd.core.scheduler import ManagedGpu, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.metrics.exporter import render
 from migd.daemon.metrics.service import MetricsService
@@ -44,7 +45,7 @@ class Books:
 
 
 def monitor(books: Books) -> GpuHealthMonitor:
-    return GpuHealthMonitor(books, books, MetricsService(books.config), nvml=object())  # type: ignore[arg-type]
+    return GpuHealthMonitor(books, books, MetricsService(books.config), events=object())  # type: ignore[arg-type]
 
 
 def node_with_two_leases() -> tuple[NodeScheduler, Any, Any]:

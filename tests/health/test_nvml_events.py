@@ -7,7 +7,7 @@ import queue
 
 import pytest
 
-from migd.backends.nvml_events import (
+from migd.backends.nvml.events import (
     APPLICATION_XIDS,
     EVENT_DOUBLE_BIT_ECC,
     EVENT_MIG_CONFIG_CHANGE,

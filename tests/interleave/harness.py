@@ -35,17 +35,17 @@ from typing import Any
 
 import structlog
 
-from migd.backends.nvml_events import GpuEvent
+from migd.backends.accounts import SystemAccounts
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.node import SimNode
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, LeaseRequest
+from migd.core.gpus import GpuMode, InstanceStatus
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.api.ops import Ops
 from migd.daemon.config import validate_config
 from migd.daemon.service import Daemon
 from migd.daemon.systemd import Notifier
 from migd.errors import MigdError
-from migd.ports import ManualClock
+from migd.ports import GpuEvent, ManualClock
 
 
 class Violation(AssertionError):
@@ -216,7 +216,14 @@ class World:
     def _start_daemon(self) -> None:
         backend, _ = simulated_backend(self.node)
         notifier = Notifier(environ={})
-        daemon = Daemon(self._config(), backend, self.procs, clock=self.clock, notifier=notifier)
+        daemon = Daemon(
+            self._config(),
+            backend,
+            self.procs,
+            accounts=SystemAccounts(),
+            clock=self.clock,
+            notifier=notifier,
+        )
         daemon.open()
         for index, worker in daemon.executor.workers.items():
             worker.executor.shutdown(wait=False)
@@ -225,11 +232,18 @@ class World:
             self.executors[index] = stepped
         daemon.leases.add_observer(DisappearedWatch(self))
         self.daemon = daemon
-        self.ops = Ops(daemon.ctx, daemon.leases, daemon.executor, daemon.mps, daemon.reload)
+        self.ops = Ops(
+            daemon.ctx,
+            daemon.leases,
+            daemon.executor,
+            daemon.mps,
+            daemon.submitter,
+            daemon.reload,
+        )
         # Start-up runs alone (the socket is bound after it): reconcile, FIFO per GPU.
         self._run_alone(self._startup())
         for index in daemon.executor.workers:
-            self.tasks.append(self.loop.create_task(daemon.executor.gpu_loop(index)))
+            self.tasks.append(self.loop.create_task(daemon.work.gpu_loop(index)))
 
     async def _startup(self) -> None:
         d = self.daemon

@@ -6,16 +6,10 @@ import itertools
 from typing import Any
 
 from migd.core import catalog
+from migd.core.gpus import GpuMode, ManagedGpu, Work, mode_state
+from migd.core.leases import Lease, LeaseRequest
 from migd.core.planner import CreateOp
-from migd.core.scheduler import (
-    GpuMode,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    NodeScheduler,
-    Work,
-    mode_state,
-)
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 
 _ids = itertools.count()

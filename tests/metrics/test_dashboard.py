@@ -10,7 +10,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
+from migd.core.gpus import ManagedGpu, MpsState
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.metrics.exporter import render
 from migd.daemon.metrics.recorder import MetricsRecorder
 from migd.daemon.metrics.service import build_registry

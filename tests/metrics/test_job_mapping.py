@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
+from migd.core.gpus import ManagedGpu, MpsState
 from migd.core.leases import LeaseState
-from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import validate_config
-from migd.daemon.leases.job_mapping import JobMappingWriter, job_mapping
+from migd.daemon.metrics.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics.service import MetricsService
 from tests.metrics.conftest import finish, gpu, lease
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from migd.core.gpus import ManagedGpu, MpsState
 from migd.core.leases import LeaseState
-from migd.core.scheduler import ManagedGpu, MpsState, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig, validate_config
 from migd.daemon.metrics.collector import MIB
 from migd.daemon.metrics.exporter import MetricsServer, render

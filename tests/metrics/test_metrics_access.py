@@ -18,7 +18,8 @@ import structlog.testing
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from migd.core.scheduler import Lease, LeaseRequest, NodeScheduler
+from migd.core.leases import Lease, LeaseRequest
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig, validate_config
 from migd.daemon.metrics.exporter import MetricsServer, listen_warnings, render
 from migd.daemon.metrics.recorder import MetricsRecorder

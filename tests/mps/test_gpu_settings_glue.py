@@ -7,7 +7,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-from migd.core.scheduler import ManagedGpu, MigState, MpsState
+from migd.core.gpus import ManagedGpu, MigState, MpsState
 from migd.daemon.api.status import gpu_warnings
 from migd.daemon.config import MigdConfig
 from migd.daemon.supervision.mps import MpsSupervisor

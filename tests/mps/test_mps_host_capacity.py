@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from migd.backends.simulated import simulated_backend
 from migd.core.planner import CreateOp
-from migd.core.scheduler import NodeScheduler, SchedulerPolicy
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 
 from .test_mps_in_mig_scheduler import lease, mig_gpu
 
@@ -38,7 +39,7 @@ def test_the_host_pool_takes_the_reported_total_once_the_instance_exists() -> No
 
 
 def test_a_host_restored_after_a_restart_keeps_the_reported_total() -> None:
-    from migd.core.scheduler import Lease, LeaseRequest
+    from migd.core.leases import Lease, LeaseRequest
 
     gpu = mig_gpu(mps_in_mig=True)
     node = NodeScheduler([gpu])

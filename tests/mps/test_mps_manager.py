@@ -466,7 +466,8 @@ def test_too_long_socket_path_is_refused_before_starting(env: Env, tmp_path: Pat
 
 
 def test_daemon_facing_methods_work_with_the_schedulers_lease_and_gpu(env: Env) -> None:
-    from migd.core.scheduler import Lease, LeaseRequest, ManagedGpu, MpsState
+    from migd.core.gpus import ManagedGpu, MpsState
+    from migd.core.leases import Lease, LeaseRequest
 
     gpu = ManagedGpu(
         index=0,

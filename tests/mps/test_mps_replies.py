@@ -115,8 +115,10 @@ def test_thread_percentage_is_set_on_the_daemon_and_the_running_server(env: Env)
 
 
 def test_the_schedulers_mps_environment_is_the_managers_without_the_pipe() -> None:
+    from migd.core.gpus import ManagedGpu, MpsState
+    from migd.core.leases import Lease, LeaseRequest
     from migd.core.mps import client_environment
-    from migd.core.scheduler import Lease, LeaseRequest, ManagedGpu, MpsState, default_mps_env
+    from migd.core.scheduler import default_mps_env
 
     gpu = ManagedGpu(0, GPU, "H100-80GB", "H100", 81559, MpsState())
     lease = Lease("L1", LeaseRequest("1.0", 5000), 1000, 1, 0.0, memory_limit_mib=6144)

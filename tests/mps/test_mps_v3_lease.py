@@ -17,7 +17,8 @@ from migd.api import LeaseRequestMsg
 from migd.backends.mps.dmem import NvmlCgroupLimits
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.dmem import SimDmemNvml
-from migd.core.leases import LeaseState
+from migd.core.gpus import ManagedGpu, MpsState
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.mps import (
     MPS_V3_RECHECK_S,
     CgroupLimitAction,
@@ -32,9 +33,9 @@ from migd.core.mps import (
     job_cgroup_problem,
     observe_client_cap,
 )
-from migd.core.scheduler import Lease, LeaseRequest, ManagedGpu, MpsState, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor, ShareRelease
 from migd.errors import GpuError
 from migd.ports import CgroupMemoryLimit, ManualClock
 from migd.wrapper.cgroup import own_cgroup
@@ -216,7 +217,7 @@ class InlineExecutor:
     async def on_gpu(self, gpu: int, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
-    def submit(self, gpu: int, fn: Any, *args: Any) -> None:
+    def run_detached(self, gpu: int, fn: Any, *args: Any) -> None:
         fn(*args)
 
 
@@ -265,8 +266,8 @@ def test_a_supported_gpu_gets_the_shares_whole_memory_on_the_job_cgroup_and_it_i
     second = mps_lease("L2", clients=1)
     asyncio.run(sup.limit_cgroup(second, share(second), "GPU-x", JOB + "_2"))
     assert [c[0] for c in port.calls] == ["support", "set", "set"]
-    sup.release_share(0, "GPU-x", "L1")
-    sup.release_share(0, "GPU-x", "L2")
+    ShareRelease(sup.ctx, sup.executor)(0, "GPU-x", "L1")
+    ShareRelease(sup.ctx, sup.executor)(0, "GPU-x", "L2")
     assert port.calls[-2:] == [
         ("clear", 0, f"/sys/fs/cgroup{JOB}"),
         ("clear", 0, f"/sys/fs/cgroup{JOB}_2"),
@@ -283,7 +284,7 @@ def test_an_unsupported_driver_makes_no_call_and_says_why() -> None:
     assert port.calls == [("support", 0)] and recorded == []
     status = sup.ctx.cgroup_book.device_status("GPU-x", setting="auto", kind=DeviceKind.GPU)
     assert status["in_force"] is False and "older than r615" in status["why_not"]
-    sup.release_share(0, "GPU-x", "L1")
+    ShareRelease(sup.ctx, sup.executor)(0, "GPU-x", "L1")
     assert port.calls == [("support", 0)]
 
 

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from migd.core.catalog import geometry
 from migd.core.costs import CostModel
 from migd.core.forecast import Forecaster, Verdict
+from migd.core.gpus import GpuMode, Work
 from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import GpuMode, NodeScheduler, Outcome, Work
+from migd.core.scheduler import NodeScheduler, Outcome
 from migd.errors import InvalidRequest
 from migd.policysim.engine import PolicySimConfig, PolicySimResult, Simulation, simulate
 from migd.policysim.jobs import Growth, WorkloadJob, runtime_at

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from migd.core.catalog import geometry
-from migd.core.scheduler import GpuMode
+from migd.core.gpus import GpuMode
 from migd.core.states import state_space
 from migd.policysim.driver import NvmlDriver
 from migd.policysim.matcher import Matcher

@@ -9,20 +9,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from migd.core import catalog
-from migd.core.leases import LeaseState
+from migd.core.gpus import InstanceStatus, ManagedGpu, MigState, Origin, Work
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp, DestroyOp
+from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import (
-    InstanceStatus,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    MigState,
-    NodeScheduler,
-    Origin,
-    SchedulerPolicy,
-    Work,
-)
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 from migd.errors import InsufficientResources, RequestTooLarge
 

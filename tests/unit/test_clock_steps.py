@@ -9,17 +9,11 @@ import itertools
 import pytest
 
 from migd.core import catalog
-from migd.core.leases import LeaseState
+from migd.core.gpus import ManagedGpu, MigState, Work
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp, DestroyOp
-from migd.core.scheduler import (
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    MigState,
-    NodeScheduler,
-    SchedulerPolicy,
-    Work,
-)
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 
 IDLE_TIMEOUT_S = 300.0

@@ -13,8 +13,7 @@ from migd.core.condor_shares import (
     share_id,
     short_uuid,
 )
-from migd.core.gpus import ExclusiveState, ManagedGpu, MpsState, OffState, mode_state
-from migd.core.scheduler import GpuMode
+from migd.core.gpus import ExclusiveState, GpuMode, ManagedGpu, MpsState, OffState, mode_state
 
 UUIDS = [f"GPU-{n}1234567-89ab-cdef-0123-456789abcdef" for n in range(4)]
 

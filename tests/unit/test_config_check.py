@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from migd.backends.accounts import SystemAccounts
 from migd.backends.simulated import simulated_backend
 from migd.backends.simulated.accounts import FakeAccounts
 from migd.core.catalog import builtin_models
@@ -273,7 +274,7 @@ class Procs:
 
 def test_a_node_without_a_driver_ends_with_exit_5_and_releases_its_lock(tmp_path: Path) -> None:
     config = _daemon_config(tmp_path)
-    daemon = Daemon(config, NoDriver(), Procs())  # type: ignore[arg-type]
+    daemon = Daemon(config, NoDriver(), Procs(), accounts=SystemAccounts())  # type: ignore[arg-type]
     assert asyncio.run(daemon.run()) == exit_codes.NO_DRIVER
     lock_instance(config).release()  # the failed start let go of both directories
 
@@ -281,7 +282,7 @@ def test_a_node_without_a_driver_ends_with_exit_5_and_releases_its_lock(tmp_path
 def test_a_configuration_error_met_after_loading_ends_with_exit_2(tmp_path: Path) -> None:
     backend, _ = simulated_backend("1xA100-40GB", time_scale=0.0)
     config = _daemon_config(tmp_path, policy={"demand_prior": {"1g.20gb": 1.0}})
-    daemon = Daemon(config, backend, Procs())
+    daemon = Daemon(config, backend, Procs(), accounts=SystemAccounts())
     assert asyncio.run(daemon.run()) == exit_codes.CONFIG
 
 

@@ -9,20 +9,12 @@ import pytest
 
 from migd.core import catalog
 from migd.core import mig_mode as mig_mode_module
-from migd.core.leases import LeaseState
+from migd.core.gpus import ExclusiveState, GpuMode, ManagedGpu, ManagedInstance, mode_state
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import PlacementRule
+from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import QueuePolicy
-from migd.core.scheduler import (
-    ExclusiveState,
-    GpuMode,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    ManagedInstance,
-    NodeScheduler,
-    SchedulerPolicy,
-    mode_state,
-)
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 from migd.errors import NoCapacity, RequestTooLarge, UnknownProfile
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from migd.backends.accounts import SystemAccounts
 from migd.backends.procs import PsutilProcessTable
 from migd.backends.simulated import simulated_backend
+from migd.core.gpus import GpuMode
 from migd.core.hybrid import ShareRule
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp
-from migd.core.scheduler import GpuMode, Lease, LeaseRequest, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
 from migd.daemon.service import Daemon, scheduler_policy
 
@@ -27,7 +29,7 @@ def test_mode_hybrid_makes_mig_gpus_with_mps_hosts_and_the_policy() -> None:
 def test_the_daemon_runs_the_hybrid_on_simulated_gpus() -> None:
     backend, _node = simulated_backend("2xA100-40GB")
     config = _config()
-    daemon = Daemon(config, backend, PsutilProcessTable())
+    daemon = Daemon(config, backend, PsutilProcessTable(), accounts=SystemAccounts())
     managed = [daemon.reconciler.manage(info) for info in backend.discover()]
     assert all(g.mode is GpuMode.MIG and g.mps_in_mig and g.available for g in managed)
     sched = NodeScheduler(managed, scheduler_policy(config))

@@ -18,8 +18,7 @@ from migd.backends.accounts import SystemAccounts
 from migd.backends.mps import HealthEvent, HealthReport
 from migd.backends.simulated import simulated_backend
 from migd.core.health import Condition, GpuHealth
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
 from migd.daemon.service import Daemon, keep_restart_keys
 from migd.daemon.supervision.mps import MPS_UNHEALTHY
@@ -66,15 +65,11 @@ class Parts:
     notifier: Pings
 
     def lease(self, memory_mib: int, pid: int = 500, wait_s: float | None = 60.0) -> Lease:
-        """Submit a lease as the API's lease op does, acting on the outcome."""
-        d, clock = self.daemon, self.clock
+        """Enter a lease as the API's lease op does (the lease service's own step), without
+        waiting for its grant: the test moves the clock."""
+        d = self.daemon
         n = len(d.ctx.sched.leases) + len(d.ctx.db.recent_leases(500))
-        request = LeaseRequest(f"{n}.0", memory_mib, wait_s=wait_s)
-        lease = Lease(f"L{n}", request, 1000, pid, clock.now(), owner_start_s=1.0)
-        outcome = d.ctx.sched.submit(lease, clock.now(), clock.monotonic())
-        assert outcome.refusal is None
-        d.leases.apply(outcome)
-        return lease
+        return d.leases.enter(LeaseRequest(f"{n}.0", memory_mib, wait_s=wait_s), 1000, pid)
 
     def history(self) -> list[tuple[str, str | None]]:
         return [(r.event, r.lease_id) for r in reversed(self.daemon.ctx.db.history(limit=100))]
@@ -94,7 +89,9 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
     )
     backend, _ = simulated_backend("1xV100-32GB")
     clock, procs, notifier = ManualClock(), FakeProcs(), Pings()
-    daemon = Daemon(config, backend, procs, clock=clock, notifier=notifier)
+    daemon = Daemon(
+        config, backend, procs, accounts=SystemAccounts(), clock=clock, notifier=notifier
+    )
     daemon.open()
     try:
         yield Parts(daemon, clock, procs, notifier)
@@ -381,3 +378,14 @@ def test_applying_an_outcome_visits_only_the_leases_it_touched(parts: Parts) -> 
     assert dict.get(sched.leases, ending.lease_id) is None  # written, answered: forgotten
     assert d.ctx.db.get_lease(ending.lease_id).state is LeaseState.RELEASED  # type: ignore[union-attr]
     assert all(dict.get(sched.leases, lease.lease_id) is lease for lease in kept[1:])
+
+
+def test_every_op_of_the_request_types_is_served_or_answered_as_missing(parts: Parts) -> None:
+    """``migd.api.OPS`` is read from the request types; the daemon's table has each one
+    (a handler, or on real GPUs the simulator's "not simulated" answer) and no other."""
+    from migd.api import OPS
+
+    api = parts.daemon.api
+    assert len(OPS) == len(set(OPS)) > 15
+    assert set(api.ops) | set(api.missing) == set(OPS)
+    assert not set(api.ops) & set(api.missing)

@@ -8,9 +8,17 @@ from typing import Any
 import pytest
 
 from migd.core import catalog
-from migd.core.gpus import ExclusiveState, MigState, MpsState, OffState, mode_state
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu, NodeScheduler
+from migd.core.gpus import (
+    ExclusiveState,
+    GpuMode,
+    ManagedGpu,
+    MigState,
+    MpsState,
+    OffState,
+    mode_state,
+)
+from migd.core.leases import Lease, LeaseRequest, LeaseState
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 
 _ids = itertools.count()

@@ -5,19 +5,12 @@ from __future__ import annotations
 import pytest
 
 from migd.core import catalog
+from migd.core.gpus import InstanceStatus, ManagedGpu, MigState, Work
 from migd.core.hybrid import HybridPolicy, ShareRule
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp, DestroyOp
-from migd.core.scheduler import (
-    InstanceStatus,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    MigState,
-    NodeScheduler,
-    SchedulerPolicy,
-    Work,
-)
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 from migd.errors import InvalidRequest
 

@@ -7,18 +7,11 @@ from __future__ import annotations
 import itertools
 
 from migd.core import catalog
-from migd.core.leases import LeaseState
+from migd.core.gpus import ManagedGpu, MigState, Origin, Work
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp, DestroyOp
-from migd.core.scheduler import (
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    MigState,
-    NodeScheduler,
-    Origin,
-    SchedulerPolicy,
-    Work,
-)
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 
 _gi = itertools.count(1)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from migd.backends.accounts import SystemAccounts
 from migd.daemon.config import validate_config
 from migd.daemon.supervision.periodic import Watchdog
 from migd.daemon.systemd import Notifier
@@ -83,7 +84,9 @@ def run_scenario(root: Path) -> tuple[list[int], list[int]]:
     step = Watchdog.step
 
     async def scenario() -> None:
-        daemon = Daemon(config, backend, PsutilProcessTable(), notifier=_Notifier())
+        daemon = Daemon(
+            config, backend, PsutilProcessTable(), accounts=SystemAccounts(), notifier=_Notifier()
+        )
 
         def left() -> int:
             leases = daemon.ctx.scheduler.leases if daemon.ctx.scheduler else {}

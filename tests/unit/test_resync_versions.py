@@ -12,18 +12,11 @@ from collections.abc import Callable
 import pytest
 
 from migd.core import catalog
-from migd.core.leases import LeaseState
+from migd.core.gpus import InstanceStatus, ManagedGpu, MigState, Work
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.planner import CreateOp
-from migd.core.scheduler import (
-    InstanceStatus,
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    MigState,
-    NodeScheduler,
-    SchedulerPolicy,
-    Work,
-)
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
 from migd.errors import GpuError
 

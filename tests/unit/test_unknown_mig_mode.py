@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from migd.backends.accounts import SystemAccounts
 from migd.backends.procs import PsutilProcessTable
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated import simulated_backend
-from migd.core.scheduler import GpuMode
+from migd.core.gpus import GpuMode
 from migd.daemon.config import MigdConfig
 from migd.daemon.service import Daemon
 
@@ -13,7 +14,7 @@ from migd.daemon.service import Daemon
 def test_a_gpu_with_an_unreadable_mig_mode_gets_no_work() -> None:
     backend, node = simulated_backend("2xA100-40GB,1xV100-32GB")
     node.fail_next("nvmlDeviceGetMigMode", api.NVML_ERROR_UNKNOWN, gpu=1)
-    daemon = Daemon(MigdConfig(), backend, PsutilProcessTable())
+    daemon = Daemon(MigdConfig(), backend, PsutilProcessTable(), accounts=SystemAccounts())
     managed = [daemon.reconciler.manage(info) for info in backend.discover()]
     assert [g.mode for g in managed] == [GpuMode.MIG, GpuMode.OFF, GpuMode.MPS]
     unknown = managed[1]

@@ -41,7 +41,7 @@ from .runner import CommandRunner, SubprocessRunner
 from .status import MpsDaemonStatus, cached_status, status_of
 
 if TYPE_CHECKING:
-    from migd.core.scheduler import Lease
+    from migd.core.leases import Lease
 
 
 class MpsManager:

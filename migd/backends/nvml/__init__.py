@@ -1,4 +1,5 @@
-"""migd's one NVML boundary: :class:`NvmlBackend`, the only object that talks to ``pynvml``.
+"""migd's NVML boundary, the only package that imports ``pynvml``: :class:`NvmlBackend`
+for the daemon's GPU calls, and the event listener (:mod:`.events`).
 
 The package's modules, each with one job:
 
@@ -12,10 +13,11 @@ The package's modules, each with one job:
 * :mod:`.mig`: MIG profiles and placements, compute instances, creating (the
   placement passed ``byref``) and rolling back;
 * :mod:`.mig_devices`: MIG device handles and UUIDs resolved by GI/CI ids, and their cache;
-* :mod:`.processes`: process listing and memory sampling on one device handle.
+* :mod:`.processes`: process listing and memory sampling on one device handle;
+* :mod:`.events`: NVML's event stream (XIDs, ECC) in a thread of its own, classified
+  into :class:`~migd.ports.GpuEvent`; it has its own NVML client (the module it is given).
 
-The return-code table is :mod:`migd.backends.nvml_codes`; NVML's event stream is
-:mod:`migd.backends.nvml_events`.
+The return-code table is :mod:`migd.backends.nvml_codes`.
 """
 
 from migd.backends.nvml.backend import NvmlBackend

@@ -27,13 +27,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
 from ctypes import POINTER, Structure, c_uint, c_ulonglong
 from dataclasses import dataclass, field
 from typing import Any
 
+from migd.backends.nvml.events import NvmlEventListener
 from migd.backends.simulated import nvml_api as api
 from migd.backends.simulated.fake_pynvml import FakePynvml
 from migd.backends.simulated.node import SimNode
+from migd.ports import GpuEvent
 
 # nvml.h "Event Types".
 nvmlEventTypeSingleBitEccError = 0x1
@@ -243,3 +246,45 @@ class EventPynvml(FakePynvml):
     def nvmlEventSetFree(self, eventSet: Any) -> None:
         self._enter("nvmlEventSetFree")
         self.events.free(self._set_id(eventSet))
+
+
+class SimEventListener(NvmlEventListener):
+    """The real listener over :class:`EventPynvml`; once it listens, it injects the XIDs
+    ``health.sim_xids`` names (``GPU[/GI]:XID``), so a demo node starts with failures."""
+
+    def __init__(
+        self,
+        node: SimNode,
+        sim_xids: Sequence[str],
+        gpus: Iterable[int],
+        on_event: Callable[[GpuEvent], None],
+        *,
+        ignore_xids: Collection[int],
+    ) -> None:
+        super().__init__(EventPynvml(node), gpus, on_event, ignore_xids=ignore_xids)
+        self.node = node
+        self.sim_xids = tuple(sim_xids)
+
+    def start(self) -> None:
+        super().start()
+        for item in self.sim_xids:
+            where, _, xid = item.partition(":")
+            gpu, _, gi = where.partition("/")
+            events_for(self.node).inject_xid(int(gpu), int(xid), gi_id=int(gi) if gi else None)
+
+
+class SimGpuEvents:
+    """The :class:`migd.ports.GpuEvents` port on the simulated node."""
+
+    def __init__(self, node: SimNode, sim_xids: Sequence[str] = ()) -> None:
+        self.node = node
+        self.sim_xids = tuple(sim_xids)
+
+    def listener(
+        self,
+        gpus: Iterable[int],
+        on_event: Callable[[GpuEvent], None],
+        *,
+        ignore_xids: Collection[int],
+    ) -> SimEventListener:
+        return SimEventListener(self.node, self.sim_xids, gpus, on_event, ignore_xids=ignore_xids)

@@ -8,13 +8,11 @@ whose authorisation is already checked.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import secrets
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import structlog
 
@@ -22,29 +20,33 @@ from migd import __version__
 from migd.api import (
     ExplainRequest,
     GpuRequest,
+    GroupLeaseReply,
     HistoryRequest,
     LeaseRef,
+    LeaseReply,
     LeaseRequestMsg,
     ReleaseJobRequest,
     ReloadRequest,
     ReportRequest,
+    StatusReply,
     StatusRequest,
 )
-from migd.core.groups import merge_environments
-from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease, LeaseRequest, ManagedGpu
+from migd.core.gpus import GpuMode, ManagedGpu
+from migd.core.lease_end import LeaseEnded, LeaseEndReason
+from migd.core.leases import Lease, LeaseState, LeaseView
 from migd.daemon.api.auth import Peer
 from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.api.status import build_status, explain_job
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
-from migd.daemon.leases.leftovers import check_handout, quarantine_leftovers
+from migd.daemon.leases.leftovers import quarantine_leftovers
 from migd.daemon.leases.service import LeaseService
-from migd.daemon.supervision.mps import MpsSupervisor
-from migd.daemon.supervision.periodic import known_sum
+from migd.daemon.leases.submit import LeaseSubmitter
+from migd.daemon.supervision.mps import MpsSupervisor, known_sum
 from migd.errors import InvalidRequest, LeaseNotFound, MigdError, NotAuthorized
 
+#: A reply as handed to :meth:`Ops._for_peer`, and its scrubbed copy.
+R = TypeVar("R", bound=Mapping[str, Any])
 _CLUSTER_PROC = re.compile(r"\d+\.\d+")
 log = structlog.get_logger("migd")
 
@@ -58,12 +60,14 @@ class Ops:
         leases: LeaseService,
         executor: GpuExecutor,
         mps: MpsSupervisor,
+        submitter: LeaseSubmitter,
         reload: Callable[..., Awaitable[dict[str, Any]]],
     ) -> None:
         self.ctx = ctx
         self.leases = leases
         self.executor = executor
         self.mps = mps
+        self.submitter = submitter
         self.reload = reload
 
     def register(self, server: ApiServer) -> None:
@@ -87,7 +91,7 @@ class Ops:
 
     # -- views ------------------------------------------------------------------------------
 
-    def lease_view(self, lease: Lease, peer: Peer) -> dict[str, Any]:
+    def lease_view(self, lease: Lease, peer: Peer) -> LeaseView:
         view = lease.to_dict()
         if peer.uid != lease.owner_uid and not self.ctx.auth.is_admin(peer):
             view.pop("env", None)  # another user's environment is not theirs to read
@@ -113,14 +117,13 @@ class Ops:
             and not lease.state.terminal
         )
 
-    def _for_peer(self, reply: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def _for_peer(self, reply: R, peer: Peer) -> R:
         """``reply`` with every UUID ``peer`` may not see replaced by None (in strings that
-        merely contain one, by "<hidden>")."""
+        merely contain one, by "<hidden>"): a copy of the same shape."""
         hidden = self._hidden_from(peer)
         if not hidden:
             return reply
-        scrubbed: dict[str, Any] = _scrub(reply, hidden)
-        return scrubbed
+        return cast(R, _scrub(reply, hidden))
 
     def _job_id(self, given: str) -> str:
         """A job as admins name it: its GlobalJobId as the wrapper sends it, or the
@@ -144,7 +147,7 @@ class Ops:
     async def ping(self, call: Call[Any]) -> dict[str, Any]:
         return {"version": __version__, "pid": os.getpid(), "backend": self.ctx.config.backend.kind}
 
-    async def status(self, call: Call[Any]) -> dict[str, Any]:
+    async def status(self, call: Call[Any]) -> StatusReply:
         return self._for_peer(build_status(self.ctx), call.peer)
 
     async def list_leases(self, call: Call[StatusRequest]) -> dict[str, Any]:
@@ -184,209 +187,31 @@ class Ops:
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def lease(self, call: Call[LeaseRequestMsg]) -> dict[str, Any]:
-        req = call.request
-        ctx, peer = self.ctx, call.peer
-        # The holder is the caller as the kernel names it (SO_PEERCRED, translated into
-        # migd's PID namespace). A client may name another process of its own; a PID
-        # that is not one (e.g. the caller's getpid() inside a PID namespace, as older
-        # wrappers sent) is ignored rather than refused.
-        holder = peer.pid
-        if req.holder_pid is not None and req.holder_pid != peer.pid:
-            if ctx.procs.uid(req.holder_pid) == peer.uid:
-                holder = req.holder_pid
-            else:
-                log.warning(
-                    "lease.holder_pid_ignored",
-                    holder_pid=req.holder_pid,
-                    uid=peer.uid,
-                    using_pid=peer.pid,
-                    reason="not a process of the caller's uid in migd's PID namespace",
-                )
-        policy = ctx.config.policy
-        wait_s = policy.default_wait_s if req.wait_s is None else req.wait_s
-        wait_s = min(wait_s, policy.max_wait_s)
-        request = LeaseRequest(
-            job_id=req.job_id,
-            memory_mib=req.gpu_memory_mib,
-            slot=req.slot,
-            min_compute=req.min_compute,
-            profile=req.profile,
-            mode=req.mode,
-            gpu_uuids=tuple(req.gpus) if req.gpus else None,
-            wait_s=wait_s,
-            mps_clients=req.mps_clients,
-            mps_thread_percentage=req.mps_thread_percentage,
-        )
-        if req.gpu_count > 1:
-            return await self._lease_group(request, req, call, holder)
-        deadline = ctx.clock.monotonic() + wait_s
-        while True:
-            lease, first_state = await self._grant(request, call, holder)
-            if await check_handout(ctx, self.executor, self.leases, lease):
-                break
-            # A late orphan holds the instance it got (now quarantined): ask again for
-            # what is left of the wait. Each round quarantines one instance, so it ends.
-            left = max(0.0, deadline - ctx.clock.monotonic())
-            request = dataclasses.replace(request, wait_s=left)
-        await self.mps.ensure(lease, cgroup=req.cgroup)
-        view = self.lease_view(lease, peer)
-        view["queued"] = first_state is LeaseState.QUEUED
-        view["prepared"] = first_state is LeaseState.PREPARING
-        return view
-
-    async def _lease_group(
-        self, request: LeaseRequest, req: LeaseRequestMsg, call: Call[LeaseRequestMsg], holder: int
-    ) -> dict[str, Any]:
-        """A job on ``req.gpu_count`` GPUs: one lease per GPU, granted all or none.
-
-        The reply is the first member's lease view with ``group`` (every member's view,
-        in order) and ``env`` for the job's one process (every device listed:
-        :func:`migd.core.groups.merge_environments`). Whatever ends the wait for one
-        member (a refusal, the client gone, a failed partition) releases them all.
-        """
-        ctx = self.ctx
-        count = req.gpu_count
-        if request.mode == "mps":
-            raise InvalidRequest(
-                f"a job on {count} GPUs cannot run on MPS shares: one process reaches one "
-                "MPS server (one CUDA_MPS_PIPE_DIRECTORY)",
-                hint='ask for mode "mig" or "auto" (MigdMode, migd-run --mode)',
+    async def lease(self, call: Call[LeaseRequestMsg]) -> LeaseReply | GroupLeaseReply:
+        peer = call.peer
+        if call.request.gpu_count > 1:
+            members, env, first_state = await self.submitter.submit_group(
+                call.request, peer.uid, peer.pid, call.reader
             )
-        gpus = list(req.gpus or [])
-        if len(gpus) == count:  # member i on the i-th GPU HTCondor assigned
-            requests = [dataclasses.replace(request, gpu_uuids=(g,)) for g in gpus]
-        else:  # any GPUs of these (or of the node), one each
-            requests = [request] * count
-        deadline = ctx.clock.monotonic() + (request.wait_s or 0.0)
-        while True:
-            members, first_state = await self._grant_group(requests, call, holder)
-            handed = [await check_handout(ctx, self.executor, self.leases, m) for m in members]
-            if all(handed):
-                break
-            # A late orphan on one member's reused instance (that member is released and
-            # its instance quarantined): the others go too, and the group asks again.
-            self._release_group(members, "another GPU of the job's group was not clean")
-            left = max(0.0, deadline - ctx.clock.monotonic())
-            requests = [dataclasses.replace(r, wait_s=left) for r in requests]
-        try:
-            for member in members:
-                await self.mps.ensure(member, cgroup=req.cgroup)
-            env = merge_environments(members)
-        except MigdError:
-            self._release_group(members, "the job's GPUs could not be combined")
-            raise
-        view = self.lease_view(members[0], call.peer)
-        view["group"] = [self.lease_view(m, call.peer) for m in members]
-        if "env" in view:
-            view["env"] = env
-        view["queued"] = first_state is LeaseState.QUEUED
-        view["prepared"] = first_state is LeaseState.PREPARING
-        return view
-
-    def _release_group(self, members: list[Lease], reason: str) -> None:
-        for member in members:
-            self.leases.release(member, reason)
-
-    async def _grant_group(
-        self, requests: list[LeaseRequest], call: Call[LeaseRequestMsg], holder: int
-    ) -> tuple[list[Lease], LeaseState]:
-        """Submit a group's leases and wait until every one is active (as :meth:`_grant`
-        for one); also the first member's first state."""
-        ctx, peer = self.ctx, call.peer
-        now, mono = ctx.now()
-        members = [
-            Lease(
-                lease_id=f"{int(now)}-{secrets.token_hex(4)}",
-                request=request,
-                owner_uid=peer.uid,
-                owner_pid=holder,
-                owner_start_s=ctx.procs.start_time(holder),
-                created_s=now,
-            )
-            for request in requests
-        ]
-        ctx.db.require_writable()
-        try:
-            outcome = ctx.sched.submit_group(members, now, mono)
-        except MigdError as refusal:
-            self.leases.refused(refusal)
-            raise
-        if outcome.refusal is not None:
-            self.leases.refused(outcome.refusal)
-            self.leases.apply(outcome)
-            raise outcome.refusal
-        group = [m.lease_id for m in members]
-        for member in members:
-            self.leases.record(
-                "submitted",
-                member,
-                memory_mib=member.request.memory_mib,
-                mode=member.request.mode,
-                uid=peer.uid,
-                state=member.state.value,
-                queued_position=outcome.queued_position,
-                group=group,
-            )
-        self.leases.apply(outcome)
-        first_state = members[0].state
-        wait_s = requests[0].wait_s or 0.0
-        try:
-            for i, member in enumerate(members):
-                if member.state is not LeaseState.ACTIVE:
-                    members[i] = await self.leases.wait_active(member, call.reader, wait_s)
-        except MigdError:
-            self._release_group(members, "another GPU of the job's group was not granted")
-            raise
-        return members, first_state
-
-    async def _grant(
-        self, request: LeaseRequest, call: Call[LeaseRequestMsg], holder: int
-    ) -> tuple[Lease, LeaseState]:
-        """Submit one lease for ``request`` and wait until it is active; also its first
-        state (queued: it waited for capacity; preparing: NVML made its partition)."""
-        ctx, peer = self.ctx, call.peer
-        wait_s = request.wait_s
-        now, mono = ctx.now()
-        lease = Lease(
-            lease_id=f"{int(now)}-{secrets.token_hex(4)}",
-            request=request,
-            owner_uid=peer.uid,
-            owner_pid=holder,
-            owner_start_s=ctx.procs.start_time(holder),
-            created_s=now,
+            reply: GroupLeaseReply = {
+                **self.lease_view(members[0], peer),
+                "queued": first_state is LeaseState.QUEUED,
+                "prepared": first_state is LeaseState.PREPARING,
+                "group": [self.lease_view(m, peer) for m in members],
+            }
+            if "env" in reply:  # shown to the owner and admins only, as for one lease
+                reply["env"] = env
+            return reply
+        lease, first_state = await self.submitter.submit(
+            call.request, peer.uid, peer.pid, call.reader
         )
-        # A state disk that refuses writes refuses the request here, before the books
-        # change (a grant migd cannot record would be lost by the next restart).
-        ctx.db.require_writable()
-        try:
-            outcome = ctx.sched.submit(lease, now, mono)
-        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
-            self.leases.refused(refusal)
-            raise
-        if outcome.refusal is not None:
-            self.leases.refused(outcome.refusal)
-            # Refused, but the same pass may have placed requests queued before it.
-            self.leases.apply(outcome)
-            raise outcome.refusal
-        self.leases.record(
-            "submitted",
-            lease,
-            memory_mib=request.memory_mib,
-            mode=request.mode,
-            uid=peer.uid,
-            state=lease.state.value,
-            queued_position=outcome.queued_position,
-        )
-        self.leases.apply(outcome)
-        # Queued: no capacity now, the grant waits for other leases to end. Preparing: the
-        # partition is being made for this request (NVML time, not queueing).
-        first_state = lease.state
-        if lease.state is not LeaseState.ACTIVE:
-            lease = await self.leases.wait_active(lease, call.reader, wait_s or 0.0)
-        return lease, first_state
+        return {
+            **self.lease_view(lease, peer),
+            "queued": first_state is LeaseState.QUEUED,
+            "prepared": first_state is LeaseState.PREPARING,
+        }
 
-    async def get_lease(self, call: Call[LeaseRef]) -> dict[str, Any]:
+    async def get_lease(self, call: Call[LeaseRef]) -> LeaseView:
         return self.lease_view(call.owned, call.peer)
 
     async def heartbeat(self, call: Call[LeaseRef]) -> dict[str, Any]:
@@ -398,7 +223,7 @@ class Ops:
         self.leases.save(lease)
         return {"state": lease.state.value}
 
-    async def release(self, call: Call[LeaseRef]) -> dict[str, Any]:
+    async def release(self, call: Call[LeaseRef]) -> LeaseEnded:
         req = call.request
         lease = call.owned
         leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
@@ -411,7 +236,9 @@ class Ops:
         result = self.leases.release(
             lease, req.reason or f"released by uid {call.peer.uid}", end=end
         )
-        return {**result, "leftover_pids": leftover} if leftover else result
+        if leftover:
+            result["leftover_pids"] = leftover
+        return result
 
     async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from migd.api import LeaseRef, ReportRequest, Request, decode_request, error_reply, ok_reply
-from migd.core.scheduler import Lease
+from migd.core.leases import Lease
 from migd.daemon.api.auth import Peer
 from migd.daemon.config import ApiSection
 from migd.daemon.context import DaemonContext
@@ -414,6 +414,11 @@ async def _discard(reader: asyncio.StreamReader, cap: int) -> None:
         if not chunk:
             return
         got += len(chunk)
+
+
+#: The simulator-only ops (:mod:`migd.daemon.api.sim_ops`, registered by ``main()`` on a
+#: simulated node); elsewhere each is answered with :func:`not_simulated`.
+SIM_ONLY_OPS = ("sim_attach", "sim_alloc", "sim_free", "sim_detach", "sim_xid")
 
 
 def not_simulated(op: str) -> MigdError:

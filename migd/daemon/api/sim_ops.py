@@ -1,10 +1,10 @@
-"""Simulator-only API ops: fake CUDA processes on the simulated node.
+"""Simulator-only API ops: fake CUDA processes and XIDs on the simulated node.
 
 ``sim_attach``, ``sim_alloc``, ``sim_free`` and ``sim_detach`` let a fake job (see
-``migd.backends.simulated.cuda_job``) behave like a CUDA program on the simulated GPUs. They are
-registered with the API server only when migd runs the simulated backend; otherwise the
-server answers that they exist only there. Nothing in the production ops depends on
-this module.
+``migd.backends.simulated.cuda_job``) behave like a CUDA program on the simulated GPUs;
+``sim_xid`` (admins only) injects an NVML event (tests, demos). ``main()`` registers them
+with the API server only when migd runs the simulated backend; otherwise the server
+answers that they exist only there. Nothing in the production ops depends on this module.
 
 They check ownership like every other lease operation: a fake CUDA process may attach
 only to a device of one of its user's live leases, and only the process's user (or an
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from migd.api import SimRequest
+from migd.api import SimRequest, SimXidRequest
 from migd.backends.simulated.node import SimCudaError, SimNode, SimOutOfMemory
+from migd.backends.simulated.nvml_events import events_for
 from migd.daemon.api.auth import Peer
 from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.context import DaemonContext
@@ -74,6 +75,18 @@ class SimOps:
     def register(self, server: ApiServer) -> None:
         for op in SIM_OPS:
             server.register(op, self.handle, Access.LEASE)
+        server.register("sim_xid", self.sim_xid, Access.ADMIN, "inject XID events")
+
+    async def sim_xid(self, call: Call[SimXidRequest]) -> dict[str, Any]:
+        """Inject an XID on the simulated node; the health monitor's listener sees it."""
+        req = call.request
+        try:
+            delivered = events_for(self.node).inject_xid(
+                req.gpu, req.xid, gi_id=req.gi_id, ci_id=req.ci_id
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        return {"gpu": req.gpu, "xid": req.xid, "delivered": delivered}
 
     async def handle(self, call: Call[SimRequest]) -> dict[str, Any]:
         req = call.request

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from migd import __version__
+from migd.api import StatusReply
 from migd.core.gpus import (
     ExclusiveState,
+    GpuMode,
+    ManagedGpu,
     ManagedInstance,
     MigState,
     ModeState,
     MpsState,
     OffState,
 )
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseState
 from migd.core.mps import MpsPool
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.supervision.mps import cgroup_limits_status, mps_compute_mode_warning
@@ -217,7 +219,7 @@ def _latency(daemon: DaemonContext) -> dict[str, dict[str, float]]:
     return out
 
 
-def build_status(daemon: DaemonContext) -> dict[str, Any]:
+def build_status(daemon: DaemonContext) -> StatusReply:
     now, mono = daemon.now()
     sched = daemon.sched
     counts = {s.value: 0 for s in (LeaseState.QUEUED, LeaseState.PREPARING, LeaseState.ACTIVE)}
@@ -288,7 +290,7 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
 
 
 def explain_job(
-    daemon: DaemonContext, job_id: str, view: Callable[[Lease], dict[str, Any]]
+    daemon: DaemonContext, job_id: str, view: Callable[[Lease], Mapping[str, Any]]
 ) -> dict[str, Any]:
     """A job's leases (each as ``view`` shows it to the asking peer) and its history."""
     leases = {lease.lease_id: lease for lease in daemon.db.leases_for_job(job_id)}

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import structlog
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, Lease
+from migd.core.gpus import GpuMode
+from migd.core.leases import Lease, LeaseState
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.service import LeaseService

@@ -15,15 +15,9 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from migd.core.geometry import Profile
-from migd.core.scheduler import (
-    GpuMode,
-    InstanceStatus,
-    Lease,
-    ManagedGpu,
-    OffState,
-    Origin,
-    mode_state,
-)
+from migd.core.gpus import GpuMode, InstanceStatus, ManagedGpu, OffState, Origin, mode_state
+from migd.core.health import HealthSource
+from migd.core.leases import Lease
 from migd.core.states import StateSpace, state_space
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
@@ -72,7 +66,7 @@ class Reconciler:
                 state=OffState(),
             )
             unknown.health.raise_(
-                "startup",
+                HealthSource.STARTUP,
                 f"{info.mig_mode_error}; no work on this GPU: restart migd once "
                 f"`nvidia-smi -q -i {info.index}` shows its MIG mode",
                 now,
@@ -140,7 +134,7 @@ class Reconciler:
             state=mode_state(mode, space),
         )
         if health:
-            gpu.health.raise_("startup", health, now)
+            gpu.health.raise_(HealthSource.STARTUP, health, now)
         self.mps.configure(gpu, info, mps_in_mig, override.mps_profile if override else None)
         return gpu
 
@@ -233,7 +227,7 @@ class Reconciler:
         """Instances that had processes without a lease are adopted once they empty;
         a GPU an earlier resync found wanting is judged again."""
         return (
-            "resync" in gpu.health.conditions
+            HealthSource.RESYNC in gpu.health.conditions
             or gpu.index in self._unsettled
             or any(i.origin is Origin.UNEXPLAINED for i in gpu.instances)
         )
@@ -265,7 +259,7 @@ class Reconciler:
                 instances, in_use = await self.executor.on_gpu(index, self._read_gpu, index)
             except (MigdError, TimeoutError) as exc:
                 reason = f"cannot read instances: {exc}"
-                gpu.health.raise_("resync", reason, ctx.clock.now())
+                gpu.health.raise_(HealthSource.RESYNC, reason, ctx.clock.now())
                 return [reason]
             if sched.books_version(index) == read_at:
                 break
@@ -293,7 +287,7 @@ class Reconciler:
         sched = ctx.sched
         gpu = sched.gpus[index]
         # An earlier resync's verdict is judged afresh below (no other source's is touched).
-        gpu.health.clear("resync")
+        gpu.health.clear(HealthSource.RESYNC)
         observed: list[tuple[Profile, int, int | None, str | None, int]] = []
         notes: list[str] = []
         untouchable: dict[int, str] = {}  # start -> why migd must leave it alone
@@ -344,7 +338,7 @@ class Reconciler:
                 managed.origin, managed.note = Origin.UNEXPLAINED, why
         if foreign:
             gpu.health.raise_(
-                "resync",
+                HealthSource.RESYNC,
                 "instances of profiles outside policy.profiles ("
                 + ", ".join(sorted({p.name for p in foreign}))
                 + "): no new work on this GPU until they are gone or policy.profiles lists them",
@@ -352,7 +346,7 @@ class Reconciler:
             )
         if unknown:
             gpu.health.raise_(
-                "resync",
+                HealthSource.RESYNC,
                 f"{', '.join(unknown)} of a profile migd's geometry does not have: no new work "
                 "on this GPU until it is gone",
                 now,

@@ -24,6 +24,7 @@ history record of every transition) is the built-in one.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -31,19 +32,23 @@ from typing import Any, Protocol
 
 import structlog
 
-from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, Outcome, Transition, Work
+from migd.core.gpus import Work
+from migd.core.lease_end import LeaseEnded, LeaseEndReason
+from migd.core.leases import Lease, LeaseRequest, LeaseState
+from migd.core.scheduler import Outcome, Transition
 from migd.daemon.context import DaemonContext
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 
 log = structlog.get_logger("migd")
 
 
-def _end_fields(lease: Lease) -> dict[str, Any]:
-    """A release reply's ``end_reason``, and for wrappers older than it, ``gpu_lost``
-    (the lease's warning) when its GPU work was lost."""
-    out: dict[str, Any] = {"end_reason": lease.end_reason.value if lease.end_reason else None}
+def _ended(lease: Lease) -> LeaseEnded:
+    """A release reply: the lease's state and ``end_reason``, and for wrappers older than
+    it, ``gpu_lost`` (the lease's warning) when its GPU work was lost."""
+    out: LeaseEnded = {
+        "state": lease.state.value,
+        "end_reason": lease.end_reason.value if lease.end_reason else None,
+    }
     if lease.end_reason is LeaseEndReason.GPU_LOST:
         out["gpu_lost"] = lease.warning  # such a wrapper has HTCondor run the job again
     return out
@@ -174,6 +179,93 @@ class LeaseService:
 
     def add_observer(self, observer: LeaseObserver) -> None:
         self.observers.append(observer)
+
+    # -- a new request ----------------------------------------------------------------------
+
+    def enter(self, request: LeaseRequest, uid: int, holder: int) -> Lease:
+        """Give ``request`` (of ``uid``, held by process ``holder``) to the scheduler and
+        act on the outcome: the new lease, granted, preparing or queued (the first half of
+        :meth:`migd.daemon.leases.submit.LeaseSubmitter.submit`, which waits for it).
+
+        Raises:
+            MigdError: the request is refused (it never fits, a bad profile, a state
+                disk that refuses writes), counted as such.
+        """
+        ctx = self.ctx
+        now, mono = ctx.now()
+        lease = Lease(
+            lease_id=f"{int(now)}-{secrets.token_hex(4)}",
+            request=request,
+            owner_uid=uid,
+            owner_pid=holder,
+            owner_start_s=ctx.procs.start_time(holder),
+            created_s=now,
+        )
+        # A state disk that refuses writes refuses the request here, before the books
+        # change (a grant migd cannot record would be lost by the next restart).
+        ctx.db.require_writable()
+        try:
+            outcome = ctx.sched.submit(lease, now, mono)
+        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
+            self.refused(refusal)
+            raise
+        if outcome.refusal is not None:
+            self.refused(outcome.refusal)
+            # Refused, but the same pass may have placed requests queued before it.
+            self.apply(outcome)
+            raise outcome.refusal
+        self.record(
+            "submitted",
+            lease,
+            memory_mib=request.memory_mib,
+            mode=request.mode,
+            uid=uid,
+            state=lease.state.value,
+            queued_position=outcome.queued_position,
+        )
+        self.apply(outcome)
+        return lease
+
+    def enter_group(self, requests: list[LeaseRequest], uid: int, holder: int) -> list[Lease]:
+        """As :meth:`enter` for a job on several GPUs: one lease per request, placed all
+        or none (:meth:`migd.core.scheduler.NodeScheduler.submit_group`)."""
+        ctx = self.ctx
+        now, mono = ctx.now()
+        members = [
+            Lease(
+                lease_id=f"{int(now)}-{secrets.token_hex(4)}",
+                request=request,
+                owner_uid=uid,
+                owner_pid=holder,
+                owner_start_s=ctx.procs.start_time(holder),
+                created_s=now,
+            )
+            for request in requests
+        ]
+        ctx.db.require_writable()
+        try:
+            outcome = ctx.sched.submit_group(members, now, mono)
+        except MigdError as refusal:
+            self.refused(refusal)
+            raise
+        if outcome.refusal is not None:
+            self.refused(outcome.refusal)
+            self.apply(outcome)
+            raise outcome.refusal
+        group = [m.lease_id for m in members]
+        for member in members:
+            self.record(
+                "submitted",
+                member,
+                memory_mib=member.request.memory_mib,
+                mode=member.request.mode,
+                uid=uid,
+                state=member.state.value,
+                queued_position=outcome.queued_position,
+                group=group,
+            )
+        self.apply(outcome)
+        return members
 
     # -- the one place outcomes are acted on ------------------------------------------------
 
@@ -332,13 +424,15 @@ class LeaseService:
         *,
         reclaim: bool = False,
         end: LeaseEndReason | None = None,
-    ) -> dict[str, Any]:
+    ) -> LeaseEnded:
         """End ``lease``; ``end`` says why (default: ``released``, or ``holder_gone`` for
         a reclaim). The reply's ``end_reason`` is the lease's: a reason set earlier
         (``gpu_lost`` while it was active) stays."""
         sched = self.ctx.sched
         if lease.lease_id not in sched.leases or lease.state.terminal:
-            return {"state": lease.state.value, "already": True, **_end_fields(lease)}
+            ended = _ended(lease)
+            ended["already"] = True
+            return ended
         now, mono = self.ctx.now()
         mps_device = lease.mps_device_uuid if lease.state.holds_resources else None
         outcome = sched.release(lease.lease_id, now, mono, reclaim=reclaim, reason=reason, end=end)
@@ -354,7 +448,9 @@ class LeaseService:
             end_reason=lease.end_reason.value if lease.end_reason else None,
         )
         self.apply(outcome)
-        return {"state": lease.state.value, "peak_used_mib": peak, **_end_fields(lease)}
+        ended = _ended(lease)
+        ended["peak_used_mib"] = peak
+        return ended
 
     # -- clients waiting for a grant --------------------------------------------------------
 

@@ -14,9 +14,10 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from migd import __version__
+from migd.core.gpus import ManagedGpu
 from migd.core.leases import LeaseState
 from migd.core.mps import MpsPool
-from migd.core.scheduler import ManagedGpu, NodeScheduler
+from migd.core.scheduler import NodeScheduler
 from migd.core.states import EMPTY
 from migd.daemon.config import MigdConfig
 from migd.ports import GpuInfo

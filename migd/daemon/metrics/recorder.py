@@ -11,8 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease
+from migd.core.leases import Lease, LeaseState
 from migd.errors import MigdError
 from migd.ports import GpuBackend, GpuInfo, GpuProcess, MemoryInfo, MigInstance
 

@@ -35,12 +35,12 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, NodeScheduler
+from migd.core.leases import Lease, LeaseState
+from migd.core.scheduler import NodeScheduler
 from migd.daemon.config import MigdConfig
-from migd.daemon.leases.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics.collector import MetricsSource, StateCollector
 from migd.daemon.metrics.exporter import MetricsServer, listen_warnings
+from migd.daemon.metrics.job_mapping import JobMappingWriter, job_mapping
 from migd.daemon.metrics.recorder import InstrumentedBackend, MetricsRecorder
 from migd.errors import ConfigError, MigdError
 from migd.ports import GpuBackend

@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from migd.core.leases import LeaseState
-from migd.core.scheduler import Lease, LeaseRequest
+from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.store.database import StateDatabase
 
 # History kept, in bytes of event data (rows are pruned by count *and* by bytes, so a few
@@ -47,7 +46,8 @@ class HistoryRow:
 
 
 def lease_to_json(lease: Lease) -> str:
-    data = lease.to_dict()
+    # The view plus what only the state db keeps (the request whole, the holder's start).
+    data: dict[str, Any] = {**lease.to_dict()}
     data["request"] = {
         "job_id": lease.request.job_id,
         "memory_mib": lease.request.memory_mib,

@@ -1,7 +1,8 @@
 """GPU health from NVML events, applied to the daemon's books (docs/operations.md, GPU health).
 
-:class:`GpuHealthMonitor` runs an :class:`~migd.backends.nvml_events.NvmlEventListener`
-and applies each event on the event loop:
+:class:`GpuHealthMonitor` runs a listener of the :class:`~migd.ports.GpuEvents` port
+(built in ``main()``: NVML's, or the simulated node's) and applies each event on the
+event loop:
 
 * every XID is counted (``migd_gpu_xid_events_total``), logged and recorded in the history;
 * a critical one (not an application fault) raises the GPU's ``xid`` health condition: the
@@ -24,27 +25,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
-from migd.api import SimXidRequest
-from migd.backends.nvml_events import GpuEvent, NvmlEventListener, events_module
+from migd.core.gpus import ManagedGpu
+from migd.core.health import HealthSource
 from migd.core.lease_end import LeaseEndReason
-from migd.core.scheduler import Lease, ManagedGpu
-from migd.daemon.api.server import Access, ApiServer, Call
+from migd.core.leases import Lease
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.metrics.service import MetricsService
-from migd.errors import InvalidRequest, MigdError
-
-if TYPE_CHECKING:
-    from migd.backends.simulated.node import SimNode
+from migd.errors import MigdError
+from migd.ports import EventListener, GpuEvent, GpuEvents
 
 log = structlog.get_logger("migd.health")
 
 #: The health source of XID conditions (the agreed GpuHealth interface).
-SOURCE = "xid"
+SOURCE = HealthSource.XID
 
 
 def raise_condition(gpu: ManagedGpu, reason: str, now_s: float) -> None:
@@ -64,7 +62,7 @@ class GpuHealthMonitor:
         ctx: the daemon's shared state.
         leases: persists flagged leases and records history.
         metrics: counts the events.
-        nvml: the ``pynvml``-compatible module the listener uses (its own NVML client).
+        events: NVML's event stream; None where there is none (no bindings).
     """
 
     def __init__(
@@ -72,27 +70,22 @@ class GpuHealthMonitor:
         ctx: DaemonContext,
         leases: LeaseService,
         metrics: MetricsService,
-        *,
-        sim_node: SimNode | None = None,
-        nvml: Any = None,
+        events: GpuEvents | None = None,
     ) -> None:
         self.ctx = ctx
         self.leases = leases
         self.metrics = metrics
-        self.sim_node = sim_node
-        kind = ctx.config.backend.kind
-        self.nvml = nvml if nvml is not None else events_module(kind, sim_node)
-        self.listener: NvmlEventListener | None = None
+        self.source = events
+        self.listener: EventListener | None = None
         self.events: list[GpuEvent] = []  # every event applied, newest last (bounded)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         cfg = self.ctx.config.health
-        if not cfg.xid_events or self.nvml is None:
+        if not cfg.xid_events or self.source is None:
             return
         self._loop = asyncio.get_running_loop()
-        self.listener = NvmlEventListener(
-            self.nvml,
+        self.listener = self.source.listener(
             [g.index for g in self.ctx.gpus],
             self._from_listener,
             ignore_xids=cfg.ignore_xids,
@@ -105,32 +98,6 @@ class GpuHealthMonitor:
             without_events=self.listener.unsupported or None,
             ignore_xids=cfg.ignore_xids,
         )
-        if self.sim_node is not None:
-            from migd.backends.simulated.nvml_events import events_for
-
-            for item in cfg.sim_xids:
-                where, _, xid = item.partition(":")
-                gpu, _, gi = where.partition("/")
-                events_for(self.sim_node).inject_xid(
-                    int(gpu), int(xid), gi_id=int(gi) if gi else None
-                )
-
-    def register_sim_op(self, server: ApiServer) -> None:
-        """``sim_xid``: inject an XID on the simulated node (tests, demos; admins only)."""
-        server.register("sim_xid", self._sim_xid, Access.ADMIN, "inject XID events")
-
-    async def _sim_xid(self, call: Call[SimXidRequest]) -> dict[str, Any]:
-        from migd.backends.simulated.nvml_events import events_for
-
-        req = call.request
-        assert self.sim_node is not None
-        try:
-            delivered = events_for(self.sim_node).inject_xid(
-                req.gpu, req.xid, gi_id=req.gi_id, ci_id=req.ci_id
-            )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-        return {"gpu": req.gpu, "xid": req.xid, "delivered": delivered}
 
     # -- event observer (migd.daemon.leases.service.EventObserver) ---------------------------
 

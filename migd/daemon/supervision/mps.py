@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import structlog
 
+from migd.core.gpus import GpuMode, ManagedGpu
+from migd.core.health import HealthSource
 from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
+from migd.core.leases import Lease, LeaseState
 from migd.core.mps import (
     AppliedCgroupLimit,
     CgroupLimitAction,
@@ -33,7 +34,7 @@ from migd.core.mps import (
     MpsShare,
     cgroup_limit_decision,
 )
-from migd.core.scheduler import GpuMode, Lease, ManagedGpu, default_mps_env
+from migd.core.scheduler import default_mps_env
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.service import LeaseService
@@ -62,26 +63,45 @@ def mps_compute_mode_warning(info: GpuInfo) -> str:
     )
 
 
-def build_cgroup_limits(cgroup_root: Path, backend: Any, node: Any = None) -> CgroupMemoryLimits:
-    """The MPS v3 port over the daemon's NVML backend (its initialised pynvml, at first
-    use), or on a simulated node the stand-in NVML over that node (its driver version and
-    MIG modes decide detection)."""
-    from migd.backends.mps.dmem import NvmlCgroupLimits
-
-    if node is not None:
-        from migd.backends.simulated.dmem import SimDmemNvml
-
-        return NvmlCgroupLimits(
-            SimDmemNvml(node=node, cgroup_root=cgroup_root), cgroup_root=cgroup_root
-        )
-    return NvmlCgroupLimits(load=lambda: backend.nvml, cgroup_root=cgroup_root)
-
-
 def cgroup_limits_status(ctx: DaemonContext, pool: MpsPool) -> dict[str, Any]:
     """Whether per-job (cgroup) limits are in force on an MPS device, and why not."""
     return ctx.cgroup_book.device_status(
         pool.device_uuid, setting=ctx.config.mps.cgroup_limits, kind=pool.kind
     )
+
+
+def known_sum(procs: list[GpuProcess]) -> int | None:
+    """Memory of these processes (an MPS holder's), or None when NVML could not say for
+    any of them."""
+    known = [p.used_mib for p in procs if p.used_mib is not None]
+    return sum(known) if known else None
+
+
+class ShareRelease:
+    """Drops a released lease's MPS share, in its GPU's thread, and clears its job
+    cgroup's limit (HTCondor removing the cgroup clears it too): the lease service's
+    ``release_share``. Apart from :class:`MpsSupervisor`, which acts on leases, so that
+    the lease service is built before it, with this."""
+
+    def __init__(self, ctx: DaemonContext, executor: GpuExecutor) -> None:
+        self.ctx = ctx
+        self.executor = executor
+
+    def __call__(self, gpu: int, device_uuid: str, lease_id: str) -> None:
+        if self.ctx.mps is not None:
+            self.executor.run_detached(gpu, self.ctx.mps.release_share, device_uuid, lease_id)
+        applied = self.ctx.cgroup_book.applied.pop(lease_id, None)
+        if applied is not None and self.ctx.cgroup_limits is not None:
+            self.executor.run_detached(gpu, clear_cgroup, self.ctx.cgroup_limits, applied)
+
+
+def clear_cgroup(port: CgroupMemoryLimits, applied: AppliedCgroupLimit) -> None:
+    try:
+        port.clear_limit(applied.gpu, applied.cgroup)
+    except MigdError as exc:  # a cgroup already removed has no limit left to clear
+        log.warning("mps.cgroup_clear_failed", cgroup=applied.cgroup, error=exc.message)
+    else:
+        log.info("mps.cgroup_limit_cleared", cgroup=applied.cgroup)
 
 
 class MpsSupervisor:
@@ -121,7 +141,7 @@ class MpsSupervisor:
         if weak and self.ctx.config.mps.require_exclusive_process:
             if gpu.mode is GpuMode.MPS:
                 gpu.health.raise_(
-                    "startup",
+                    HealthSource.STARTUP,
                     f"{weak}; mps.require_exclusive_process keeps MPS off it",
                     self.ctx.clock.now(),
                 )
@@ -137,7 +157,7 @@ class MpsSupervisor:
                 mig.mps_profile = mig.space.member(mps_profile).name
             except MigdError as exc:
                 reason = f"mps_profile {mps_profile!r}: {exc.message}"
-                gpu.health.raise_("startup", reason, self.ctx.clock.now())
+                gpu.health.raise_(HealthSource.STARTUP, reason, self.ctx.clock.now())
 
     def env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
         """The job environment of an MPS share (the scheduler's ``mps_env``): the core's,
@@ -278,28 +298,11 @@ class MpsSupervisor:
             return
         applied = AppliedCgroupLimit(gpu_index, device, path, hard)
         if lease.state is not LeaseState.ACTIVE:  # released while the limit was being set
-            self.executor.submit(gpu_index, self._clear_cgroup, port, applied)
+            self.executor.run_detached(gpu_index, clear_cgroup, port, applied)
             return
         book.applied[lease.lease_id] = applied
         self.leases.record("mps.cgroup_limit", lease, cgroup=path, hard_mib=hard)
         log.info("mps.cgroup_limit", lease_id=lease.lease_id, cgroup=path, hard_mib=hard)
-
-    def release_share(self, gpu: int, device_uuid: str, lease_id: str) -> None:
-        """Drop a released lease's share, in its GPU's thread (the lease service's hook),
-        and clear its job cgroup's limit (HTCondor removing the cgroup clears it too)."""
-        if self.mps is not None:
-            self.executor.submit(gpu, self.mps.release_share, device_uuid, lease_id)
-        applied = self.ctx.cgroup_book.applied.pop(lease_id, None)
-        if applied is not None and self.ctx.cgroup_limits is not None:
-            self.executor.submit(gpu, self._clear_cgroup, self.ctx.cgroup_limits, applied)
-
-    def _clear_cgroup(self, port: CgroupMemoryLimits, applied: AppliedCgroupLimit) -> None:
-        try:
-            port.clear_limit(applied.gpu, applied.cgroup)
-        except MigdError as exc:  # a cgroup already removed has no limit left to clear
-            log.warning("mps.cgroup_clear_failed", cgroup=applied.cgroup, error=exc.message)
-        else:
-            log.info("mps.cgroup_limit_cleared", cgroup=applied.cgroup)
 
     def _leases_on(self, device_uuid: str) -> list[Lease]:
         return [
@@ -367,10 +370,10 @@ class MpsSupervisor:
         now = self.ctx.clock.now()
         sick = {u: g for u in report.failed_devices if (g := self._gpu_of_device(u))}
         for uuid, gpu in sick.items():
-            gpu.health.raise_("mps", f"{MPS_UNHEALTHY}: {uuid}", now)
+            gpu.health.raise_(HealthSource.MPS, f"{MPS_UNHEALTHY}: {uuid}", now)
         sick_gpus = {gpu.index for gpu in sick.values()}
         for gpu in self.ctx.sched.gpus.values():
-            if gpu.index not in sick_gpus and gpu.health.clear("mps"):
+            if gpu.index not in sick_gpus and gpu.health.clear(HealthSource.MPS):
                 log.info("mps.recovered", gpu=gpu.index)
 
     def apply_client_caps(self, mps: MpsControl) -> None:

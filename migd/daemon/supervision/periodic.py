@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 import structlog
 
 from migd.core.condor_shares import OfflineShares
+from migd.core.gpus import GpuMode, InstanceStatus, ManagedGpu
 from migd.core.lease_end import LeaseEndReason
-from migd.core.leases import LeaseState
-from migd.core.scheduler import GpuMode, InstanceStatus, Lease, ManagedGpu
+from migd.core.leases import Lease, LeaseState
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
-from migd.daemon.supervision.mps import MpsSupervisor
+from migd.daemon.supervision.mps import MpsSupervisor, known_sum
 from migd.errors import MigdError, StartdError
-from migd.ports import GpuProcess, StartdControl
+from migd.ports import StartdControl
 
 log = structlog.get_logger("migd")
 
@@ -156,7 +156,7 @@ class Watchdog:
     serialises MIG changes across GPUs, must not get migd killed. A call that hangs
     stops the pings either way: a short call (memory sampling, the reaper) at once,
     a create or destroy when ``work_timeout_s`` ends it (migd then records the
-    failure and marks the GPU, see ``GpuExecutor.run_work``). systemd restarts migd
+    failure and marks the GPU, see ``WorkRunner.run_work``). systemd restarts migd
     one ``WatchdogSec`` after the last ping; leases survive in the state db.
     """
 
@@ -415,9 +415,3 @@ class PeriodicTasks:
             self.executor.send_heartbeats()
             await asyncio.sleep(watchdog.tick_s)
             watchdog.step(self.ctx.clock.monotonic())
-
-
-def known_sum(procs: list[GpuProcess]) -> int | None:
-    """Memory of these processes, or None when NVML could not say for any of them."""
-    known = [p.used_mib for p in procs if p.used_mib is not None]
-    return sum(known) if known else None

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
+
+from migd.ports import GpuEvent
 
 log = structlog.get_logger("migd.nvml_events")
 
@@ -92,43 +93,6 @@ XID_NAMES = {
     120: "GSP error",
     999: "unknown XID",
 }
-
-
-@dataclass(frozen=True)
-class GpuEvent:
-    """One NVML event as migd understands it.
-
-    Attributes:
-        gpu: NVML index of the GPU.
-        kind: ``xid``, ``ecc_dbe`` or ``mig_config``.
-        xid: the XID (``xid`` events), else None.
-        gi_id, ci_id: the GPU/compute instance NVML attributes the event to, else None.
-        critical: the GPU must take no new leases.
-        instance_lost: the attributed instance's work is lost (``gi_id`` set), or with
-            ``gi_id`` None every instance on the GPU.
-        reason: a sentence for status, logs and the jobs.
-    """
-
-    gpu: int
-    kind: str
-    xid: int | None = None
-    gi_id: int | None = None
-    ci_id: int | None = None
-    critical: bool = False
-    instance_lost: bool = False
-    reason: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "gpu": self.gpu,
-            "kind": self.kind,
-            "xid": self.xid,
-            "gi_id": self.gi_id,
-            "ci_id": self.ci_id,
-            "critical": self.critical,
-            "instance_lost": self.instance_lost,
-            "reason": self.reason,
-        }
 
 
 def _instance_id(value: int) -> int | None:
@@ -301,20 +265,30 @@ class NvmlEventListener:
             log.exception("nvml_events.handler_failed", error=str(exc), **event.to_dict())
 
 
-def events_module(backend_kind: str, sim_node: Any) -> Any:
-    """The ``pynvml``-compatible module a listener uses: the simulated node's (with event
-    sets), or the real bindings; None when there are none (the NVML backend reports that)."""
-    if backend_kind == "simulated":
-        if sim_node is None:
-            return None
-        from migd.backends.simulated.nvml_events import EventPynvml
+class NvmlEvents:
+    """The :class:`migd.ports.GpuEvents` port over a ``pynvml``-compatible module: each
+    listener is its own NVML client of it."""
 
-        return EventPynvml(sim_node)
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+
+    def listener(
+        self,
+        gpus: Iterable[int],
+        on_event: Callable[[GpuEvent], None],
+        *,
+        ignore_xids: Collection[int],
+    ) -> NvmlEventListener:
+        return NvmlEventListener(self.nvml, gpus, on_event, ignore_xids=ignore_xids)
+
+
+def nvml_events() -> NvmlEvents | None:
+    """The port over the real bindings; None without them (the NVML backend reports that)."""
     try:
         import pynvml
     except ImportError:
         return None
-    return pynvml
+    return NvmlEvents(pynvml)
 
 
 def _address(handle: Any) -> int:
