@@ -122,6 +122,8 @@ def test_access_point_defaults_come_from_the_pool(
 ) -> None:
     # One 40 GB A100 and no MIGD_MAX_VRAM set by an admin: the shipped 81920 would give a
     # job without a memory statement a size no node has, and it would sit Idle forever.
+    defaults_file = "/var/lib/condor/migd-pool-defaults.config"  # MIGD_POOL_DEFAULTS_FILE
+    installed.run(["rm", "-f", defaults_file])  # none left by an earlier pool in this chroot
     daemon = Migd(installed, "1xA100-40GB")
     daemon.start()
     try:
@@ -133,7 +135,12 @@ def test_access_point_defaults_come_from_the_pool(
             return proc.stdout.strip() == str(A100_FULL_MIB)
 
         Migd.wait_for(learned, "the schedd to take MIGD_MAX_VRAM from the pool", timeout_s=90)
-        [schedd] = pool.status("-schedd")
+        # the cron job's output is in the schedd's ad (the collector's copy may lag)
+        schedd = Migd.wait_for(
+            lambda: [ad for ad in pool.status("-schedd") if "MigdPoolMaxVRAM" in ad],
+            "MigdPoolMaxVRAM in the schedd's ad",
+            timeout_s=30,
+        )[0]
         assert schedd["MigdPoolMaxVRAM"] == A100_FULL_MIB and schedd["MigdPoolModes"] == "mig"
         unstated = simjob(0, "--start", "1G", "--steps", "2")
         del unstated["request_VRAM"]
@@ -148,10 +155,12 @@ def test_access_point_defaults_come_from_the_pool(
         assert f"largest GPU partition in this pool ({A100_FULL_MIB} MiB)" in ad["HoldReason"]
         ad = _held(pool, mps)
         assert ad["HoldReasonSubCode"] == 91, ad["HoldReason"]
-        assert 'MigdMode = "mps" is served by no GPU in this pool (served: mig)' in ad["HoldReason"]
+        assert "no GPU in this pool serves MigdMode = mps (served: mig)" in ad["HoldReason"], ad
+        assert f"MIGD_POOL_MAX_VRAM = {A100_FULL_MIB}" in installed.read_file(defaults_file)
         for cluster in (too_big, mps):
             pool.rm(cluster)
     finally:
+        installed.run(["rm", "-f", defaults_file])
         daemon.stop()
         print(daemon.log()[-20000:])
 
