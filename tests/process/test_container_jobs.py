@@ -1,10 +1,13 @@
 """Apptainer/Singularity jobs: the command line HTCondor's starter builds, through the wrapper.
 
-No container runtime runs on this host (Debian trixie has no apptainer package; sid's
-1.4.5 was not installed), so ``apptainer`` here is a stand-in that does what the real one
-does with the arguments the starter gives it: with ``-C`` (``--cleanenv``) only
-``APPTAINERENV_*`` variables reach the job, and only bound directories (``-B`` plus
-``APPTAINER_BIND`` from its own environment) are visible. The argument list is the one
+No container runtime runs on this host: Debian trixie has no apptainer package, and sid's
+1.4.5 installs in the trixie chroot but cannot run in this sandbox (as the job's user
+"Failed to create user namespace: not allowed to create user namespace", as root "Failed
+to set mount propagation: Invalid argument"). So ``apptainer`` here is a stand-in that
+does what the real one does with the arguments the starter gives it: with ``-C``
+(``--cleanenv``) only ``APPTAINERENV_*`` variables reach the job, and only bound
+directories (``-B`` plus ``APPTAINER_BIND`` from its own environment) are visible. The
+argument list is the one
 ``Singularity::setup`` in HTCondor's ``src/condor_starter.V6.1/singularity.cpp`` builds
 (23.9-25.13: ``--nv`` whenever the slot has AssignedGPUs), and the starter's environment
 already holds ``APPTAINERENV_`` copies of the job's variables (``convertEnv``), including
