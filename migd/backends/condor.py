@@ -239,6 +239,12 @@ class StartdOffline:
         return ids
 
 
+def run_tool(command: Sequence[str], timeout_s: float = 120.0) -> str:
+    """Run one of HTCondor's tools (``condor_status``, ``condor_reconfig``) for a migctl
+    command; its stdout, or :class:`StartdError` saying what failed."""
+    return _run(command, timeout_s)
+
+
 def _run(command: Sequence[str], timeout_s: float) -> str:
     """Run one of HTCondor's tools; its stdout, or :class:`StartdError` with its stderr."""
     shown = " ".join(command)

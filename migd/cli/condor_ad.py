@@ -80,6 +80,10 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
         f"MigdStateDiskOk = {_bool(bool(state_disk['ok']))}",
         f"MigdNodeReason = {_classad_str(state_disk['reason'])}",
         f"MigdModes = {_classad_str(','.join(sorted({g['mode'] for g in gpus})))}",
+        # The access point derives MIGD_MAX_VRAM / MIGD_POOL_MODES from these (`migctl
+        # pool-defaults`): what this node can ever give, whatever runs on it now.
+        f"MigdMaxVRAM = {max_vram(gpus_for_inventory(status))}",
+        f"MigdServes = {_classad_str(','.join(node_served_modes(gpus)))}",
         "- migd",
     ]
     if per_gpu:
@@ -161,8 +165,36 @@ def gpu_properties(gpu: dict[str, Any]) -> dict[str, str]:
         props["DriverVersion"] = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}"
         props["MaxSupportedVersion"] = str(cuda_int)
     if gpu.get("driver_version"):
-        props["MigdDriverVersion"] = _classad_str(str(gpu["driver_version"]))
+        driver = _classad_str(str(gpu["driver_version"]))
+        props["MigdDriverVersion"] = driver
+        # condor_gpu_discovery -properties prints it since 24.5.1; from 25.14.0 the
+        # starter passes --nv to Apptainer only when the slot has GPUs_NvidiaDriver
+        # (HTCONDOR-3887, singularity.cpp), so without it a container job gets no GPU.
+        props["NvidiaDriver"] = driver
+    serves = served_modes(str(gpu.get("mode") or ""), bool(gpu.get("mps_in_mig")))
+    if serves:
+        # What +MigdMode a job may ask of this GPU: the access point's transform turns a
+        # job's MigdMode into a require_gpus term on it, so HTCondor assigns a share of a
+        # GPU that serves the mode (docs/wrapper.md, "Job shapes").
+        props["MigdServes"] = _classad_str(",".join(serves))
     return props
+
+
+def served_modes(mode: str, mps_in_mig: bool = False) -> tuple[str, ...]:
+    """The explicit ``+MigdMode`` values a GPU in ``mode`` serves (``auto`` is served by
+    every managed GPU), as the scheduler's mode drivers decide (``serves``)."""
+    if mode == "mig":
+        return ("mig", "mps") if mps_in_mig else ("mig",)
+    if mode == "mps":
+        return ("mps",)
+    return ()
+
+
+def node_served_modes(gpus: list[dict[str, Any]]) -> list[str]:
+    """Every explicit ``+MigdMode`` some managed GPU of the node serves, sorted."""
+    return sorted(
+        {m for g in gpus for m in served_modes(str(g["mode"]), bool(g.get("mps_in_mig")))}
+    )
 
 
 def render_unavailable(message: str) -> str:
@@ -230,7 +262,12 @@ def render_inventory(gpus: list[dict[str, Any]], *, shares: int = 1) -> str:
             ids.append(i)
             body = "; ".join(f"{k}={v}" for k, v in gpu_properties(g).items())
             props.append(f'{share_attr(i)}=[ id="{i}"; {body}; ]')
-    return "\n".join([f'DetectedGPUs="{", ".join(ids)}"', *props]) + "\n"
+    # The starter of 25.14+ reads the node-level GPUs_NvidiaDriver (the startd prefixes
+    # every inventory attribute with GPUs_), as condor_gpu_discovery prints it for
+    # properties all GPUs share.
+    drivers = {str(g["driver_version"]) for g in managed if g.get("driver_version")}
+    common = [f"NvidiaDriver={_classad_str(drivers.pop())}"] if len(drivers) == 1 else []
+    return "\n".join([f'DetectedGPUs="{", ".join(ids)}"', *common, *props]) + "\n"
 
 
 def render_vram_inventory(gpus: list[dict[str, Any]]) -> str:
@@ -255,6 +292,7 @@ def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:
                     "compute_capability": g.get("compute_capability"),
                     "cuda_version": g.get("cuda_version"),
                     "driver_version": g.get("driver_version"),
+                    "mps_in_mig": bool(g.get("mps_in_mig")),
                 }
             )
         return out

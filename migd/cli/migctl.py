@@ -464,6 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
         "MIGD_MAX_VRAM to the largest over the pool's nodes",
         json_flag=False,
     )
+    p = add(
+        "pool-defaults",
+        "on an access point: MIGD_MAX_VRAM and the served modes from the pool's migd nodes "
+        "(a SCHEDD_CRON job, condor_config/20-migd-access-point.config)",
+        json_flag=False,
+    )
+    p.add_argument("--write", type=Path, default=None, help="config file to keep up to date")
+    p.add_argument(
+        "--reconfig", action="store_true", help="condor_reconfig the schedd when it changed"
+    )
     p = add("states", "dump a model's partition state table (offline)")
     p.add_argument("--model", help="e.g. A100-40GB (see --list-models)")
     p.add_argument(
@@ -516,6 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "states":
             return cmd_states(args)
+        if args.command == "pool-defaults":  # on an access point: no migd there
+            from migd.cli.pool_defaults import main as pool_defaults
+
+            return pool_defaults(args.write, args.reconfig)
         client = MigdClient(args.socket)
         return COMMANDS[args.command](client, args)
     except DaemonUnavailable as exc:

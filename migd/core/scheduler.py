@@ -405,13 +405,32 @@ class NodeScheduler:
                     hint="use GPU UUIDs (or short UUIDs) as AssignedGPUs shows, or indices",
                 )
             gpus = chosen
-        gpus = [g for g in gpus if self.mode_ops(g).serves(g, request.mode)]
-        if not gpus:
+        serving = [g for g in gpus if self.mode_ops(g).serves(g, request.mode)]
+        if serving:
+            return serving
+        elsewhere = [
+            g
+            for g in self.gpus.values()
+            if g.mode is not GpuMode.OFF
+            and g not in gpus
+            and self.mode_ops(g).serves(g, request.mode)
+        ]
+        if elsewhere:
+            # The request was pinned (HTCondor's AssignedGPUs) to a GPU of the wrong mode:
+            # say which GPU would have served it, not that none does.
+            asked = ", ".join(f"GPU {g.index} ({g.mode})" for g in gpus)
+            others = ", ".join(f"GPU {g.index} ({g.mode})" for g in elsewhere)
             raise InvalidRequest(
-                f"no GPU on this node serves mode={request.mode}",
-                hint="use mode=auto, or configure a GPU for that mode in migd.toml",
+                f"the GPU this job was given, {asked}, does not serve mode={request.mode}; "
+                f"on this node {others} does",
+                hint="the access point's MIGDMODE transform (20-migd-access-point.config) makes "
+                "HTCondor assign a GPU that serves the job's MigdMode; install it, or add "
+                'require_gpus = stringListIMember("<mode>", MigdServes) to the job',
             )
-        return gpus
+        raise InvalidRequest(
+            f"no GPU on this node serves mode={request.mode}",
+            hint="use mode=auto, or configure a GPU for that mode in migd.toml",
+        )
 
     def check_ever_fits(self, lease: Lease) -> None:
         """What :meth:`submit` checks first, without submitting (for matchers).

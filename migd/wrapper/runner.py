@@ -64,6 +64,7 @@ from migd.errors import (
     RequestTooLarge,
 )
 from migd.wrapper.cgroup import own_cgroup
+from migd.wrapper.containers import container_env
 from migd.wrapper.exit_status import (
     JobEnd,
     die_of,
@@ -797,6 +798,8 @@ class JobRunner:
             # environment and passes *ENV_ variables in; the wrapper runs outside it.
             for prefix in ENV_TWINS:
                 env[prefix + key] = value
+        # For the container runtime itself, outside the container (migd/wrapper/containers.py).
+        env.update(container_env(self.spec.command, env, extra))
         return env
 
     def _start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -114,7 +114,11 @@ def test_without_device_uuid_the_starter_hides_every_gpu(node: DaemonProcess) ->
 def test_inventory_has_condor_gpu_discovery_properties(node: DaemonProcess) -> None:
     status = node.client().status()
     inventory = render_inventory(gpus_for_inventory(status), shares=2)
-    first, *props = inventory.strip().splitlines()
+    first, *rest = inventory.strip().splitlines()
+    # one nested ad per share; node-level properties (NvidiaDriver, for the 25.14 starter's
+    # --nv) are plain attributes
+    props = [line for line in rest if "=[" in line]
+    assert [line.split("=")[0] for line in rest if "=[" not in line] == ["NvidiaDriver"]
     ids = [i.strip() for i in first.split("=", 1)[1].strip('"').split(",")]
     assert len(ids) == len(props) == 2 * len(status["gpus"])
     # share by share across the GPUs, in the order HTCondor sorts them
