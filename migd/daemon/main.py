@@ -329,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
             config_val=tuple(config.htcondor.shares_command),
         )
 
+    startd_config = None
+    if config.htcondor.check_startd:
+        from migd.backends.condor import CondorConfigVal
+
+        startd_config = CondorConfigVal(tuple(config.htcondor.config_val_command))
+
     async def run() -> int:
         daemon = Daemon(
             config,
@@ -340,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             accounts=SystemAccounts(),
             startd=startd,
             lock=lock,
+            startd_config=startd_config,
         )
         daemon.ctx.cgroup_limits = build_cgroup_limits(config.mps.cgroup_root, backend, node)
         return await daemon.run()

@@ -45,6 +45,7 @@ from migd.daemon.mps_supervisor import MpsSupervisor
 from migd.daemon.ops import Ops
 from migd.daemon.periodic import PeriodicTasks, Reaper
 from migd.daemon.reconciler import Reconciler
+from migd.daemon.startd_check import run_check
 from migd.daemon.store import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
@@ -55,6 +56,7 @@ from migd.ports import (
     GpuBackend,
     MpsControl,
     ProcessTable,
+    StartdConfig,
     StartdControl,
     SystemClock,
 )
@@ -152,6 +154,7 @@ class Daemon:
         accounts: Accounts | None = None,
         startd: StartdControl | None = None,
         lock: InstanceLock | None = None,
+        startd_config: StartdConfig | None = None,
     ) -> None:
         clock = clock or SystemClock()
         #: Held from :meth:`open` (or given, taken earlier by ``main``) until :meth:`close`.
@@ -169,6 +172,8 @@ class Daemon:
             started_s=clock.now(),
         )
         self.reload_config = reload_config
+        #: The startd's configuration, checked at start and on reload (startd_check.py).
+        self.startd_config = startd_config
         self.stopping = asyncio.Event()
         self.executor = GpuExecutor(ctx)
         self.leases = LeaseService(ctx, self.executor.dispatch)
@@ -262,6 +267,7 @@ class Daemon:
                 asyncio.create_task(self.executor.gpu_loop(index), name=f"gpu{index}")
             )
         self._tasks += self.periodic.start()
+        self.check_startd()
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(
             "daemon.ready",
@@ -276,6 +282,23 @@ class Daemon:
         gc.collect()
         gc.freeze()
         ctx.notifier.ready(f"serving {len(managed)} GPU(s): {summary}")
+
+    def check_startd(self) -> asyncio.Task[None]:
+        """Check the startd's configuration in the background (HTCondor's tool may be
+        slow; nothing waits for it): status shows the answer when it comes."""
+        ctx = self.ctx
+
+        async def check() -> None:
+            ctx.startd_report = await run_check(
+                self.startd_config, ctx.config.htcondor, ctx.clock.now()
+            )
+
+        task = asyncio.create_task(check(), name="startd-check")
+        # Earlier checks that finished are dropped: a reload each minute must not grow it.
+        self._tasks = [
+            t for t in self._tasks if not (t.done() and t.get_name() == "startd-check")
+        ] + [task]
+        return task
 
     # -- reload and shutdown ----------------------------------------------------------------
 
@@ -334,6 +357,7 @@ class Daemon:
 
         configure_logging(ctx.config.daemon.log_format, ctx.config.daemon.log_level)
         log.info("config.reloaded", needs_restart=needs_restart)
+        self.check_startd()  # a reload often follows a change to HTCondor's files too
         self.leases.record("reload", None, needs_restart=needs_restart)
         now, mono = ctx.now()
         # The policy (queue order, placement) changed: place what fits under it.

@@ -21,6 +21,7 @@ from migd.core.scheduler import GpuMode, Lease, ManagedGpu
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.mps_supervisor import cgroup_limits_status, mps_compute_mode_warning
+from migd.daemon.startd_check import StartdReport
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
@@ -283,6 +284,9 @@ def build_status(daemon: DaemonContext) -> dict[str, Any]:
             "reason": daemon.db.failing or "",
             "since_s": daemon.db.failing_since,
         },
+        # A node-level condition: the startd's configuration bypasses migd
+        # (startd_check.py); migd serves on, HTCondor's jobs go around it.
+        "startd": (daemon.startd_report or StartdReport()).to_dict(),
         "notes": list(daemon.notes[-50:]),
     }
 
