@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     startd_config = None
-    if config.htcondor.check_startd:
+    if config.htcondor.check_startd:  # [htcondor] changes need a restart (RESTART_KEYS)
         from migd.backends.condor import CondorConfigVal
 
         startd_config = CondorConfigVal(tuple(config.htcondor.config_val_command))
