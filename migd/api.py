@@ -282,4 +282,5 @@ class StatusReply(TypedDict):
     queue_summary: dict[str, Any]  # length, shown, memory_mib, oldest_waiting_s
     leases: dict[str, int]  # queued / preparing / active -> count
     state_disk: dict[str, Any]  # ok, reason, since_s
+    startd: dict[str, Any]  # whether the startd's configuration bypasses migd (docs/api.md)
     notes: list[str]

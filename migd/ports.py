@@ -478,6 +478,23 @@ class StartdControl(Protocol):
         ...
 
 
+class StartdConfig(Protocol):
+    """The startd's effective HTCondor configuration on this node, read-only.
+
+    Implemented by :class:`migd.backends.condor.CondorConfigVal` (``condor_config_val
+    -subsystem startd``); :mod:`migd.core.startd_settings` checks what it reads.
+    """
+
+    def value(self, name: str) -> str | None:
+        """The knob's value as the startd would use it (macros expanded), None when it
+        is not defined. Blocking (runs HTCondor's tool).
+
+        Raises:
+            StartdError: the tool could not be run or failed for another reason.
+        """
+        ...
+
+
 class Clock(Protocol):
     def now(self) -> float:
         """Wall-clock seconds since the epoch (for records)."""

@@ -245,6 +245,40 @@ def run_tool(command: Sequence[str], timeout_s: float = 120.0) -> str:
     return _run(command, timeout_s)
 
 
+@dataclass
+class CondorConfigVal:
+    """:class:`migd.ports.StartdConfig` through ``condor_config_val``.
+
+    ``-subsystem startd`` reads the configuration as the startd does (``STARTD.START``
+    wins over ``START``); the value comes with its macros expanded. An undefined knob
+    makes the tool exit 1 with ``Not defined: NAME`` (HTCondor 23.9): that is None here,
+    not an error.
+    """
+
+    command: Sequence[str] = ("condor_config_val", "-subsystem", "startd")
+    timeout_s: float = 10.0
+
+    def value(self, name: str) -> str | None:
+        argv = [*self.command, name]
+        shown = " ".join(argv)
+        try:
+            rc, out, err = _run_tool(argv, self.timeout_s)
+        except OSError as exc:
+            raise StartdError(
+                f"cannot run {shown}: {exc.strerror or exc}",
+                hint="install HTCondor on this node, or set [htcondor] check_startd = false "
+                "where no startd runs (docs/operations.md, The startd's configuration)",
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise StartdError(f"{shown} did not finish within {self.timeout_s:g} s") from exc
+        if rc == 0:
+            return out.strip()
+        if "not defined" in err.lower():
+            return None
+        why = (err.strip() or out.strip() or f"exit {rc}").splitlines()[-1]
+        raise StartdError(f"{shown} failed: {why}")
+
+
 def _run(command: Sequence[str], timeout_s: float) -> str:
     """Run one of HTCondor's tools; its stdout, or :class:`StartdError` with its stderr."""
     shown = " ".join(command)

@@ -64,6 +64,7 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
     # A state disk that refuses writes is node-level: migd refuses new leases meanwhile.
     state_disk = status.get("state_disk") or {"ok": True, "reason": ""}
     healthy_gpus = [g for g in gpus if _usable(g)] if state_disk["ok"] else []
+    startd = status.get("startd") or {}
     queued = (status.get("queue_summary") or {}).get("length", len(status.get("queue", [])))
     largest = max(
         ((g["largest_placeable"] or {}).get("memory_mib", 0) for g in healthy_gpus), default=0
@@ -78,7 +79,9 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
         f"MigdFreeMB = {free}",
         f"MigdQueued = {queued}",
         f"MigdStateDiskOk = {_bool(bool(state_disk['ok']))}",
-        f"MigdNodeReason = {_classad_str(state_disk['reason'])}",
+        # An older daemon's status has no "startd": nothing to say then.
+        f"MigdStartdOk = {_bool(bool(startd.get('ok', True)))}",
+        f"MigdNodeReason = {_classad_str(state_disk['reason'] or startd_reason(startd))}",
         f"MigdModes = {_classad_str(','.join(sorted({g['mode'] for g in gpus})))}",
         # The access point derives MIGD_MAX_VRAM / MIGD_POOL_MODES from these (`migctl
         # pool-defaults`): what this node can ever give, whatever runs on it now.
@@ -110,6 +113,16 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
             ]
     lines[-1] += " update:true"
     return "\n".join(lines) + "\n"
+
+
+def startd_reason(startd: dict[str, Any]) -> str:
+    """The startd check's findings in one line ("" when none): which knobs bypass migd."""
+    problems = startd.get("problems") or []
+    if not problems:
+        return ""
+    return "startd bypasses migd: " + "; ".join(
+        f"{p['knob']} = {p['value'] if p['value'] is not None else 'undefined'}" for p in problems
+    )
 
 
 def share_attr(share_id: str) -> str:

@@ -84,6 +84,7 @@ def render_status(status: dict[str, Any]) -> str:
     ]
     if served:
         lines.append("service time p50/p99 ms (last 2048 each): " + ", ".join(served))
+    lines.extend(_render_startd(status.get("startd")))
     for gpu in status["gpus"]:
         # Each condition gets its own line below (older daemons send only the summary).
         health = "healthy" if gpu["healthy"] else "UNHEALTHY"
@@ -151,6 +152,22 @@ def render_status(status: dict[str, Any]) -> str:
     for note in status.get("notes", [])[-10:]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _render_startd(startd: dict[str, Any] | None) -> list[str]:
+    """The startd check (an older daemon sends none): loud when it bypasses migd."""
+    if not startd:
+        return []
+    problems = startd.get("problems") or []
+    if not problems:
+        if startd.get("skipped"):
+            return [f"startd configuration: not checked ({startd['skipped']})"]
+        return [f"startd configuration: runs migd's settings ({startd.get('slot_layout')})"]
+    lines = [f"WARNING: the startd's configuration bypasses migd ({len(problems)} knob(s)):"]
+    for p in problems:
+        value = "undefined" if p["value"] is None else repr(p["value"])
+        lines += [f"  {p['knob']} = {value}: {p['problem']}", f"    fix: {p['fix']}"]
+    return lines
 
 
 def _render_mps(mps: dict[str, Any]) -> list[str]:

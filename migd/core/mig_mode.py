@@ -97,7 +97,10 @@ class MigOps:
 
     def ever_fits(self, gpu: ManagedGpu, request: LeaseRequest) -> Fit:
         if gpu.space is None:
-            return Fit()
+            # No state machine (no MIG geometry, profiles it lacks): say so, or a node of
+            # such GPUs refused every job with an empty reason (issue 24 s4).
+            why = str(gpu.health) if not gpu.health.available else "no usable MIG profiles"
+            return Fit(why=f"GPU {gpu.index} ({gpu.model}) cannot hold MIG instances: {why}")
         if request.mode == "mps":  # only an MPS share inside an instance will do
             return self.hosts.ever_fits(gpu, request)
         sizing = self.sizing(gpu.space, partition_request(request))

@@ -733,7 +733,9 @@ def never_fits_error(
             hint="profiles here: " + "; ".join(f"{m}: {names}" for m, names in by_model.items()),
             profile=request.profile,
         )
-    reasons = list(dict.fromkeys([*(s.why for _, s in sizings), *other_reasons]))
+    reasons = [r for r in dict.fromkeys([*(s.why for _, s in sizings), *other_reasons]) if r]
+    if not reasons:  # never an empty reason: say at least what was asked for
+        reasons = [f"no GPU here can serve {request.memory_mib} MiB (`migctl status` shows why)"]
     largest = max(
         [other_largest_mib, *(p.memory_mib for space, _ in sizings for p in space.profiles)]
     )

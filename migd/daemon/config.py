@@ -320,6 +320,29 @@ class CondorSection(_Section):
         description="prints the shares (HTCondor GPU IDs) per GPU that gpu-inventory lists",
     )
 
+    check_startd: bool = Field(
+        True,
+        description="at start and on reload, read the startd's effective configuration "
+        "with config_val_command and report knobs that bypass migd (a site file with `use "
+        "FEATURE : GPUs`, START = True, another wrapper or hook): status, log, machine ad "
+        "(docs/operations.md, The startd's configuration)",
+    )
+    config_val_command: list[str] = Field(
+        default_factory=lambda: ["condor_config_val", "-subsystem", "startd"],
+        min_length=1,
+        description="prints one knob's value as the startd sees it (the name is appended)",
+    )
+    site_job_wrapper: str | None = Field(
+        None,
+        description="the site's own USER_JOB_WRAPPER, which ends with `exec migd-wrapper "
+        '"$@"` (chaining): accepted by check_startd',
+    )
+    site_job_exit_hook: str | None = Field(
+        None,
+        description="the site's own JOB_EXIT hook (<KEYWORD>_HOOK_JOB_EXIT), which runs "
+        "migd-release-hook (chaining): accepted by check_startd",
+    )
+
     def offline_path(self, runtime_dir: Path) -> Path:
         return self.offline_file or runtime_dir / "condor-offline-gpus.config"
 

@@ -16,6 +16,7 @@ from migd.core.scheduler import NodeScheduler
 from migd.daemon.api.auth import Authorizer
 from migd.daemon.config import MigdConfig
 from migd.daemon.store.state import StateStore
+from migd.daemon.supervision.startd_check import StartdReport
 from migd.daemon.systemd import Notifier
 from migd.ports import CgroupMemoryLimits, Clock, GpuBackend, GpuInfo, MpsControl, ProcessTable
 
@@ -44,6 +45,8 @@ class DaemonContext:
     #: Reconciliation findings for `migctl status`.
     notes: list[str] = field(default_factory=list)
     started_s: float = 0.0
+    #: The last check of the startd's configuration (startd_check.py); None: none yet.
+    startd_report: StartdReport | None = None
     #: Service time per op (decoded request to reply written), last 2048 each, for
     #: `migctl status` and the benchmark; see ``api_server.latency_class``.
     latency_s: collections.defaultdict[str, collections.deque[float]] = field(

@@ -232,6 +232,23 @@ def _gpu_findings(config: MigdConfig) -> Findings:
         backend.close()
 
 
+def _startd_findings(config: MigdConfig) -> Findings:
+    """The startd's knobs that bypass migd, as warnings: they are HTCondor's
+    configuration, not migd's (docs/operations.md, The startd's configuration)."""
+    from migd.backends.condor import CondorConfigVal
+    from migd.daemon.supervision.startd_check import check_startd_config
+
+    if not config.htcondor.check_startd:
+        return Findings()
+    port = CondorConfigVal(tuple(config.htcondor.config_val_command))
+    report = check_startd_config(port, config.htcondor, 0.0)
+    if report.skipped is not None:
+        return Findings(skipped=[f"the startd's configuration: {report.skipped}"])
+    return Findings(
+        warnings=[f"the startd bypasses migd: {f.line} (fix: {f.fix})" for f in report.findings]
+    )
+
+
 def check_config(config: MigdConfig, source: str) -> int:
     """``migd --check-config``: the values' meaning on this node (config_check.py)."""
     from migd.backends.accounts import SystemAccounts
@@ -240,6 +257,7 @@ def check_config(config: MigdConfig, source: str) -> int:
     found = check_catalog(config)
     found.extend(check_accounts(config.api, SystemAccounts()))
     found.extend(_gpu_findings(config))
+    found.extend(_startd_findings(config))
     for warning in [*listen_warnings(config), *found.warnings]:
         print(f"migd: warning: {warning}", file=sys.stderr)
     for skipped in found.skipped:
@@ -358,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
             config_val=tuple(config.htcondor.shares_command),
         )
 
+    startd_config = None
+    if config.htcondor.check_startd:  # [htcondor] changes need a restart (RESTART_KEYS)
+        from migd.backends.condor import CondorConfigVal
+
+        startd_config = CondorConfigVal(tuple(config.htcondor.config_val_command))
+
     async def run() -> int:
         daemon = Daemon(
             config,
@@ -370,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             accounts=SystemAccounts(),
             startd=startd,
             lock=lock,
+            startd_config=startd_config,
         )
         if node is not None:
             from migd.daemon.api.sim_ops import SimOps

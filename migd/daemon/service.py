@@ -48,6 +48,7 @@ from migd.daemon.store.state import StateStore
 from migd.daemon.supervision.gpu_health import GpuHealthMonitor
 from migd.daemon.supervision.mps import MpsSupervisor, ShareRelease
 from migd.daemon.supervision.periodic import PeriodicTasks, Reaper
+from migd.daemon.supervision.startd_check import run_check
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, DaemonUnavailable, MigdError
 from migd.paths import InstanceLock, ensure_dir
@@ -59,6 +60,7 @@ from migd.ports import (
     GpuEvents,
     MpsControl,
     ProcessTable,
+    StartdConfig,
     StartdControl,
     SystemClock,
 )
@@ -154,6 +156,7 @@ class Daemon:
         cgroup_limits: CgroupMemoryLimits | None = None,
         startd: StartdControl | None = None,
         lock: InstanceLock | None = None,
+        startd_config: StartdConfig | None = None,
     ) -> None:
         clock = clock or SystemClock()
         #: Held from :meth:`open` (or given, taken earlier by ``main``) until :meth:`close`.
@@ -172,6 +175,8 @@ class Daemon:
             started_s=clock.now(),
         )
         self.reload_config = reload_config
+        #: The startd's configuration, checked at start and on reload (startd_check.py).
+        self.startd_config = startd_config
         self.stopping = asyncio.Event()
         # Built one way: each part gets what it calls when it is made, nothing is patched
         # in afterwards (the executor knows no leases; the work runner comes last).
@@ -261,6 +266,7 @@ class Daemon:
         for index in self.executor.workers:
             self._tasks.append(asyncio.create_task(self.work.gpu_loop(index), name=f"gpu{index}"))
         self._tasks += self.periodic.start()
+        self.check_startd()
         summary = ", ".join(f"{g.index}:{g.model}/{g.mode.value}" for g in managed) or "no GPUs"
         log.info(
             "daemon.ready",
@@ -275,6 +281,23 @@ class Daemon:
         gc.collect()
         gc.freeze()
         ctx.notifier.ready(f"serving {len(managed)} GPU(s): {summary}")
+
+    def check_startd(self) -> asyncio.Task[None]:
+        """Check the startd's configuration in the background (HTCondor's tool may be
+        slow; nothing waits for it): status shows the answer when it comes."""
+        ctx = self.ctx
+
+        async def check() -> None:
+            ctx.startd_report = await run_check(
+                self.startd_config, ctx.config.htcondor, ctx.clock.now()
+            )
+
+        task = asyncio.create_task(check(), name="startd-check")
+        # Earlier checks that finished are dropped: a reload each minute must not grow it.
+        self._tasks = [
+            t for t in self._tasks if not (t.done() and t.get_name() == "startd-check")
+        ] + [task]
+        return task
 
     # -- reload and shutdown ----------------------------------------------------------------
 
@@ -333,6 +356,7 @@ class Daemon:
 
         configure_logging(ctx.config.daemon.log_format, ctx.config.daemon.log_level)
         log.info("config.reloaded", needs_restart=needs_restart)
+        self.check_startd()  # a reload often follows a change to HTCondor's files too
         self.leases.record("reload", None, needs_restart=needs_restart)
         now, mono = ctx.now()
         # The policy (queue order, placement) changed: place what fits under it.

@@ -155,3 +155,23 @@ def test_a_lease_restored_onto_its_own_mode_is_bound_again(mode: GpuMode) -> Non
     else:
         assert g.mps_pool is not None
         assert [(s.share_id, s.memory_mib) for s in g.mps_pool.shares] == [(old.lease_id, 4000)]
+
+
+def test_a_mig_gpu_without_a_state_machine_gives_a_reason_not_an_empty_one() -> None:
+    """A MIG GPU whose state machine could not be built (no MIG geometry, profiles its
+    model lacks) refused every request with "...can ever hold the request: " and nothing
+    after it, which migd-run printed as it was (issue 24 s4)."""
+    from migd.core.planner import PartitionRequest, never_fits_error
+    from migd.errors import RequestTooLarge
+
+    g = ManagedGpu(0, "GPU-0000", GEO.model, GEO.model, GEO.memory_mib, mode_state(GpuMode.MIG))
+    g.health.raise_("startup", "no MIG geometry: unknown profile '9g.99gb'", 0.0)
+    node = NodeScheduler([g])
+    with pytest.raises(RequestTooLarge) as refused:
+        node.submit(lease(4000, mode="mig"), 1.0, 1.0)
+    assert refused.value.message.endswith(
+        "GPU 0 (A100-40GB) cannot hold MIG instances: no MIG geometry: unknown profile '9g.99gb'"
+    )
+    # Whatever the GPUs said, the error names a reason.
+    error = never_fits_error(PartitionRequest(4000), [], ["", ""])
+    assert not error.message.rstrip().endswith(":") and "4000 MiB" in error.message

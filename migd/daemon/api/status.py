@@ -23,6 +23,7 @@ from migd.core.mps import MpsPool
 from migd.core.states import EMPTY, describe
 from migd.daemon.context import DaemonContext
 from migd.daemon.supervision.mps import cgroup_limits_status, mps_compute_mode_warning
+from migd.daemon.supervision.startd_check import StartdReport
 from migd.ports import GpuInfo
 
 STATUS_SCHEMA = 1
@@ -285,6 +286,9 @@ def build_status(daemon: DaemonContext) -> StatusReply:
             "reason": daemon.db.failing or "",
             "since_s": daemon.db.failing_since,
         },
+        # A node-level condition: the startd's configuration bypasses migd
+        # (startd_check.py); migd serves on, HTCondor's jobs go around it.
+        "startd": (daemon.startd_report or StartdReport()).to_dict(),
         "notes": list(daemon.notes[-50:]),
     }
 
