@@ -220,6 +220,7 @@ def tmp_root() -> Iterator[Path]:
 def test_the_daemon_checks_at_start_and_on_reload(tmp_root: Path) -> None:
     """Start: the site's START = True is in status; the site fixes it and reloads: the
     check runs again and the condition clears."""
+    from migd.backends.accounts import SystemAccounts
     from migd.backends.procs import PsutilProcessTable
     from migd.backends.simulated import simulated_backend
     from migd.daemon.api.status import build_status
@@ -246,6 +247,7 @@ def test_the_daemon_checks_at_start_and_on_reload(tmp_root: Path) -> None:
             config(),  # type: ignore[arg-type]
             backend,
             PsutilProcessTable(),
+            accounts=SystemAccounts(),
             reload_config=config,  # type: ignore[arg-type]
             startd_config=port,
         )
