@@ -49,10 +49,12 @@ case "$what" in deb|rpm|all) ;; *) usage ;; esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
 pkgdir="$repo/packaging"
 python=${PYTHON:-python3}
-release=${PKG_RELEASE:-1}
+# 2: the first packages on the distribution's Python (1 was the /opt/migd venv); a
+# revision must grow, since 0.1.0-1~deb13 would sort before the venv package's 0.1.0-1
+release=${PKG_RELEASE:-2}
 version=${PKG_VERSION:-$("$python" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$repo/pyproject.toml")}
-# Each distribution's build has its own version: 0.1.0-1~deb13 (sorts before a later
-# Debian revision 0.1.0-1), 0.1.0-1.el9. Taken from the build machine's os-release, since
+# Each distribution's build has its own version: 0.1.0-2~deb13 (sorts before a later
+# Debian revision 0.1.0-2), 0.1.0-2.el9. Taken from the build machine's os-release, since
 # a package is built on the release it is for.
 distrel=$(. /etc/os-release && echo "${VERSION_ID%%.*}")
 debversion="$version-$release~deb$distrel"
