@@ -3,6 +3,8 @@ bare exec, and a GPU job (lease, run ``/bin/true``, release) against a simulated
 
     .venv/bin/python bench/wrapper_start.py [--runs 40] [--tree NAME=DIR ...] [--out FILE]
 
+``--bin NAME=DIR`` times the commands an installed package put in DIR instead (``/usr/bin``
+of the .deb, ``/opt/migd/bin`` of the older venv package), as HTCondor runs them.
 Each ``--tree`` is a source tree of migd (default: this one, as ``now``); ``git archive
 <commit> | tar -x -C DIR`` gives an older one to compare. Each tree gets a throwaway
 virtual environment that sees the tree and this venv's dependencies through a plain
@@ -111,9 +113,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--tree", action="append", default=None, help="NAME=DIR")
+    parser.add_argument(
+        "--bin",
+        action="append",
+        default=None,
+        help="NAME=DIR: the commands an installed package put in DIR (e.g. now=/usr/bin)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    trees = [t.split("=", 1) for t in (args.tree or [f"now={ROOT}"])]
+    installed = [b.split("=", 1) for b in (args.bin or [])]
+    trees = [t.split("=", 1) for t in (args.tree or ([] if installed else [f"now={ROOT}"]))]
     work = Path(tempfile.mkdtemp(prefix="migd-wrapper-bench-"))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("_CONDOR_", "MIGD_"))}
     (work / "cpu.ad").write_text(CPU_AD)
@@ -121,6 +130,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float]]] = {}
     try:
         bins = {name: make_env(Path(d).resolve(), work / f"venv-{name}") for name, d in trees}
+        bins.update({name: Path(d) for name, d in installed})
         with BenchDaemon() as daemon:
             cpu_env = {**base_env, "_CONDOR_JOB_AD": str(work / "cpu.ad")}
             gpu_env = {
@@ -129,11 +139,12 @@ def main() -> None:
                 "MIGD_API_SOCKET": daemon.socket,
             }
             first = next(iter(bins.values()))
+            python = first / "python" if (first / "python").exists() else Path(sys.executable)
             cases: list[tuple[str, list[str], dict[str, str] | None]] = [
                 ("bare exec: /bin/true", ["/bin/true"], base_env),
                 (
-                    "python -c pass (the venv's interpreter)",
-                    [str(first / "python"), "-c", "pass"],
+                    f"python -c pass ({python})",
+                    [str(python), "-c", "pass"],
                     base_env,
                 ),
             ]
@@ -172,6 +183,7 @@ def main() -> None:
         "",
         f"`.venv/bin/python bench/wrapper_start.py --runs {args.runs}"
         + "".join(f" --tree {n}={d}" for n, d in (trees if args.tree else []))
+        + "".join(f" --bin {n}={d}" for n, d in installed)
         + "`",
         f"on {os.cpu_count()} cores (load average at the end: "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}), Python {platform.python_version()}, "

@@ -22,7 +22,8 @@ fi
 # Debian's packages the tests use, installed where missing (root only):
 # debootstrap builds the HTCondor chroot (tests/integration), rpm's rpmbuild the .rpm
 # (tests/packaging), shellcheck checks scripts/mps_gpu_check.sh, and a real Prometheus
-# scrapes a simulated node (tests/metrics/test_scrape.py; skipped, saying why, without it).
+# scrapes a simulated node (tests/metrics/test_scrape.py) and its promtool checks the shipped
+# alert rules (tests/metrics/test_alert_rules.py); both skip, saying why, without it.
 missing=()
 for pair in debootstrap:debootstrap rpmbuild:rpm shellcheck:shellcheck prometheus:prometheus; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")

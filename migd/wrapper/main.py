@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from migd.client import MigdClient
 from migd.errors import ConfigError, JobAdError, MigdError
@@ -23,6 +24,9 @@ from migd.wrapper.exit_status import JobEnd, record_for_starter
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
 from migd.wrapper.runner import JobRunner, StopRequested, WrapperFailure
 from migd.wrapper.settings import load_settings
+
+if TYPE_CHECKING:
+    import argparse
 
 WRAPPER_ERROR_ENV = "_CONDOR_WRAPPER_ERROR_FILE"
 
@@ -132,10 +136,10 @@ def wrapper_main(argv: list[str] | None = None) -> int:
     return _run(spec, os.environ.get("MIGD_API_SOCKET"), notes)
 
 
-def run_main(argv: list[str] | None = None) -> int:
+def build_run_parser() -> argparse.ArgumentParser:
+    """migd-run's flags (also the source of its man page: packaging/manpage.py)."""
     # Here, not at the top: migd-wrapper (every HTCondor GPU job) parses no flags.
     import argparse
-    import socket
 
     parser = argparse.ArgumentParser(
         prog="migd-run",
@@ -161,6 +165,13 @@ def run_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-id", default=None, help="name shown by migctl (default: host:pid)")
     parser.add_argument("--socket", default=None, help="migd's socket")
     parser.add_argument("command", nargs=argparse.REMAINDER)
+    return parser
+
+
+def run_main(argv: list[str] | None = None) -> int:
+    import socket
+
+    parser = build_run_parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:

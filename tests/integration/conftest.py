@@ -41,7 +41,7 @@ from condor_pool import (
     _log,
     session_chroot,
 )
-from migd_packages import build_debs
+from migd_packages import MIGD_PYTHON, build_debs, ensure_apt_lists
 
 SKIP_ENV = "MIGD_SKIP_HTCONDOR"
 _HARNESS_FIXTURES = {"condor_chroot", "personal_pool", "migd_debs", "migd_installed"}
@@ -103,6 +103,7 @@ def install_migd(
         [deb] = sorted(debs.glob(f"{pkg}_*.deb"))
         chroot.copy_in(deb, f"/tmp/migd-debs/{deb.name}")
         names.append(f"./{deb.name}")
+    ensure_apt_lists(chroot)  # migd's Depends come from Debian's archive
     t0 = time.monotonic()
     chroot.run(
         ["apt-get", "install", "-y", "-q", "--no-install-recommends", *names],
@@ -112,6 +113,13 @@ def install_migd(
     )
     took = time.monotonic() - t0
     _log(f"apt-get install {' '.join(names)}: {took:.1f}s")
+    # The tests' fake CUDA job is a module of migd (migd.backends.simulated.cuda_job): run
+    # it with the packaged migd's interpreter and its private directory on the path.
+    chroot.write_file(
+        MIGD_PYTHON,
+        '#!/bin/sh\nexec env PYTHONPATH=/usr/lib/migd /usr/bin/python3 "$@"\n',
+        mode=0o755,
+    )
     return took
 
 

@@ -1,7 +1,9 @@
 """Build migd's packages with ``packaging/build.sh`` once per content, for the tests.
 
-The ``.deb`` is built inside the trixie chroot (its python3 makes the venv, as on a real
-trixie build machine); the ``.rpm`` on the host with ``rpmbuild``. Both are cached in
+The ``.deb`` is built inside the trixie chroot (its python3 and Debian's Python packages
+run migd's parsers for the man pages, as on a real trixie build machine); the ``.rpm`` on
+the host with ``rpmbuild``. The .deb depends on Debian's packages, so installing it needs
+the chroot's apt lists (:func:`ensure_apt_lists`; the cached chroot has none). Both are cached in
 ``$MIGD_PACKAGE_CACHE`` (default ``~/.cache/migd/packages``) under a hash of everything
 that goes into them, so a test session rebuilds only after a change to the code, the
 packaging or the shipped configuration.
@@ -22,11 +24,54 @@ from condor_pool import RECIPE, ChrootCommandError, CondorChroot, _flock, _log
 
 REPO = Path(__file__).resolve().parents[2]
 # What goes into a package: the code, the packaging, and the files it ships.
-INPUTS = ("migd", "packaging", "condor_config", "systemd", "pyproject.toml", "README.md", "docs")
+INPUTS = (
+    "migd",
+    "packaging",
+    "condor_config",
+    "systemd",
+    "contrib",
+    "pyproject.toml",
+    "README.md",
+    "docs",
+)
 KEEP = 4  # cached builds kept per kind
-# Fast compression for the tests (xz takes ~30 s for the venv on a 2-core machine, zstd
-# under 1 s); the contents are the same as a release build's.
-BUILD_ENV = {"DEB_COMPRESS": "zstd", "RPM_PAYLOAD": "w3.zstdio"}
+# Fast compression for the rpm (its vendored wheels: w19 takes tens of seconds on a 2-core
+# machine); the .deb is a release build (xz, what lintian accepts; about 2.5 MB to compress).
+BUILD_ENV = {"RPM_PAYLOAD": "w3.zstdio"}
+
+
+# Written by tests/integration/conftest.py:install_migd: python3 with the packaged migd's
+# private directory on its path, for the tests' fake CUDA job (a module of migd).
+MIGD_PYTHON = "/usr/local/bin/migd-test-python"
+
+# What the .deb build runs migd with (the man pages come from its parsers); also the .deb's
+# Depends besides condor and python3.
+BUILD_DEPS = (
+    "python3-pydantic",
+    "python3-structlog",
+    "python3-prometheus-client",
+    "python3-psutil",
+)
+
+
+def ensure_apt_lists(chroot: CondorChroot) -> None:
+    """``apt-get update`` in the chroot unless it has package lists: the cached chroot is
+    saved without them, and ``apt-get install ./migd_*.deb`` resolves migd's Depends
+    (python3-pydantic, ...) from Debian's archive."""
+    lists = chroot.path("var/lib/apt/lists")
+    if not any(lists.glob("*_Packages*")):
+        chroot.run(
+            ["apt-get", "update", "-q"], env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=600
+        )
+
+
+def install_build_deps(chroot: CondorChroot) -> None:
+    ensure_apt_lists(chroot)
+    chroot.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *BUILD_DEPS],
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+        timeout=600,
+    )
 
 
 def package_cache() -> Path:
@@ -64,8 +109,8 @@ def _cached(kind: str, key: str, pattern: str) -> Path | None:
 def build_debs(chroot: CondorChroot) -> Path:
     """Host directory with migd, migd-ep and migd-ap .debs for this tree (built if needed).
 
-    ``chroot`` must be mounted: build.sh runs inside it as root, with pip reaching the
-    package index through the host's network settings.
+    ``chroot`` must be mounted: build.sh runs inside it as root, with apt and pip (for the
+    vendored nvidia-ml-py) reaching their archives through the host's network settings.
     """
     key = content_hash(RECIPE + repr(BUILD_ENV))
     kind_dir = package_cache() / "deb"
@@ -80,6 +125,7 @@ def build_debs(chroot: CondorChroot) -> Path:
             src,
             ignore=(".venv", ".git", "__pycache__", "*.egg-info", "build", "dist", ".*_cache"),
         )
+        install_build_deps(chroot)
         t0 = time.monotonic()
         try:
             chroot.run(

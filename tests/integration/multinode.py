@@ -6,9 +6,11 @@ in its own mount namespace: ``/run/migd``, ``/var/lib/migd``, ``/etc/migd`` and
 ``/var/log/migd`` are bind mounts of the node's directory, so every node has the socket,
 state and ``migd.toml`` at the paths the package and the shipped HTCondor configuration use,
 exactly as on separate machines. migd comes from the installed ``.deb``; a node's
-``/etc/migd/migd.toml`` is the packaged file with documented keys edited (simulated GPUs,
-the users jobs run as). migd runs under a restart loop, as ``Restart=on-failure`` in the
-systemd unit does, so a killed migd comes back and adopts its leases.
+``/etc/migd/migd.toml`` is the packaged full example
+(``/usr/share/doc/migd/migd.toml.example``, every key; the packaged ``/etc/migd/migd.toml``
+is short) with documented keys edited (simulated GPUs, the users jobs run as). migd runs
+under a restart loop, as ``Restart=on-failure`` in the systemd unit does, so a killed migd
+comes back and adopts its leases.
 
 Node-specific HTCondor settings (``LOCAL_DIR``, names, the collector's address file) are
 ``_CONDOR_*`` environment variables of the node's master; everything else comes from
@@ -131,7 +133,8 @@ class ExecuteNode:
             (host / sub).mkdir(parents=True, exist_ok=True)
             os.chmod(host / sub, mode)
             ch.path(node_path).mkdir(parents=True, exist_ok=True)
-        toml = ch.read_file("/etc/migd/migd.toml")  # the packaged conffile
+        # every key at its default, as packaged (the conffile itself sets only a few)
+        toml = ch.read_file("/usr/share/doc/migd/migd.toml.example")
         sections: dict[str, dict[str, str]] = {
             # the simulated GPUs keep their MIG layout across a migd restart, as real ones do
             "backend": {

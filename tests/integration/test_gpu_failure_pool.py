@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 from condor_pool import CondorChroot, _log
+from migd_packages import MIGD_PYTHON
 from multinode import MultiNodePool, node_name
 
 pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
 
-PY = "/opt/migd/bin/python"
+PY = MIGD_PYTHON
 FAILED = "ep1"
 NODES = {FAILED: "1xA100-40GB", "ep2": "2xA100-40GB"}
 # The pool's /etc/condor/config.d (every node reads it): one slot ad per GPU from

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 from condor_pool import CondorChroot, PersonalPool
+from migd_packages import MIGD_PYTHON
 
 from migd.backends.simulated.hardware import MIG_IDLE_USED_MIB
 from migd.core.condor_shares import physical_gpu
 
 REPO = Path(__file__).resolve().parents[2]
-VENV = "/opt/migd"  # the venv the migd package installs
-PY = f"{VENV}/bin/python"
+PY = MIGD_PYTHON  # the packaged migd's interpreter (conftest.install_migd)
 SOCKET = "/run/migd/migd.sock"
 A100_FULL_MIB = 40448
 
@@ -87,7 +87,7 @@ class Migd:
             ]
         argv = self.chroot.command(
             [
-                f"{VENV}/bin/migd",
+                "/usr/bin/migd",
                 *with_config,
                 "--simulate",
                 self.simulate,
@@ -120,7 +120,7 @@ class Migd:
 
     def ctl(self, *args: str) -> Any:
         result = self.chroot.run(
-            [f"{VENV}/bin/migctl", "--socket", SOCKET, *args], check=False, timeout=60
+            ["/usr/bin/migctl", "--socket", SOCKET, *args], check=False, timeout=60
         )
         if result.returncode != 0:
             return None

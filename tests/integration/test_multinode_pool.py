@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 from condor_pool import CondorChroot, PersonalPool
+from migd_packages import MIGD_PYTHON
 from multinode import MultiNodePool
 
 pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
 
-PY = "/opt/migd/bin/python"  # the packaged venv's interpreter runs the fake CUDA job
+PY = MIGD_PYTHON  # the packaged migd's interpreter runs the fake CUDA job
 A100_FULL_MIB = 40448
 NODES = {
     "ep1": "2xA100-40GB",

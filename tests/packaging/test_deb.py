@@ -8,6 +8,7 @@ chroot has no systemd), while the test does what systemd would do with the resta
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from condor_pool import CondorChroot
+from migd_packages import ensure_apt_lists
 
 pytestmark = [pytest.mark.slow, pytest.mark.htcondor]
 
@@ -49,40 +51,88 @@ def _listing(deb: Path) -> dict[str, str]:
     return out
 
 
-def test_the_daemon_package_holds_a_venv_commands_unit_and_conffile(debs: Path) -> None:
+COMMANDS = {
+    "migd": "migd.daemon.main:main",
+    "migctl": "migd.cli.migctl:main",
+    "migd-wrapper": "migd.wrapper.entry:wrapper_main",
+    "migd-run": "migd.wrapper.entry:run_main",
+    "migd-release-hook": "migd.wrapper.release_hook:main",
+}
+
+
+def test_the_daemon_package_runs_on_debians_python_and_bindings(debs: Path) -> None:
     deb = _deb(debs, "migd")
-    depends = _dpkg_deb("-f", deb, "Depends")
-    # the venv's compiled wheels are for the build's python3 (trixie: 3.13)
-    assert "python3 (>= 3.13), python3 (<< 3.14)" in depends, depends
+    # no compiled code of its own: the one vendored module (nvidia-ml-py) is Python
+    assert _dpkg_deb("-f", deb, "Architecture").strip() == "all"
+    assert "~deb13" in _dpkg_deb("-f", deb, "Version")
+    depends = {d.strip().split(" ")[0] for d in _dpkg_deb("-f", deb, "Depends").split(",")}
+    # trixie's condor ships classad2/htcondor2 for the system python3 (there is no
+    # python3-htcondor package); the rest are Debian's own Python packages
+    assert depends == {
+        "python3",
+        "condor",
+        "python3-pydantic",
+        "python3-structlog",
+        "python3-prometheus-client",
+        "python3-psutil",
+    }
+    assert "migd maintainers <" in _dpkg_deb("-f", deb, "Maintainer")
     files = _listing(deb)
-    assert _dpkg_deb("-f", deb, "Architecture").strip() == "amd64"
-    for cmd in ("migd", "migctl", "migd-wrapper", "migd-run", "migd-release-hook"):
-        assert files[f"/opt/migd/bin/{cmd}"].startswith("-rwxr-xr-x")
-        assert files[f"/usr/bin/{cmd}"] == f"lrwxrwxrwx -> ../../opt/migd/bin/{cmd}"
-    assert files["/opt/migd/bin/python"] == "lrwxrwxrwx -> /usr/bin/python3"
+    assert not any(p.startswith("/opt") for p in files)
+    assert not any("__pycache__" in p or p.endswith((".pyc", ".so")) for p in files)
+    for banned in ("pip", "setuptools", "htcondor", "classad", "pydantic", "_distutils_hack"):
+        assert not any(f"/usr/lib/migd/{banned}" in p for p in files), banned
+    vendored = {
+        p.split("/")[4] for p in files if p.count("/") >= 4 and p.startswith("/usr/lib/migd/")
+    }
+    assert {v for v in vendored if not v.startswith("nvidia_ml_py-")} == {"migd", "pynvml.py"}
+    for cmd in COMMANDS:
+        assert files[f"/usr/bin/{cmd}"].startswith("-rwxr-xr-x"), cmd
     assert files["/usr/lib/systemd/system/migd.service"].startswith("-rw-r--r--")
     # job users' wrappers read [wrapper] from it: world-readable
     assert files["/etc/migd/migd.toml"].startswith("-rw-r--r--")
-    assert files["/var/lib/migd"].startswith("drwx------")
-    assert any(p.startswith("/opt/migd/lib/python3.13/site-packages/migd/") for p in files)
-    assert not any("__pycache__" in p and not p.endswith(".pyc") for p in files if "." in p[-5:])
+    # made by the postinst (0700), not shipped: lintian flags a packaged 0700 directory
+    assert "/var/lib/migd" not in files
+    for page in ("man8/migd.8.gz", "man1/migctl.1.gz", "man1/migd-run.1.gz"):
+        assert f"/usr/share/man/{page}" in files, page
+    doc = "/usr/share/doc/migd"
+    for shipped in (
+        "copyright",
+        "changelog.Debian.gz",
+        "mps.md",
+        "api.md",
+        "configuration.md",
+        "contrib/grafana/migd.json",
+        "contrib/prometheus/migd-alerts.yml",
+    ):
+        assert f"{doc}/{shipped}" in files, shipped
     assert not any(p.startswith("/usr/share/condor") for p in files)
 
 
-def test_the_venv_names_only_its_final_paths(debs: Path, tmp_path: Path) -> None:
+def test_commands_man_pages_and_the_short_configuration(debs: Path, tmp_path: Path) -> None:
     subprocess.run(["dpkg-deb", "-x", _deb(debs, "migd"), tmp_path], check=True)
-    venv = tmp_path / "opt/migd"
-    texts = [p for p in (venv / "bin").iterdir() if p.is_file() and not p.is_symlink()]
-    texts.append(venv / "pyvenv.cfg")
-    for path in texts:
-        text = path.read_text(errors="replace")
-        assert "migd-pkg." not in text, f"{path} names the staging directory"
-    shebang = (venv / "bin/migd").read_text().splitlines()[0]
-    assert shebang == "#!/opt/migd/bin/python"
-    cfg = (venv / "pyvenv.cfg").read_text()
-    assert "home = /usr/bin" in cfg
+    for cmd, target in COMMANDS.items():
+        module, func = target.split(":")
+        script = (tmp_path / "usr/bin" / cmd).read_text()
+        # isolated (-I): neither a job's PYTHONPATH nor a user's site-packages reach it
+        assert script.splitlines()[0] == "#!/usr/bin/python3 -I", cmd
+        assert 'sys.path.insert(0, "/usr/lib/migd")' in script
+        assert f"from {module} import {func}" in script
+    man = gzip.decompress((tmp_path / "usr/share/man/man1/migd-run.1.gz").read_bytes()).decode()
+    assert man.startswith(".TH MIGD\\-RUN 1")
+    for flag in ("gpu\\-memory", "max\\-restarts", "early\\-restart", "socket"):
+        assert f"\\-\\-{flag}" in man, flag
     toml = (tmp_path / "etc/migd/migd.toml").read_text()
-    assert 'kind = "nvml"' in toml and "[wrapper]" in toml  # migd --print-example-config
+    # a few commented lines, not every key at its default: an upgrade that changes a
+    # default must not make dpkg ask about a file the admin never edited
+    settings = [
+        line for line in toml.splitlines() if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert settings == ["version = 1", "[api]", "[policy]", "[metrics]"], settings
+    assert len(toml.splitlines()) < 30
+    copyright_text = (tmp_path / "usr/share/doc/migd/copyright").read_text()
+    assert "Files: usr/lib/migd/pynvml.py" in copyright_text
+    assert "License: BSD-3-Clause" in copyright_text
 
 
 def test_conffiles_and_maintainer_scripts(debs: Path, tmp_path: Path) -> None:
@@ -93,6 +143,60 @@ def test_conffiles_and_maintainer_scripts(debs: Path, tmp_path: Path) -> None:
         path = tmp_path / script
         assert path.stat().st_mode & 0o111, script
         subprocess.run(["sh", "-n", path], check=True)
+
+
+def _lint_tool(ch: CondorChroot, package: str) -> None:
+    if ch.run(["sh", "-c", f"command -v {package}"], check=False).returncode != 0:
+        ensure_apt_lists(ch)
+        ch.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", package],
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+            timeout=600,
+        )
+
+
+def test_lintian_reports_only_the_documented_overrides(
+    trixie_chroot: CondorChroot, debs: Path
+) -> None:
+    ch = trixie_chroot
+    _lint_tool(ch, "lintian")
+    ch.run(["rm", "-rf", "/tmp/migd-lint"])
+    for deb in debs.glob("*.deb"):
+        ch.copy_in(deb, f"/tmp/migd-lint/{deb.name}")
+    proc = ch.run(
+        ["sh", "-c", "lintian --pedantic --info --show-overrides --no-tag-display-limit *.deb"],
+        cwd="/tmp/migd-lint",
+        check=False,
+        timeout=600,
+    )
+    tags = [line for line in proc.stdout.splitlines() if line[:2] in ("E:", "W:", "I:", "P:", "X:")]
+    assert tags == [], proc.stdout
+    overridden = sorted(line.split()[2] for line in proc.stdout.splitlines() if line[:2] == "O:")
+    # packaging/debian/migd.lintian-overrides, each with its reason
+    assert overridden == [
+        "maintainer-script-calls-systemctl",
+        "maintainer-script-calls-systemctl",
+        "maintainer-script-calls-systemctl",
+        "repeated-path-segment",
+    ], proc.stdout
+
+
+def test_rpmlint_reports_only_the_documented_filters(
+    trixie_chroot: CondorChroot, rpms: Path
+) -> None:
+    ch = trixie_chroot
+    _lint_tool(ch, "rpmlint")
+    ch.run(["rm", "-rf", "/tmp/migd-rpmlint"])
+    for rpm in rpms.glob("*.rpm"):
+        ch.copy_in(rpm, f"/tmp/migd-rpmlint/{rpm.name}")
+    ch.copy_in(REPO / "packaging/rpm/migd.rpmlintrc", "/tmp/migd-rpmlint/migd.rpmlintrc")
+    proc = ch.run(
+        ["sh", "-c", "rpmlint -r migd.rpmlintrc *.rpm"],
+        cwd="/tmp/migd-rpmlint",
+        check=False,
+        timeout=600,
+    )
+    assert "0 errors, 0 warnings" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -142,6 +246,15 @@ def _repack(deb: Path, revision: str, out: Path) -> Path:
     return target
 
 
+WHERE_MODULES_COME_FROM = """
+import sys
+sys.path.insert(0, "/usr/lib/migd")
+import classad2, htcondor2, pydantic, structlog, psutil, pynvml, migd
+for m in (classad2, htcondor2, pydantic, structlog, psutil, pynvml, migd):
+    print(m.__file__)
+"""
+
+
 def _systemctl_calls(ch: CondorChroot) -> list[str]:
     path = ch.path(SYSTEMCTL_LOG)
     calls = path.read_text().splitlines() if path.exists() else []
@@ -150,6 +263,7 @@ def _systemctl_calls(ch: CondorChroot) -> list[str]:
 
 
 def _apt(ch: CondorChroot, *args: str) -> None:
+    ensure_apt_lists(ch)  # migd's Depends come from Debian's archive
     ch.run(
         ["apt-get", "-y", "-q", "--no-install-recommends", *args],
         env={"DEBIAN_FRONTEND": "noninteractive"},
@@ -197,12 +311,27 @@ def test_install_upgrade_remove_purge_keep_leases_and_state(
         print(f"apt-get install ./{v1.name}: {time.monotonic() - t0:.1f}s")
         # a first install tells systemd about the unit and starts nothing
         assert _systemctl_calls(ch) == ["daemon-reload"]
+        # migd runs on Debian's python3 and imports the distribution's HTCondor bindings and
+        # Python packages; only nvidia-ml-py comes from the package
+        where = ch.run(["python3", "-I", "-c", WHERE_MODULES_COME_FROM], timeout=60).stdout.split()
+        assert where == [
+            "/usr/lib/python3/dist-packages/classad2/__init__.py",
+            "/usr/lib/python3/dist-packages/htcondor2/__init__.py",
+            "/usr/lib/python3/dist-packages/pydantic/__init__.py",
+            "/usr/lib/python3/dist-packages/structlog/__init__.py",
+            "/usr/lib/python3/dist-packages/psutil/__init__.py",
+            "/usr/lib/migd/pynvml.py",
+            "/usr/lib/migd/migd/__init__.py",
+        ], where
+        # the postinst byte-compiled /usr/lib/migd (nothing writes there at run time)
+        assert ch.path("/usr/lib/migd/migd/daemon/__pycache__").is_dir()
         assert ch.run(["migd", "--config", "/etc/migd/migd.toml", "--check-config"]).returncode == 0
 
         # the admin edits the one file, starts migd, a job takes a lease
         conf = ch.read_file("/etc/migd/migd.toml").replace(
-            "idle_timeout_s = 300.0", "idle_timeout_s = 301.0"
+            '# lease_users = ["root", "condor"]', 'lease_users = ["root", "condor", "migdtest"]'
         )
+        assert "migdtest" in conf
         ch.write_file("/etc/migd/migd.toml", conf)
         log = ch.path("/var/log/migd-lifecycle.log")
         procs.append(_start_migd(ch, log))
@@ -223,7 +352,7 @@ def test_install_upgrade_remove_purge_keep_leases_and_state(
         # upgrade: never stopped, restarted once the new files are in place
         _apt(ch, "install", f"./{v2.name}")
         assert _systemctl_calls(ch) == ["daemon-reload", "try-restart migd.service"]
-        assert "idle_timeout_s = 301.0" in ch.read_file("/etc/migd/migd.toml")
+        assert "migdtest" in ch.read_file("/etc/migd/migd.toml")
         assert procs[0].poll() is None  # dpkg did not touch the running daemon
         # ... what systemd's try-restart does: SIGTERM (migd drains), start again
         procs[0].terminate()
@@ -232,11 +361,13 @@ def test_install_upgrade_remove_purge_keep_leases_and_state(
         [after] = _leases(ch)
         assert after["lease_id"] == lease["lease_id"] and after["state"] == "active"
 
-        # remove: stops migd, keeps the configuration and the state
+        # remove: stops migd, keeps the configuration and the state; the byte-code goes too
+        # (else dpkg would leave /usr/lib/migd behind)
         job.terminate()
         job.wait(30)
         _apt(ch, "remove", "migd")
         assert _systemctl_calls(ch) == ["stop migd.service", "daemon-reload"]
+        assert not ch.path("/usr/lib/migd").exists()
         assert ch.path("/etc/migd/migd.toml").is_file()
         assert ch.path("/var/lib/migd").is_dir() and any(ch.path("/var/lib/migd").iterdir())
         procs[0].terminate()
