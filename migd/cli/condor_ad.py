@@ -19,9 +19,11 @@ condor_gpu_discovery's property ad: HTCondor 23.x collapses repeated IDs
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from migd.core.ad_updates import AdUpdates
 from migd.core.condor_shares import share_id, short_uuid
 from migd.errors import MigdError
 
@@ -59,7 +61,9 @@ def _usable(gpu: dict[str, Any]) -> bool:
     return bool(gpu["healthy"] and not gpu["draining"] and gpu["mode"] != "off")
 
 
-def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
+def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False, update: bool = True) -> str:
+    """migd's ads for the startd; ``update`` ends them with ``update:true`` (an immediate
+    collector update of every slot they merge into, :mod:`migd.core.ad_updates`)."""
     gpus = status["gpus"]
     # A state disk that refuses writes is node-level: migd refuses new leases meanwhile.
     state_disk = status.get("state_disk") or {"ok": True, "reason": ""}
@@ -111,7 +115,8 @@ def render_condor_ad(status: dict[str, Any], *, per_gpu: bool = False) -> str:
                 f"MigdGpuReason = {_classad_str(reason)}",
                 f"- migd_gpu{g['index']}",
             ]
-    lines[-1] += " update:true"
+    if update:
+        lines[-1] += " update:true"
     return "\n".join(lines) + "\n"
 
 
@@ -178,12 +183,12 @@ def gpu_properties(gpu: dict[str, Any]) -> dict[str, str]:
         props["DriverVersion"] = f"{cuda_int // 1000}.{cuda_int % 1000 // 10}"
         props["MaxSupportedVersion"] = str(cuda_int)
     if gpu.get("driver_version"):
-        driver = _classad_str(str(gpu["driver_version"]))
-        props["MigdDriverVersion"] = driver
-        # condor_gpu_discovery -properties prints it since 24.5.1; from 25.14.0 the
+        # No MigdDriverVersion: no matcher reads it, and each of the K x GPUs property ads
+        # carried it to the collector on every update (``migctl status`` has it). NvidiaDriver
+        # stays: condor_gpu_discovery -properties prints it since 24.5.1, and from 25.14.0 the
         # starter passes --nv to Apptainer only when the slot has GPUs_NvidiaDriver
         # (HTCONDOR-3887, singularity.cpp), so without it a container job gets no GPU.
-        props["NvidiaDriver"] = driver
+        props["NvidiaDriver"] = _classad_str(str(gpu["driver_version"]))
     serves = served_modes(str(gpu.get("mode") or ""), bool(gpu.get("mps_in_mig")))
     if serves:
         # What +MigdMode a job may ask of this GPU: the access point's transform turns a
@@ -210,10 +215,11 @@ def node_served_modes(gpus: list[dict[str, Any]]) -> list[str]:
     )
 
 
-def render_unavailable(message: str) -> str:
+def render_unavailable(message: str, *, update: bool = True) -> str:
     """The ad while migd does not answer: the startd keeps a cron job's last values, so
     say unhealthy rather than leave a stale ``MigdHealthy = true``."""
-    return f"MigdHealthy = false\nMigdHealthReason = {_classad_str(message)}\n- migd update:true\n"
+    end = " update:true" if update else ""
+    return f"MigdHealthy = false\nMigdHealthReason = {_classad_str(message)}\n- migd{end}\n"
 
 
 def watch(
@@ -224,35 +230,37 @@ def watch(
     clock: Callable[[], float],
     per_gpu: bool = False,
     interval_s: float = 0.5,
-    heartbeat_s: float = 60.0,
+    updates: AdUpdates | None = None,
     rounds: int | None = None,
 ) -> None:
     """``condor-ad --watch``: a publisher for ``STARTD_CRON_<name>_MODE = WaitForExit``.
 
-    The startd reads a running cron job's output as it arrives and publishes an ad at
-    every line that starts with ``-`` (``CronJob::StdoutHandler`` in HTCondor's
-    ``src/condor_utils/condor_cron_job.cpp``; docs/htcondor-notes.md (r)). So this
-    asks migd for its status every ``interval_s`` and writes a new ad only when it
-    differs from the last one written (``update:true`` sends it to the collector at
-    once), and the same ad again after ``heartbeat_s`` so a restarted collector
-    learns it. A freed partition reaches the slot ad within ``interval_s`` plus the
-    startd's update. ``rounds`` bounds the loop (tests); ``None`` runs until the
-    startd closes the pipe (``BrokenPipeError`` ends it).
+    The startd reads a running cron job's output as it arrives and merges an ad into its
+    slots at every line that starts with ``-`` (``CronJob::StdoutHandler`` in HTCondor's
+    ``src/condor_utils/condor_cron_job.cpp``; docs/htcondor-notes.md (r)). So this asks
+    migd for its status every ``interval_s`` and writes the ad when it differs from the
+    last one written; ``updates`` (:class:`~migd.core.ad_updates.AdUpdates`) decides which
+    writes end in ``update:true`` (a collector update now: a matcher-read attribute
+    changed, or the keep-alive is due). A freed partition reaches the slot ad within
+    ``interval_s`` plus the startd's update. ``rounds`` bounds the loop (tests); ``None``
+    runs until the startd closes the pipe (``BrokenPipeError`` ends it).
     """
-    last = ""
-    written_at = float("-inf")
+    if updates is None:
+        updates = AdUpdates(rand=random.random)
     n = 0
     while rounds is None or n < rounds:
         n += 1
         try:
-            ad = render_condor_ad(fetch(), per_gpu=per_gpu)
+            ad = render_condor_ad(fetch(), per_gpu=per_gpu, update=False)
         except MigdError as exc:  # down, restarting, or an answer it could not give
-            ad = render_unavailable(exc.message)
-        now = clock()
-        if ad != last or now - written_at >= heartbeat_s:
-            out.write(ad)
+            ad = render_unavailable(exc.message, update=False)
+        publish = updates.look(ad, clock())
+        if publish is not None:
+            text = publish.ad
+            if publish.update:
+                text = text[:-1] + " update:true\n"
+            out.write(text)
             out.flush()
-            last, written_at = ad, now
         sleep(interval_s)
 
 

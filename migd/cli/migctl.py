@@ -353,6 +353,17 @@ def cmd_condor_ad(client: MigdClient, args: argparse.Namespace) -> int:
     from migd.cli.condor_ad import render_condor_ad, render_unavailable, watch
 
     if args.watch:
+        import random
+
+        from migd.core.ad_updates import AdUpdates
+
+        try:
+            updates = AdUpdates(
+                rand=random.random, min_gap_s=args.min_gap, keepalive_s=args.keepalive
+            )
+        except ValueError as exc:
+            print(f"migctl condor-ad: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         try:
             watch(
                 client.status,
@@ -361,6 +372,7 @@ def cmd_condor_ad(client: MigdClient, args: argparse.Namespace) -> int:
                 clock=time.monotonic,
                 per_gpu=args.per_gpu,
                 interval_s=args.interval,
+                updates=updates,
             )
         except BrokenPipeError:  # the startd stopped reading: it restarts us if it wants
             return EXIT_OK
@@ -461,6 +473,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--interval", type=float, default=0.5, help="--watch: seconds between looks at migd"
+    )
+    p.add_argument(
+        "--keepalive",
+        type=float,
+        default=600.0,
+        help="--watch: a collector update after this many seconds without one (less up to 20%%)",
+    )
+    p.add_argument(
+        "--min-gap",
+        type=float,
+        default=1.0,
+        help="--watch: seconds between collector updates for changes (a burst becomes one)",
     )
     p = add(
         "gpu-inventory",

@@ -9,6 +9,7 @@ import time
 from typing import IO, Any
 
 from migd.cli.condor_ad import max_vram, render_unavailable, watch
+from migd.core.ad_updates import AdUpdates
 from migd.errors import DaemonUnavailable
 from tests.process.conftest import DaemonProcess
 
@@ -57,7 +58,19 @@ def test_watch_writes_an_ad_only_when_the_node_changed() -> None:
     assert clock.sleeps == [0.5] * 5  # a look every interval; migd is asked, not NVML
 
 
-def test_watch_repeats_the_ad_after_the_heartbeat_and_reports_a_down_daemon() -> None:
+def test_watch_sends_a_queue_change_to_the_startd_only() -> None:
+    states = iter([_status(40448), _status(40448, queued=2), _status(40448, queued=2)])
+    out, clock = io.StringIO(), Clock()
+    watch(lambda: next(states), out, sleep=clock.sleep, clock=lambda: clock.now, rounds=3)
+    text = out.getvalue()
+    # the first ad updates the collector; the queue change is merged by the startd (START
+    # and the next periodic update see it) without an update of every slot ad
+    assert text.count("- migd update:true\n") == 1
+    assert text.count("- migd\n") == 1 and text.endswith("- migd\n")
+    assert "MigdQueued = 2" in text.split("- migd update:true\n")[1]
+
+
+def test_watch_repeats_the_ad_after_the_keepalive_and_reports_a_down_daemon() -> None:
     calls = 0
 
     def fetch() -> dict[str, Any]:
@@ -74,11 +87,12 @@ def test_watch_repeats_the_ad_after_the_heartbeat_and_reports_a_down_daemon() ->
         sleep=clock.sleep,
         clock=lambda: clock.now,
         interval_s=1.0,
-        heartbeat_s=1.5,
-        rounds=4,
+        updates=AdUpdates(rand=lambda: 0.0, keepalive_s=1.5),
+        rounds=5,
     )
     ads = _ads(out.getvalue())
-    # t=0 ad; t=1 same ad, within the heartbeat: nothing; t=2 migd down; t=3 back
+    # t=0 ad; t=1 same ad, within the keep-alive: nothing; t=2 migd down; t=3 back;
+    # t=4 unchanged but 1 s is short of the keep-alive: nothing
     assert len(ads) == 3
     assert ads[1] + "- migd update:true\n" == render_unavailable("migd is not running")
     assert "MigdHealthy = true" in ads[2]
