@@ -15,17 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from migd.core import catalog
+from migd.core.gpus import ManagedGpu, MigState
 from migd.core.groups import merge_environments
-from migd.core.leases import LeaseState
-from migd.core.scheduler import (
-    Lease,
-    LeaseRequest,
-    ManagedGpu,
-    MigState,
-    NodeScheduler,
-    Outcome,
-    SchedulerPolicy,
-)
+from migd.core.leases import Lease, LeaseRequest, LeaseState
+from migd.core.policy import SchedulerPolicy
+from migd.core.scheduler import NodeScheduler, Outcome
 from migd.core.states import state_space
 from migd.errors import NoCapacity, RequestTooLarge
 
