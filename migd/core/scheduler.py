@@ -48,9 +48,9 @@ from migd.core.gpus import (
     InstanceStatus,
     ManagedGpu,
     ManagedInstance,
-    MpsState,
     Origin,
     Work,
+    observe_mps_client_cap,
 )
 from migd.core.groups import LeaseGroups, place_group
 from migd.core.health import HealthSource
@@ -58,11 +58,11 @@ from migd.core.idle import idle_past, stamp_idle
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
-from migd.core.mps import MpsPool, client_environment, observe_client_cap
+from migd.core.mps import MpsPool, client_environment
 from migd.core.planner import DestroyOp, Op
 from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import Miss, QueuedRequest, QueuePolicy, RequestQueue
-from migd.core.resync import match_read
+from migd.core.resync import layout_problem, match_read
 from migd.core.work import WorkBook
 from migd.errors import InvalidRequest, NoCapacity
 
@@ -497,21 +497,10 @@ class NodeScheduler:
 
     def observe_mps_client_cap(self, device_uuid: str, clients_at_refusal: int) -> bool:
         """Lower an MPS device's client capacity to the cap it showed at a refusal
-        (:func:`migd.core.mps.observe_client_cap`); whether the books changed. The caller
-        schedules afterwards (nothing new fits, but queued requests may go elsewhere)."""
-        for gpu in self.gpus.values():
-            state = gpu.state
-            pool = state.pool if isinstance(state, MpsState) else None
-            if pool is not None and pool.device_uuid == device_uuid:
-                assert isinstance(state, MpsState)
-                state.pool = observe_client_cap(pool, clients_at_refusal)
-                return state.pool is not pool
-            for inst in gpu.instances:
-                if inst.mps_pool is not None and inst.mps_pool.device_uuid == device_uuid:
-                    new = observe_client_cap(inst.mps_pool, clients_at_refusal)
-                    changed, inst.mps_pool = new is not inst.mps_pool, new
-                    return changed
-        return False
+        (:func:`migd.core.gpus.observe_mps_client_cap`); whether the books changed. The
+        caller schedules afterwards (nothing new fits, but queued requests may go
+        elsewhere)."""
+        return observe_mps_client_cap(self.gpus.values(), device_uuid, clients_at_refusal)
 
     # -- work results -----------------------------------------------------------------------
 
@@ -655,10 +644,7 @@ class NodeScheduler:
                     )
         mig.instances = read.instances
         # The committed layout must stay a valid state; a layout that is not is reported.
-        try:
-            mig.space.key_of((i.profile, i.start) for i in mig.instances)
-        except Exception as exc:
-            reason = f"layout not understood: {exc}"
+        if (reason := layout_problem(mig)) is not None:
             gpu.health.raise_(HealthSource.RESYNC, reason, now_s)  # cleared by the next resync
             notes.append(reason)
         return self._outcome(notes=notes)
