@@ -12,14 +12,14 @@ or inside a MIG instance that hosts MPS).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Literal
 
 from migd.core.geometry import Profile
 from migd.core.health import GpuHealth
-from migd.core.mps import MpsPool
+from migd.core.mps import MpsPool, observe_client_cap
 from migd.core.planner import Decision, DestroyOp, GpuView, Instance, Op
 from migd.core.states import StateSpace
 
@@ -301,3 +301,24 @@ class Work:
     lease_id: str | None = None  # lease that becomes ACTIVE when the work is done
     kind: Literal["grant", "teardown"] = "grant"
     work_id: int = 0
+
+
+def observe_mps_client_cap(
+    gpus: Iterable[ManagedGpu], device_uuid: str, clients_at_refusal: int
+) -> bool:
+    """Lower the client capacity of MPS device ``device_uuid`` (an MPS-mode GPU or an MPS
+    host instance) to the cap it showed at a refusal
+    (:func:`migd.core.mps.observe_client_cap`); whether the books changed."""
+    for gpu in gpus:
+        state = gpu.state
+        pool = state.pool if isinstance(state, MpsState) else None
+        if pool is not None and pool.device_uuid == device_uuid:
+            assert isinstance(state, MpsState)
+            state.pool = observe_client_cap(pool, clients_at_refusal)
+            return state.pool is not pool
+        for inst in gpu.instances:
+            if inst.mps_pool is not None and inst.mps_pool.device_uuid == device_uuid:
+                new = observe_client_cap(inst.mps_pool, clients_at_refusal)
+                changed, inst.mps_pool = new is not inst.mps_pool, new
+                return changed
+    return False

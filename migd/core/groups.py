@@ -15,7 +15,7 @@ What the members' environments become for the one job process is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from migd.core.gpus import ManagedGpu, MigState, Work
@@ -86,6 +86,89 @@ class Trial:
         changed.update(saved_changed)
 
 
+def pinned(lease: Lease) -> bool:
+    """Whether a group member's request names one GPU (the one HTCondor assigned it)."""
+    return len(lease.request.gpu_uuids or ()) == 1
+
+
+def place_group(
+    members: Sequence[Lease],
+    gpus: Iterable[ManagedGpu],
+    pending: dict[int, Work],
+    changed: dict[str, tuple[Lease, Any]],
+    place: Callable[[Lease, frozenset[int]], Work | None],
+) -> list[Work] | None:
+    """Place every member now with ``place(lease, avoid)``, or none: the books of
+    ``gpus`` (their candidates), the members, ``pending`` work and the ``changed`` log
+    are put back as they were (:class:`Trial`)."""
+    trial = Trial(gpus, members, pending, changed)
+    taken: set[int] = set()
+    works: list[Work] = []
+    for lease in members:
+        # A member pinned by its request may share a GPU with another (HTCondor
+        # assigned both shares there); an unpinned one takes a GPU of its own.
+        placed = place(lease, frozenset() if pinned(lease) else frozenset(taken))
+        if placed is None:
+            trial.undo()
+            return None
+        assert lease.gpu is not None
+        taken.add(lease.gpu)
+        works.append(placed)
+    return works
+
+
+class LeaseGroups:
+    """Which leases form a group, while the scheduler keeps them.
+
+    A waiting group is known by its first member (its leader, whose queue entry is the
+    group's); every member maps to its leader until it is forgotten.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, tuple[str, ...]] = {}
+        self._leader_of: dict[str, str] = {}
+
+    def add(self, ids: Sequence[str]) -> None:
+        """A new group, waiting; ``ids[0]`` leads it."""
+        for lease_id in ids:
+            self._leader_of[lease_id] = ids[0]
+        self._waiting[ids[0]] = tuple(ids)
+
+    def remove(self, ids: Sequence[str]) -> None:
+        """Forget a group that was refused (none of its members is kept)."""
+        self._waiting.pop(ids[0], None)
+        for lease_id in ids:
+            self._leader_of.pop(lease_id, None)
+
+    def waiting(self, leader_id: str) -> tuple[str, ...] | None:
+        """The members of the group ``leader_id`` leads while it waits to be placed."""
+        return self._waiting.get(leader_id)
+
+    def stop_waiting(self, leader_id: str) -> tuple[str, ...]:
+        """The group left the queue (placed, expired, released): its members (none if
+        ``leader_id`` leads no waiting group)."""
+        return self._waiting.pop(leader_id, ())
+
+    def leader_of(self, lease_id: str) -> str | None:
+        """The leader of ``lease_id``'s group; None when it is in none."""
+        return self._leader_of.get(lease_id)
+
+    def members(self, lease_id: str) -> tuple[str, ...]:
+        """The members of ``lease_id``'s group (itself alone when it has none)."""
+        leader = self._leader_of.get(lease_id)
+        if leader is None:
+            return (lease_id,)
+        return self._waiting.get(leader) or tuple(
+            k for k, v in self._leader_of.items() if v == leader
+        )
+
+    def forget(self, lease_id: str) -> None:
+        """Drop one ended member; the group goes with its last member."""
+        leader = self._leader_of.pop(lease_id, None)
+        if leader is not None and leader not in self._leader_of.values():
+            self._waiting.pop(leader, None)
+
+
 def merge_environments(leases: Sequence[Lease]) -> dict[str, str]:
     """The one environment a job holding ``leases`` (in GPU order) runs with.
 
@@ -114,4 +197,11 @@ def merge_environments(leases: Sequence[Lease]) -> dict[str, str]:
     return merged
 
 
-__all__ = ["LIST_VARIABLES", "Trial", "merge_environments"]
+__all__ = [
+    "LIST_VARIABLES",
+    "LeaseGroups",
+    "Trial",
+    "merge_environments",
+    "pinned",
+    "place_group",
+]

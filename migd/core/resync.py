@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from migd.core.geometry import Profile
-from migd.core.gpus import InstanceStatus, ManagedInstance, Origin
+from migd.core.gpus import InstanceStatus, ManagedInstance, MigState, Origin
 
 
 @dataclass
@@ -101,3 +101,14 @@ def match_read(
         notes.append(f"{gone} disappeared")
         lost.append(gone)
     return ReadMatch(sorted(fresh, key=lambda i: i.start), lost, notes)
+
+
+def layout_problem(mig: MigState) -> str | None:
+    """Why a MIG GPU's committed layout is not a valid state of its state machine, in
+    words; None when it is."""
+    assert mig.space is not None
+    try:
+        mig.space.key_of((i.profile, i.start) for i in mig.instances)
+    except Exception as exc:
+        return f"layout not understood: {exc}"
+    return None

@@ -27,12 +27,12 @@ Invariants (tested with hypothesis in tests/property/test_scheduler.py):
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from migd.core import admission
 from migd.core.demand import DemandModel
 from migd.core.geometry import Profile
 from migd.core.gpu_modes import (
@@ -42,35 +42,29 @@ from migd.core.gpu_modes import (
     MpsOps,
     OffOps,
     mps_thread_percentage,
-    partition_request,
 )
 from migd.core.gpus import (
     GpuMode,
     InstanceStatus,
     ManagedGpu,
     ManagedInstance,
-    MpsState,
     Origin,
     Work,
+    observe_mps_client_cap,
 )
-from migd.core.groups import Trial
+from migd.core.groups import LeaseGroups, place_group
 from migd.core.health import HealthSource
+from migd.core.idle import idle_past, stamp_idle
 from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseEvent, LeaseRequest, LeaseState
 from migd.core.mig_mode import MigOps
-from migd.core.mps import MpsPool, client_environment, observe_client_cap
-from migd.core.planner import (
-    CreateOp,
-    DestroyOp,
-    Op,
-    Sizing,
-    never_fits_error,
-)
+from migd.core.mps import MpsPool, client_environment
+from migd.core.planner import DestroyOp, Op
 from migd.core.policy import SchedulerPolicy
 from migd.core.queueing import Miss, QueuedRequest, QueuePolicy, RequestQueue
-from migd.core.resync import match_read
-from migd.core.states import StateSpace
-from migd.errors import InvalidRequest, NoCapacity, RequestTooLarge
+from migd.core.resync import layout_problem, match_read
+from migd.core.work import WorkBook
+from migd.errors import InvalidRequest, NoCapacity
 
 
 @dataclass(frozen=True)
@@ -140,9 +134,7 @@ class NodeScheduler:
         self.demand = DemandModel(
             prior=dict(self.policy.demand_prior), half_life_s=self.policy.demand_half_life_s
         )
-        self._work_ids = itertools.count(1)
-        self._pending_work: dict[int, Work] = {}
-        self._stale_work: set[int] = set()
+        self._work = WorkBook()
         # The queue entry of each placed lease, to put it back with its arrival time if
         # its work fails (a retry must not lose its place).
         self._placed_items: dict[str, QueuedRequest[str]] = {}
@@ -161,10 +153,8 @@ class NodeScheduler:
         self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
         # Per GPU, a number every change of its books bumps (see books_version).
         self._books_version: dict[int, int] = dict.fromkeys(self.gpus, 0)
-        # Lease groups (migd.core.groups): a waiting group's first member -> every
-        # member, and each member -> its group's first member, until it is forgotten.
-        self._groups: dict[str, tuple[str, ...]] = {}
-        self._member_of: dict[str, str] = {}
+        # Lease groups (migd.core.groups): who is in which, and which groups wait.
+        self._groups = LeaseGroups()
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -248,41 +238,8 @@ class NodeScheduler:
         """
         if lease.lease_id in self.leases:
             raise InvalidRequest(f"lease {lease.lease_id} exists already")
-        candidates = self._candidate_gpus(lease.request)
-        sizes = self._check_ever_fits(lease, candidates)
-        # Demand counts what is asked for, granted or not, as the profile it right-sizes
-        # to on each model (not what a grant creates: an upsized 4g.20gb was a 3g.20gb
-        # request).
-        for model, profile in sizes.items():
-            self.demand.observe(model, profile.profile_id, now_s)
-        lease.updated_s = now_s
-        self.leases[lease.lease_id] = lease
-        self._changed[lease.lease_id] = (lease, None)
-        wait_s = lease.request.wait_s
-        self.queue.push(
-            lease.lease_id,
-            lease.lease_id,
-            now_s=mono_s,
-            memory_mib=lease.request.memory_mib,
-            wait_s=wait_s if wait_s is None or wait_s > 0 else 0.0,
-            klass=placement_class(lease),
-        )
-        if wait_s is not None:
-            lease.deadline_s = now_s + wait_s
-        work = self._schedule(now_s, mono_s)
-        if lease.state is LeaseState.QUEUED:
-            if wait_s is not None and wait_s <= 0:
-                self.queue.remove(lease.lease_id)
-                del self.leases[lease.lease_id]
-                self._changed.pop(lease.lease_id, None)
-                refusal = NoCapacity(
-                    f"no partition for {lease.request.memory_mib} MiB is free now",
-                    considered=self._why_not(lease),
-                )
-                return self._outcome(work, lease=lease, refusal=refusal)
-            position = self.queue.position(lease.lease_id, mono_s)
-            return self._outcome(work, lease=lease, queued_position=position)
-        return self._outcome(work, lease=lease)
+        sizes = admission.ever_fits(lease, self._candidate_gpus(lease.request), self.mode_ops)
+        return self._admit([lease], sizes, placement_class(lease), now_s, mono_s)
 
     def submit_group(self, leases: Sequence[Lease], now_s: float, mono_s: float) -> Outcome:
         """Place a group of leases (one job on several GPUs) all at once, queue it as
@@ -304,20 +261,25 @@ class NodeScheduler:
         ids = [lease.lease_id for lease in leases]
         if len(set(ids)) != len(ids) or any(i in self.leases for i in ids):
             raise InvalidRequest("the group's lease ids must be new and distinct")
-        usable: set[int] = set()
-        free = 0  # members not pinned to one GPU: each needs a GPU of its own
-        sizes: dict[str, Profile] = {}
-        for lease in leases:
-            candidates = self._candidate_gpus(lease.request)
-            sizes.update(self._check_ever_fits(lease, candidates))
-            usable.update(g.index for g in candidates)
-            free += not _pinned(lease)
-        if free and len(usable) < len(leases):
-            raise RequestTooLarge(
-                f"the job asks for {len(leases)} GPUs; {len(usable)} GPU(s) on this node "
-                "serve its request",
-                hint="ask for fewer GPUs, or match a node with as many",
-            )
+        sizes = admission.group_ever_fits(leases, self.gpus.values(), self.mode_ops)
+        self._groups.add(ids)
+        klass = ("group", ids[0])  # a class of its own: placed as a whole
+        return self._admit(leases, sizes, klass, now_s, mono_s, f" on each of {len(ids)} GPUs")
+
+    def _admit(
+        self,
+        leases: Sequence[Lease],
+        sizes: dict[str, Profile],
+        klass: Hashable,
+        now_s: float,
+        mono_s: float,
+        each: str = "",
+    ) -> Outcome:
+        """Keep admitted ``leases`` (one, or a group its first member leads) as one queue
+        entry and run a pass; refuse them (keep none) if they must wait and may not."""
+        # Demand counts what is asked for, granted or not, as the profile it right-sizes
+        # to on each model (not what a grant creates: an upsized 4g.20gb was a 3g.20gb
+        # request).
         for model, profile in sizes.items():
             self.demand.observe(model, profile.profile_id, now_s)
         leader = leases[0]
@@ -328,109 +290,57 @@ class NodeScheduler:
                 lease.deadline_s = now_s + wait_s
             self.leases[lease.lease_id] = lease
             self._changed[lease.lease_id] = (lease, None)
-            self._member_of[lease.lease_id] = leader.lease_id
-        self._groups[leader.lease_id] = tuple(ids)
         self.queue.push(
             leader.lease_id,
             leader.lease_id,
             now_s=mono_s,
             memory_mib=leader.request.memory_mib,
             wait_s=wait_s if wait_s is None or wait_s > 0 else 0.0,
-            klass=("group", leader.lease_id),  # a class of its own: placed as a whole
+            klass=klass,
         )
         work = self._schedule(now_s, mono_s)
-        if leader.state is LeaseState.QUEUED:
-            if wait_s is not None and wait_s <= 0:
-                self.queue.remove(leader.lease_id)
-                self._groups.pop(leader.lease_id, None)
-                for lease in leases:
-                    del self.leases[lease.lease_id]
-                    self._changed.pop(lease.lease_id, None)
-                    self._member_of.pop(lease.lease_id, None)
-                refusal = NoCapacity(
-                    f"no partition for {leader.request.memory_mib} MiB is free now on each "
-                    f"of {len(leases)} GPUs",
-                    considered=self._why_not(leader),
-                )
-                return self._outcome(work, lease=leader, refusal=refusal)
+        if leader.state is not LeaseState.QUEUED:
+            return self._outcome(work, lease=leader)
+        if wait_s is None or wait_s > 0:
             position = self.queue.position(leader.lease_id, mono_s)
             return self._outcome(work, lease=leader, queued_position=position)
-        return self._outcome(work, lease=leader)
+        self.queue.remove(leader.lease_id)
+        self._groups.remove([lease.lease_id for lease in leases])
+        for lease in leases:
+            del self.leases[lease.lease_id]
+            self._changed.pop(lease.lease_id, None)
+        refusal = NoCapacity(
+            f"no partition for {leader.request.memory_mib} MiB is free now{each}",
+            considered=self._why_not(leader),
+        )
+        return self._outcome(work, lease=leader, refusal=refusal)
 
     def group_of(self, lease_id: str) -> tuple[str, ...]:
         """The members of ``lease_id``'s group (itself alone when it has none), while the
         scheduler keeps it."""
-        leader = self._member_of.get(lease_id)
-        if leader is None:
-            return (lease_id,)
-        return self._groups.get(leader) or tuple(
-            k for k, v in self._member_of.items() if v == leader
-        )
+        return self._groups.members(lease_id)
 
-    def _place_group(self, leader_id: str, now_s: float) -> list[Work] | None:
+    def _place_group(self, leader_id: str, ids: Sequence[str], now_s: float) -> list[Work] | None:
         """Place every member of a waiting group now, or none (the books are put back
-        as they were: see :class:`migd.core.groups.Trial`)."""
-        members = [self.leases[i] for i in self._groups[leader_id]]
+        as they were: see :func:`migd.core.groups.place_group`)."""
+        members = [self.leases[i] for i in ids]
         try:
             gpus = {g.index: g for lease in members for g in self._candidate_gpus(lease.request)}
         except InvalidRequest:  # a GPU it names left (a reload): it waits, as one lease would
             return None
-        trial = Trial(gpus.values(), members, self._pending_work, self._changed)
-        taken: set[int] = set()
-        works: list[Work] = []
-        for lease in members:
-            # A member pinned by its request may share a GPU with another (HTCondor
-            # assigned both shares there); an unpinned one takes a GPU of its own.
-            avoid = frozenset() if _pinned(lease) else frozenset(taken)
-            placed = self._place(lease, now_s, avoid=avoid)
-            if placed is None:
-                trial.undo()
-                return None
-            assert lease.gpu is not None
-            taken.add(lease.gpu)
-            works.append(placed)
-        del self._groups[leader_id]
+        works = place_group(
+            members,
+            gpus.values(),
+            self._work.pending,
+            self._changed,
+            lambda lease, avoid: self._place(lease, now_s, avoid=avoid),
+        )
+        if works is not None:
+            self._groups.stop_waiting(leader_id)
         return works
 
     def _candidate_gpus(self, request: LeaseRequest) -> list[ManagedGpu]:
-        gpus = [g for g in self.gpus.values() if g.mode is not GpuMode.OFF]
-        if request.gpu_uuids:
-            wanted = [u.strip() for u in request.gpu_uuids if u.strip()]
-            chosen = [
-                g for g in gpus if any(g.uuid.startswith(w) or str(g.index) == w for w in wanted)
-            ]
-            if not chosen:
-                raise InvalidRequest(
-                    f"no managed GPU matches {', '.join(wanted)}",
-                    hint="use GPU UUIDs (or short UUIDs) as AssignedGPUs shows, or indices",
-                )
-            gpus = chosen
-        serving = [g for g in gpus if self.mode_ops(g).serves(g, request.mode)]
-        if serving:
-            return serving
-        elsewhere = [
-            g
-            for g in self.gpus.values()
-            if g.mode is not GpuMode.OFF
-            and g not in gpus
-            and self.mode_ops(g).serves(g, request.mode)
-        ]
-        if elsewhere:
-            # The request was pinned (HTCondor's AssignedGPUs) to a GPU of the wrong mode:
-            # say which GPU would have served it, not that none does.
-            asked = ", ".join(f"GPU {g.index} ({g.mode})" for g in gpus)
-            others = ", ".join(f"GPU {g.index} ({g.mode})" for g in elsewhere)
-            raise InvalidRequest(
-                f"the GPU this job was given, {asked}, does not serve mode={request.mode}; "
-                f"on this node {others} does",
-                hint="the access point's MIGDMODE transform (20-migd-access-point.config) makes "
-                "HTCondor assign a GPU that serves the job's MigdMode; install it, or add "
-                'require_gpus = stringListIMember("<mode>", MigdServes) to the job',
-            )
-        raise InvalidRequest(
-            f"no GPU on this node serves mode={request.mode}",
-            hint="use mode=auto, or configure a GPU for that mode in migd.toml",
-        )
+        return admission.candidate_gpus(self.gpus.values(), request, self.mode_ops)
 
     def check_ever_fits(self, lease: Lease) -> None:
         """What :meth:`submit` checks first, without submitting (for matchers).
@@ -440,35 +350,7 @@ class NodeScheduler:
             InvalidRequest: the request names GPUs or a mode this node does not have.
             UnknownProfile: it names a profile no GPU here has.
         """
-        self._check_ever_fits(lease, self._candidate_gpus(lease.request))
-
-    def _check_ever_fits(self, lease: Lease, gpus: Sequence[ManagedGpu]) -> dict[str, Profile]:
-        """The profile the request right-sizes to on each MIG model here.
-
-        Raises:
-            RequestTooLarge: nothing here could ever hold it; the message says why for
-                each model (too much memory, more compute slices than any profile, a
-                named profile too small).
-            UnknownProfile: it names a profile no GPU here has.
-        """
-        sizes: dict[str, Profile] = {}
-        sizings: list[tuple[StateSpace, Sizing]] = []
-        others: list[str] = []
-        largest = 0
-        fits = False
-        for g in gpus:
-            fit = self.mode_ops(g).ever_fits(g, lease.request)
-            fits = fits or fit.fits
-            largest = max(largest, fit.largest_mib)
-            if fit.demand is not None:
-                sizes.setdefault(*fit.demand)
-            if fit.sizing is not None:
-                sizings.append(fit.sizing)
-            if fit.why:
-                others.append(fit.why)
-        if not fits:
-            raise never_fits_error(partition_request(lease.request), sizings, others, largest)
-        return sizes
+        admission.ever_fits(lease, self._candidate_gpus(lease.request), self.mode_ops)
 
     # -- the scheduling pass ----------------------------------------------------------------
 
@@ -502,8 +384,8 @@ class NodeScheduler:
             lease = self.leases.get(item.payload)
             if lease is None or lease.state is not LeaseState.QUEUED:
                 return True  # stale entry: drop it
-            if lease.lease_id in self._groups:
-                placed_all = self._place_group(lease.lease_id, now_s)
+            if (ids := self._groups.waiting(lease.lease_id)) is not None:
+                placed_all = self._place_group(lease.lease_id, ids, now_s)
                 if placed_all is None:
                     return False
                 for member_work in placed_all:
@@ -601,11 +483,8 @@ class NodeScheduler:
         return iter(self.queue)
 
     def new_work(self, gpu: int, lease_id: str | None, ops: tuple[Op, ...] = ()) -> Work:
-        work = Work(gpu, ops, lease_id, "grant", next(self._work_ids))
         self._touch(gpu)
-        if ops:
-            self._pending_work[work.work_id] = work
-        return work
+        return self._work.new(gpu, ops, lease_id)
 
     def mps_env(self, gpu: ManagedGpu, lease: Lease) -> dict[str, str]:
         return self._mps_env(gpu, lease)
@@ -618,27 +497,16 @@ class NodeScheduler:
 
     def observe_mps_client_cap(self, device_uuid: str, clients_at_refusal: int) -> bool:
         """Lower an MPS device's client capacity to the cap it showed at a refusal
-        (:func:`migd.core.mps.observe_client_cap`); whether the books changed. The caller
-        schedules afterwards (nothing new fits, but queued requests may go elsewhere)."""
-        for gpu in self.gpus.values():
-            state = gpu.state
-            pool = state.pool if isinstance(state, MpsState) else None
-            if pool is not None and pool.device_uuid == device_uuid:
-                assert isinstance(state, MpsState)
-                state.pool = observe_client_cap(pool, clients_at_refusal)
-                return state.pool is not pool
-            for inst in gpu.instances:
-                if inst.mps_pool is not None and inst.mps_pool.device_uuid == device_uuid:
-                    new = observe_client_cap(inst.mps_pool, clients_at_refusal)
-                    changed, inst.mps_pool = new is not inst.mps_pool, new
-                    return changed
-        return False
+        (:func:`migd.core.gpus.observe_mps_client_cap`); whether the books changed. The
+        caller schedules afterwards (nothing new fits, but queued requests may go
+        elsewhere)."""
+        return observe_mps_client_cap(self.gpus.values(), device_uuid, clients_at_refusal)
 
     # -- work results -----------------------------------------------------------------------
 
     def work_is_current(self, work: Work) -> bool:
         """False for work a failure made obsolete; the caller must not execute it."""
-        return work.work_id not in self._stale_work
+        return self._work.is_current(work)
 
     def work_done(
         self,
@@ -652,14 +520,12 @@ class NodeScheduler:
         The outcome has the grants it completes and the queued requests that now fit.
         """
         self._work_done(work, created, now_s)
-        self._stamp_idle(self.gpus[work.gpu], now_s, mono_s)
+        stamp_idle(self.gpus[work.gpu], now_s, mono_s)
         return self._outcome(self._schedule(now_s, mono_s))
 
     def _work_done(self, work: Work, created: Created, now_s: float) -> None:
-        if work.work_id in self._stale_work:
-            self._stale_work.discard(work.work_id)
+        if not self._work.settle(work):
             return
-        self._pending_work.pop(work.work_id, None)
         if work.lease_id:
             self._placed_items.pop(work.lease_id, None)
         self._touch(work.gpu)
@@ -678,54 +544,32 @@ class NodeScheduler:
         return self._outcome()
 
     def _work_failed(self, work: Work, error: Exception, now_s: float) -> None:
-        if work.work_id in self._stale_work:
-            self._stale_work.discard(work.work_id)
+        if not self._work.settle(work):
             return
-        self._pending_work.pop(work.work_id, None)
         self._touch(work.gpu)
-        gpu = self.gpus[work.gpu]
-        # Only MIG GPUs get work with NVML operations; other grants have none to undo.
-        instances = gpu.mig.instances if gpu.mig is not None else []
-        restored: list[ManagedInstance] = []
-        # Undo only this work's intentions: other work on the GPU may be in flight.
-        for op in work.ops:
-            if isinstance(op, DestroyOp):
-                inst = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
-                if inst is not None and inst.profile == op.profile:
-                    inst.status = InstanceStatus.READY
-                    restored.append(inst)
-            else:
-                inst = gpu.instance_at(op.start, InstanceStatus.CREATING)
-                if inst is not None and inst.profile == op.profile:
-                    instances.remove(inst)
-                    for waiting in self._leases_on(inst):  # an MPS host's other shares
-                        self._retry(waiting, f"placement failed: {error}", now_s)
-        self._retry(self.leases.get(work.lease_id or ""), f"placement failed: {error}", now_s)
-        for inst in restored:
-            units = inst.profile.units_mask(inst.start)
-            for other in [
-                o
-                for o in instances
-                if o.status is InstanceStatus.CREATING and o.profile.units_mask(o.start) & units
-            ]:
-                instances.remove(other)
-                for pending in list(self._pending_work.values()):
-                    if pending.gpu == gpu.index and any(
-                        isinstance(op, CreateOp) and op.start == other.start for op in pending.ops
-                    ):
-                        del self._pending_work[pending.work_id]
-                        self._stale_work.add(pending.work_id)
-                        ended = self.leases.get(pending.lease_id or "")
-                        if ended is None or ended.state.terminal:
-                            # Stale work's completion is ignored, and no retry runs for
-                            # a lease that ended: its queue entry goes now.
-                            self._placed_items.pop(pending.lease_id or "", None)
-                        for op in pending.ops:  # its own destroys did not happen either
-                            victim = gpu.instance_at(op.start, InstanceStatus.DESTROYING)
-                            if isinstance(op, DestroyOp) and victim is not None:
-                                victim.status = InstanceStatus.READY
-                for waiting in self._leases_on(other):
-                    self._retry(waiting, f"{inst} could not be destroyed ({error})", now_s)
+
+        def lost(inst: ManagedInstance, kept: ManagedInstance | None) -> None:
+            why = f"placement failed: {error}"
+            if kept is not None:
+                why = f"{kept} could not be destroyed ({error})"
+            for waiting in self._leases_on(inst):  # its lease, or an MPS host's shares
+                self._retry(waiting, why, now_s)
+
+        def stale(pending: Work) -> None:
+            ended = self.leases.get(pending.lease_id or "")
+            if ended is None or ended.state.terminal:
+                # Stale work's completion is ignored, and no retry runs for a lease that
+                # ended: its queue entry goes now.
+                self._placed_items.pop(pending.lease_id or "", None)
+
+        own = self.leases.get(work.lease_id or "")
+        self._work.undo(
+            self.gpus[work.gpu],
+            work,
+            lost,
+            lambda: self._retry(own, f"placement failed: {error}", now_s),
+            stale,
+        )
 
     def _leases_on(self, inst: ManagedInstance) -> list[Lease]:
         """The leases an instance serves: its own, or the shares of an MPS host."""
@@ -738,7 +582,7 @@ class NodeScheduler:
         item = self._placed_items.pop(lease.lease_id, None)
         if lease.state is not LeaseState.PREPARING:  # released meanwhile: nothing to retry
             return
-        if lease.lease_id in self._member_of:
+        if self._groups.leader_of(lease.lease_id) is not None:
             # A group member alone back in the queue would leave the others holding
             # their partitions while it waits: it fails, and whoever waits for the group
             # (the daemon) releases the others and answers the job.
@@ -785,7 +629,7 @@ class NodeScheduler:
             observed,
             busy_uuids,
             now_s,
-            destroying=lambda start: self._pending_destroy(gpu_index, start),
+            destroying=lambda start: self._work.destroys(gpu_index, start),
         )
         notes = read.notes
         for gone in read.gone:
@@ -800,21 +644,10 @@ class NodeScheduler:
                     )
         mig.instances = read.instances
         # The committed layout must stay a valid state; a layout that is not is reported.
-        try:
-            mig.space.key_of((i.profile, i.start) for i in mig.instances)
-        except Exception as exc:
-            reason = f"layout not understood: {exc}"
+        if (reason := layout_problem(mig)) is not None:
             gpu.health.raise_(HealthSource.RESYNC, reason, now_s)  # cleared by the next resync
             notes.append(reason)
         return self._outcome(notes=notes)
-
-    def _pending_destroy(self, gpu_index: int, start: int) -> bool:
-        """Whether pending work destroys the instance at ``start`` of a GPU."""
-        return any(
-            work.gpu == gpu_index
-            and any(isinstance(op, DestroyOp) and op.start == start for op in work.ops)
-            for work in self._pending_work.values()
-        )
 
     # -- release, reclaim, expiry, idle teardown --------------------------------------------
 
@@ -843,11 +676,11 @@ class NodeScheduler:
             lease, event, now_s, reason=reason or ("reclaimed" if reclaim else "released"), end=end
         )
         self.queue.remove(lease_id)
-        leader = self._member_of.get(lease_id)
+        leader = self._groups.leader_of(lease_id)
         if was is LeaseState.QUEUED and leader is not None:
             # A waiting group leaves the queue as one: its other members end with it.
             self.queue.remove(leader)
-            for other in self._groups.pop(leader, ()):
+            for other in self._groups.stop_waiting(leader):
                 sibling = self.leases.get(other)
                 if sibling is not None and sibling.state is LeaseState.QUEUED:
                     self.transition(sibling, event, now_s, reason=f"{lease_id}: {lease.reason}")
@@ -857,7 +690,7 @@ class NodeScheduler:
             self._touch(lease.gpu)
             gpu = self.gpus[lease.gpu]
             work.extend(self.mode_ops(gpu).release(gpu, lease, now_s))
-            self._stamp_idle(gpu, now_s, mono_s)
+            stamp_idle(gpu, now_s, mono_s)
         if was.holds_resources or self._pass_after_leaving(lease_id):
             work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
@@ -867,7 +700,7 @@ class NodeScheduler:
         later (the daemon releases hung-up requests in batches, off the hot path)."""
         lease = self.leases.get(lease_id)
         if lease is not None and lease.state is LeaseState.QUEUED:
-            self.queue.remove(self._member_of.get(lease_id, lease_id))
+            self.queue.remove(self._groups.leader_of(lease_id) or lease_id)
 
     def _pass_after_leaving(self, lease_id: str) -> bool:
         """Whether a queued request that leaves (cancelled, its client gone) can let
@@ -954,7 +787,7 @@ class NodeScheduler:
         """
         gone = False
         for item in self.queue.expired(mono_s):
-            for member in self._groups.pop(item.payload, (item.payload,)):
+            for member in self._groups.stop_waiting(item.payload) or (item.payload,):
                 lease = self.leases.get(member)
                 if lease is not None and lease.state is LeaseState.QUEUED:
                     reason = "no partition before the deadline"
@@ -972,35 +805,11 @@ class NodeScheduler:
             return self._outcome()
         work: list[Work] = []
         for gpu in self.gpus.values():  # only MIG GPUs have instances
-            self._stamp_idle(gpu, now_s, mono_s)
-            stale = [
-                i
-                for i in gpu.instances
-                if not i.busy
-                and i.idle_mono is not None
-                # a timer set for idle_since + timeout must find it due, rounding or not
-                and mono_s - i.idle_mono[1] >= self.policy.idle_timeout_s - 1e-6
-            ]
+            stale = idle_past(gpu, self.policy.idle_timeout_s, now_s, mono_s)
             work.extend(self.teardown(gpu, stale))
         if work:
             work.extend(self._schedule(now_s, mono_s))
         return self._outcome(work)
-
-    @staticmethod
-    def _stamp_idle(gpu: ManagedGpu, now_s: float, mono_s: float) -> None:
-        """Note on the monotonic clock when each instance went idle (``idle_mono``).
-
-        The mode handlers stamp ``idle_since_s`` in wall time; a release or finished
-        work is stamped here at once (exact). An instance that went idle another way
-        (resync, adoption) is stamped at the next look, as ``now - idle_since_s`` ago:
-        exact unless the wall clock was set in between.
-        """
-        for inst in gpu.instances:
-            since = inst.idle_since_s
-            if since is None:
-                inst.idle_mono = None
-            elif inst.idle_mono is None or inst.idle_mono[0] != since:
-                inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
 
     def discard_incomplete(self, gpu_index: int, own_starts: Iterable[int]) -> Outcome:
         """Destroy GPU instances without a compute instance that migd itself was making.
@@ -1039,9 +848,7 @@ class NodeScheduler:
             assert not inst.busy
             inst.status = InstanceStatus.DESTROYING
         ops = tuple(DestroyOp(i.profile, i.start) for i in sorted(instances, key=lambda i: i.start))
-        work = Work(gpu.index, ops, None, "teardown", next(self._work_ids))
-        self._pending_work[work.work_id] = work
-        return [work]
+        return [self._work.new(gpu.index, ops, None, "teardown")]
 
     def set_draining(self, gpu_index: int, draining: bool, now_s: float, mono_s: float) -> Outcome:
         """Stop (or resume) placing work on a GPU; resuming places what fits there now."""
@@ -1051,14 +858,7 @@ class NodeScheduler:
     # -- introspection ----------------------------------------------------------------------
 
     def _why_not(self, lease: Lease) -> list[dict[str, Any]]:
-        try:
-            gpus = self._candidate_gpus(lease.request)
-        except InvalidRequest as exc:
-            return [{"why": exc.message}]
-        out = [self.mode_ops(g).why_not(g) for g in gpus]
-        if len(self.queue) > 1:
-            out.append({"why": f"{len(self.queue) - 1} queued request(s) go first"})
-        return out
+        return admission.why_not(lease, self.gpus.values(), self.mode_ops, len(self.queue))
 
     def active_leases(self) -> list[Lease]:
         return [lease for lease in self.leases.values() if not lease.state.terminal]
@@ -1072,14 +872,7 @@ class NodeScheduler:
         """Drop one ended lease from memory, with what the queue kept for it."""
         self.leases.pop(lease_id, None)
         self._placed_items.pop(lease_id, None)
-        leader = self._member_of.pop(lease_id, None)
-        if leader is not None and leader not in self._member_of.values():
-            self._groups.pop(leader, None)
-
-
-def _pinned(lease: Lease) -> bool:
-    """Whether a group member's request names one GPU (the one HTCondor assigned it)."""
-    return len(lease.request.gpu_uuids or ()) == 1
+        self._groups.forget(lease_id)
 
 
 def placement_class(lease: Lease) -> Hashable:

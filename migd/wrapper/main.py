@@ -22,7 +22,8 @@ from migd.errors import ConfigError, JobAdError, MigdError
 from migd.wrapper.entry import NeedBindings, PlainAd, exec_job
 from migd.wrapper.exit_status import JobEnd, record_for_starter
 from migd.wrapper.jobspec import JobSpec, spec_from_ads, spec_from_flags
-from migd.wrapper.runner import JobRunner, StopRequested, WrapperFailure
+from migd.wrapper.leasing import WrapperFailure
+from migd.wrapper.runner import JobRunner, StopRequested
 from migd.wrapper.settings import load_settings
 
 if TYPE_CHECKING:

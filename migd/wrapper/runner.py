@@ -10,6 +10,8 @@ also under ``USE_PID_NAMESPACES``). A checkpoint exit (``checkpoint_exit_code``)
 passes straight through, and the run HTCondor starts after it asks for a
 partition at least as large (``MigdCheckpointVRAM``). The lease is released on every
 path; if we are SIGKILLed, the JOB_EXIT hook and then migd's reaper release it.
+What it asks of migd about the lease (the lease call, the lease as migd sees it, the
+job's memory on it, the release) is :mod:`migd.wrapper.leasing`.
 
 Exit codes of our own (documented in docs/wrapper.md):
 
@@ -45,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -56,14 +58,9 @@ from migd.core.lease_end import LeaseEndReason, StopPlan
 from migd.core.oom import OomVerdict, TailBuffer, classify_exit
 from migd.core.restart import RestartSize, restart_size
 from migd.errors import (
-    DaemonUnavailable,
-    LeaseTimeout,
     MigdError,
-    NoCapacity,
-    ProtocolError,
     RequestTooLarge,
 )
-from migd.wrapper.cgroup import own_cgroup
 from migd.wrapper.containers import container_env
 from migd.wrapper.exit_status import (
     JobEnd,
@@ -73,9 +70,9 @@ from migd.wrapper.exit_status import (
     record_for_starter,
 )
 from migd.wrapper.jobspec import JobSpec
+from migd.wrapper.leasing import JobLeases, NoBigger, WrapperFailure, members
 from migd.wrapper.settings import WrapperSettings
 from migd.wrapper.signals import ForwardPlan, forward_plan, under_pid_ns_init
-from migd.wrapper.wait_notice import WaitNotice, wait_reason
 
 OOM_EXIT_CODE = 86
 LEASE_LOST_EXIT_CODE = 85
@@ -105,30 +102,12 @@ def partition_attrs(lease: Mapping[str, Any], restarts: int) -> dict[str, str | 
     }
 
 
-class WrapperFailure(Exception):
-    """migd could not serve the job; ``message`` is the one line HTCondor should show.
-
-    ``start_failure``: counted in ``MigdStartFailures`` (the access point holds a job
-    migd keeps failing to start); a GPU that failed under a running job is not.
-    """
-
-    def __init__(self, message: str, exit_code: int = 1, *, start_failure: bool = True) -> None:
-        super().__init__(message)
-        self.message = message
-        self.exit_code = exit_code
-        self.start_failure = start_failure
-
-
 class StopRequested(Exception):
     """A stop signal arrived while waiting for a lease (no job was running)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-class _NoBigger(Exception):
-    """A restart found nothing bigger on this node (the daemon refused or timed out)."""
 
 
 class _JobNotStarted(Exception):
@@ -182,6 +161,9 @@ class JobRunner:
             spec.named_signals | {spec.kill_sig},
             pid_ns_init=self.pid_ns_init,
             stop=spec.stop_signals | {spec.kill_sig},
+        )
+        self.leases = JobLeases(
+            spec, client, self.settings, say=self.say, debug=self.debug, chirp=self._chirp
         )
 
     # -- messages ---------------------------------------------------------------------------
@@ -273,7 +255,9 @@ class JobRunner:
         limit = memory
         while True:
             try:
-                lease = self._acquire(memory, first=size is None)
+                lease = self.leases.acquire(
+                    memory, first=size is None, interruptible=self._interruptible_wait
+                )
             except WrapperFailure as exc:
                 if not (
                     size is None
@@ -289,7 +273,7 @@ class JobRunner:
                 )
                 memory = spec.memory_mib
                 continue
-            except _NoBigger as exc:
+            except NoBigger as exc:
                 assert size is not None  # only a restart raises it
                 self.say(str(exc))
                 return self._give_up(limit, size.wanted_mib, "nothing bigger became free")
@@ -300,7 +284,7 @@ class JobRunner:
             # keeps the size it was matched with, even after a restart on a bigger partition.
             self._chirp(partition_attrs(lease, restarts))
             # Per GPU; a multi-GPU job's smallest partition is the one it outgrows first.
-            limit = min(int(m.get("memory_limit_mib") or memory) for m in _members(lease))
+            limit = min(int(m.get("memory_limit_mib") or memory) for m in members(lease))
             try:
                 attempt = self._supervise(lease)
                 # While the lease is still active, migd hears what the wrapper knows the
@@ -314,7 +298,7 @@ class JobRunner:
                 self.say(exc.message)
                 return exc.exit_code
             finally:
-                released = self._release(lease, "job attempt ended")
+                released = self.leases.release(lease, "job attempt ended")
             daemon_peak = released.get("peak_used_mib")
             if isinstance(daemon_peak, int) and daemon_peak > (attempt.peak_used_mib or 0):
                 # migd's samples after the wrapper's last one, and what the job reported
@@ -388,7 +372,8 @@ class JobRunner:
                         )
                         return self._finish(attempt)
                     weak_restarts += 1
-                reason = f"the job ran out of GPU memory on {self._where(lease)} ({oom.reason})"
+                where = self.leases.where(lease)
+                reason = f"the job ran out of GPU memory on {where} ({oom.reason})"
                 needed = None
                 if oom.tried_mib and attempt.peak_used_mib:
                     needed = attempt.peak_used_mib + oom.tried_mib
@@ -491,51 +476,10 @@ class JobRunner:
         return restart_size(
             limit,
             ladder=lease.get("mode") == "mig",
-            largest_mib=self._largest_here(),
+            largest_mib=self.leases.largest_here(),
             needed_mib=needed,
             growth_factor=self.spec.growth_factor,
         )
-
-    def _largest_here(self) -> int | None:
-        """The largest partition this node could give the job (``None``: unknown)."""
-        try:
-            status = self.client.status()
-        except MigdError as exc:
-            self.debug(f"no node status for restart sizing: {exc.message}")
-            return None
-        pinned = self.spec.gpus
-        best: int | None = None
-        for gpu in status.get("gpus", []):
-            mode = gpu.get("mode")
-            if self.spec.mode not in ("auto", mode):
-                continue
-            if gpu.get("healthy") is False:
-                continue
-            if pinned and not any(
-                str(gpu.get("uuid", "")).startswith(p) or p == str(gpu.get("index")) for p in pinned
-            ):
-                continue
-            if mode == "mig":
-                size = gpu.get("full_profile_mib")
-            elif mode == "mps":
-                size = (gpu.get("mps") or {}).get("capacity_mib") or gpu.get("memory_total_mib")
-            elif mode == "exclusive":
-                size = gpu.get("memory_total_mib")
-            else:
-                continue
-            if isinstance(size, int) and size > (best or 0):
-                best = size
-        return best
-
-    def _where(self, lease: Mapping[str, Any]) -> str:
-        members = _members(lease)
-        if len(members) > 1:
-            return f"{len(members)} GPUs: " + "; ".join(self._where(m) for m in members)
-        if lease.get("profile"):
-            return (
-                f"{lease['profile']} ({lease.get('memory_limit_mib')} MiB, GPU {lease.get('gpu')})"
-            )
-        return f"an MPS share of {lease.get('memory_limit_mib')} MiB on GPU {lease.get('gpu')}"
 
     def _stop_plan(self) -> StopPlan:
         return StopPlan(kill_sig=self.spec.kill_sig, grace_s=self.settings.section.term_grace_s)
@@ -572,25 +516,6 @@ class JobRunner:
             exit_code=LEASE_LOST_EXIT_CODE,
             start_failure=False,
         )
-
-    def _lease_view(self, lease: dict[str, Any]) -> dict[str, Any] | None:
-        """The lease as migd sees it now, or ``None`` when migd cannot be asked. Of a
-        multi-GPU job's group: the first member migd no longer holds active, else the
-        first member (one taken back stops the whole job)."""
-        views = [self._member_view(member) for member in _members(lease)]
-        for view in views:
-            if view is not None and view.get("state") != "active":
-                return view
-        return views[0]
-
-    def _member_view(self, lease: Mapping[str, Any]) -> dict[str, Any] | None:
-        try:
-            view: dict[str, Any] = self.client.call(
-                "get_lease", lease_id=lease["lease_id"], timeout_s=10.0
-            )
-        except MigdError:
-            return None  # a daemon restart does not end a lease; the next poll asks again
-        return view
 
     def _stop(self, child: subprocess.Popen[bytes], plan: StopPlan) -> int:
         """Stop the job as ``plan`` says: its kill signal, then SIGKILL after the grace
@@ -653,104 +578,16 @@ class JobRunner:
 
     # -- lease ------------------------------------------------------------------------------
 
-    def _acquire(self, memory: int, *, first: bool) -> dict[str, Any]:
-        spec = self.spec
-        wait = spec.wait_s if first else (spec.wait_s or self.settings.section.restart_wait_s)
+    @contextlib.contextmanager
+    def _interruptible_wait(self) -> Iterator[None]:
+        """A wait for a lease, which a stop signal cuts short (StopRequested)."""
         self._interruptible = True
         try:
             if self.stop_signal is not None:
                 raise StopRequested(self.stop_signal)
-            fields: dict[str, Any] = {
-                "job_id": spec.job_id,
-                "slot": spec.slot or None,
-                "gpu_memory_mib": memory,  # memory_mib's wire name (migd.api.LeaseRequestMsg)
-                "min_compute": spec.min_compute or None,
-                "mode": spec.mode,
-                "gpus": list(spec.gpus) if spec.gpus else None,
-                "wait_s": wait,
-                # Sent only for several GPUs: a one-GPU request stays what older daemons
-                # take (docs/api.md, "Several GPUs per job").
-                "gpu_count": spec.gpu_count if spec.gpu_count > 1 else None,
-            }
-            cgroup = own_cgroup()
-            notice = WaitNotice(
-                self.settings.section.wait_notice_s,
-                lambda since: self._announce_wait(since, memory),
-            )
-            with notice:
-                try:
-                    lease: dict[str, Any] = self.client.lease(**fields, cgroup=cgroup)
-                except ProtocolError as exc:
-                    if "gpu_count" in exc.message:
-                        raise WrapperFailure(
-                            f"migd on this node is too old to give a job {spec.gpu_count} "
-                            f"GPUs ({exc.message}); upgrade migd, or ask for one GPU"
-                        ) from exc
-                    # A daemon older than the field refuses it as unknown (a package
-                    # upgrade replaces this wrapper before migd restarts): ask again
-                    # without it; the per-process MPS limit still holds.
-                    if cgroup is None or "cgroup" not in exc.message:
-                        raise
-                    self.debug("migd does not take the job's cgroup yet; asking without it")
-                    lease = self.client.lease(**fields)
-        except RequestTooLarge as exc:
-            if first:
-                raise WrapperFailure(
-                    f"migd: {exc.message} (hint: {exc.hint})", exit_code=1
-                ) from exc
-            raise _NoBigger(f"no partition of >= {memory} MiB on this node: {exc.message}") from exc
-        except (LeaseTimeout, NoCapacity) as exc:
-            if first:
-                raise WrapperFailure(f"migd: no GPU partition became free: {exc.message}") from exc
-            raise _NoBigger(f"no partition of >= {memory} MiB became free: {exc.message}") from exc
-        except DaemonUnavailable as exc:
-            raise WrapperFailure(
-                f"migd is not available: {exc.message} (hint: {exc.hint})"
-            ) from exc
-        except MigdError as exc:
-            raise WrapperFailure(f"migd refused the job: {exc.message}") from exc
+            yield
         finally:
             self._interruptible = False
-        if notice.fired:
-            waited = round(notice.waited_s())
-            self.say(f"waited {waited} s for the partition")
-            self._chirp({"MigdWaitReason": "", "MigdWaitedSeconds": waited})
-        decision = lease.get("decision") or {}
-        self.say(
-            f"lease {lease['lease_id']}: {self._where(lease)}"
-            + (f"; {decision['reason']}" if decision.get("reason") else "")
-        )
-        return lease
-
-    def _announce_wait(self, since: float, memory: int) -> None:
-        """Still waiting for the partition: say so (stderr, job ad); from the notice's
-        thread while the lease call blocks, so it never raises."""
-        try:
-            reason = wait_reason(self.client.status(), self.spec.job_id, memory, self.spec.gpus)
-        except MigdError as exc:
-            reason = f"no free partition of {memory} MiB yet (migd status: {exc.message})"
-        stamp = time.strftime("%H:%M:%S UTC", time.gmtime(since))
-        self.say(f"waiting inside migd since {stamp}: {reason}")
-        self._chirp({"MigdWaitingSince": int(since), "MigdWaitReason": reason[:500]})
-
-    def _release(self, lease: dict[str, Any], reason: str) -> dict[str, Any]:
-        """Release the lease (every lease of a multi-GPU job's group); the reply of the
-        first, with the highest peak of any."""
-        results = [self._release_one(member, reason) for member in _members(lease)]
-        peaks = [r["peak_used_mib"] for r in results if isinstance(r.get("peak_used_mib"), int)]
-        result = dict(results[0])
-        if peaks:
-            result["peak_used_mib"] = max(peaks)
-        return result
-
-    def _release_one(self, lease: Mapping[str, Any], reason: str) -> dict[str, Any]:
-        try:
-            result: dict[str, Any] = self.client.release(lease["lease_id"], reason=reason)
-            return result
-        except MigdError as exc:
-            # The JOB_EXIT hook and migd's reaper release it if we cannot.
-            self.say(f"could not release lease {lease['lease_id']}: {exc.message}")
-            return {}
 
     def _report(
         self,
@@ -785,7 +622,7 @@ class JobRunner:
         extra = dict(lease.get("env") or {})
         extra["MIGD_LEASE_ID"] = lease["lease_id"]
         if lease.get("group"):
-            extra["MIGD_LEASE_IDS"] = ",".join(m["lease_id"] for m in _members(lease))
+            extra["MIGD_LEASE_IDS"] = ",".join(m["lease_id"] for m in members(lease))
         extra["MIGD_GPU_MEMORY_LIMIT_MIB"] = str(lease.get("memory_limit_mib") or "")
         if memstats is not None:
             extra["MIGD_MEMSTATS_FILE"] = str(memstats)
@@ -868,7 +705,7 @@ class JobRunner:
             except subprocess.TimeoutExpired:
                 pass
             samples += 1
-            view = self._lease_view(lease)
+            view = self.leases.view(lease)
             if view is not None and self.stop_signal is None and plan.observe(view):
                 # migd took the lease back (an admin, expiry, the instance or the GPU
                 # gone): another job may get the partition, so this one stops now.
@@ -879,7 +716,7 @@ class JobRunner:
                 )
                 returncode = self._stop(child, plan)
                 break
-            usage = self._usage(lease, child.pid)
+            usage = self.leases.usage(lease, child.pid)
             if usage is not None:
                 attempt.peak_used_mib = max(attempt.peak_used_mib or 0, usage)
             if by_time is None or not limit or self.stop_signal is not None:
@@ -935,35 +772,6 @@ class JobRunner:
                 out.write(chunk)
                 out.flush()
 
-    def _usage(self, lease: dict[str, Any], job_pgid: int) -> int | None:
-        """The job's GPU memory now (MiB), or ``None`` when it cannot be told apart; of a
-        multi-GPU job, the most on any one of its GPUs (limits are per GPU)."""
-        used = [self._member_usage(member, job_pgid) for member in _members(lease)]
-        known = [u for u in used if u is not None]
-        return max(known) if known else None
-
-    def _member_usage(self, lease: Mapping[str, Any], job_pgid: int) -> int | None:
-        try:
-            usage = self.client.call("usage", lease_id=lease["lease_id"], timeout_s=10.0)
-        except MigdError:
-            return None
-        peak = usage.get("peak_used_mib")  # migd's own samples of this lease
-        procs = usage.get("processes") or []
-        if lease.get("mode") == "mps":
-            # migd lists every client of the GPU: count only this job's process group.
-            # (PIDs migd sees from outside a PID namespace are not ours to look up.)
-            known = []
-            for proc in procs:
-                with contextlib.suppress(OSError):
-                    if proc.get("used_mib") is not None and os.getpgid(proc["pid"]) == job_pgid:
-                        known.append(int(proc["used_mib"]))
-            now = sum(known) if known else None
-        else:  # a MIG instance or a whole GPU: all of it is the job's
-            used = usage.get("device_used_mib")
-            now = int(used) if used is not None else None
-        values = [v for v in (now, peak) if isinstance(v, int)]
-        return max(values) if values else None
-
     @staticmethod
     def _memstats_ready(path: Path | None, offset: int) -> bool:
         try:
@@ -1009,9 +817,3 @@ class JobRunner:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGKILL)
-
-
-def _members(lease: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The leases a grant holds: a multi-GPU job's group, in GPU order, else itself."""
-    group = lease.get("group")
-    return list(group) if isinstance(group, list) and group else [lease]

@@ -10,14 +10,15 @@ from typing import Any
 
 import pytest
 
-import migd.wrapper.runner as runner_module
+import migd.wrapper.leasing as leasing_module
 from migd.api import LeaseRequestMsg, decode_request
 from migd.core.groups import merge_environments
 from migd.core.leases import Lease, LeaseRequest
 from migd.errors import InvalidRequest, ProtocolError
 from migd.protocol import encode
 from migd.wrapper.jobspec import spec_from_ads, spec_from_flags
-from migd.wrapper.runner import JobRunner, WrapperFailure
+from migd.wrapper.leasing import WrapperFailure
+from migd.wrapper.runner import JobRunner
 from migd.wrapper.settings import WrapperSettings
 from migd.wrapper_options import WrapperOptions
 
@@ -132,7 +133,7 @@ def run_job(daemon: Daemon, gpu_count: int) -> int:
 
 @pytest.fixture(autouse=True)
 def no_cgroup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner_module, "own_cgroup", lambda: None)
+    monkeypatch.setattr(leasing_module, "own_cgroup", lambda: None)
 
 
 def test_a_one_gpu_request_sends_no_gpu_count() -> None:

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-import migd.wrapper.runner as runner_module
+import migd.wrapper.leasing as leasing_module
 from migd.errors import ProtocolError
 from migd.wrapper.jobspec import spec_from_flags
-from migd.wrapper.runner import JobRunner, WrapperFailure
+from migd.wrapper.leasing import WrapperFailure
+from migd.wrapper.runner import JobRunner
 from migd.wrapper.settings import WrapperSettings
 from migd.wrapper_options import WrapperOptions
 
@@ -70,7 +71,7 @@ def run_job(daemon: OlderDaemon) -> int:
 
 @pytest.fixture(autouse=True)
 def in_a_cgroup(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner_module, "own_cgroup", lambda: "/htcondor/condor_slot1_1")
+    monkeypatch.setattr(leasing_module, "own_cgroup", lambda: "/htcondor/condor_slot1_1")
 
 
 def test_a_daemon_older_than_the_cgroup_field_is_asked_again_without_it() -> None:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from migd.wrapper.jobspec import spec_from_flags
-from migd.wrapper.runner import LEASE_LOST_EXIT_CODE, JobRunner, WrapperFailure
+from migd.wrapper.leasing import WrapperFailure
+from migd.wrapper.runner import LEASE_LOST_EXIT_CODE, JobRunner
 
 LOST = "GPU lost: XID 48 (double-bit ECC error) on GPU 1: the job's GPU work is lost"
 

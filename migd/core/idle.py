@@ -1,0 +1,44 @@
+"""When MIG instances went idle, and which are idle past the policy's timeout (pure).
+
+An instance's ``idle_since_s`` is wall time (shown to admins); the idle timeout is
+measured on the monotonic clock (``idle_mono``), so a wall-clock step never tears down
+an instance early or keeps one forever.
+"""
+
+from __future__ import annotations
+
+from migd.core.gpus import ManagedGpu, ManagedInstance
+
+
+def stamp_idle(gpu: ManagedGpu, now_s: float, mono_s: float) -> None:
+    """Note on the monotonic clock when each instance went idle (``idle_mono``).
+
+    The mode handlers stamp ``idle_since_s`` in wall time; a release or finished
+    work is stamped here at once (exact). An instance that went idle another way
+    (resync, adoption) is stamped at the next look, as ``now - idle_since_s`` ago:
+    exact unless the wall clock was set in between.
+    """
+    for inst in gpu.instances:
+        since = inst.idle_since_s
+        if since is None:
+            inst.idle_mono = None
+        elif inst.idle_mono is None or inst.idle_mono[0] != since:
+            inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
+
+
+def idle_past(
+    gpu: ManagedGpu, timeout_s: float, now_s: float, mono_s: float
+) -> list[ManagedInstance]:
+    """The instances of ``gpu`` idle for ``timeout_s`` or longer (stamped first)."""
+    stamp_idle(gpu, now_s, mono_s)
+    return [
+        i
+        for i in gpu.instances
+        if not i.busy
+        and i.idle_mono is not None
+        # a timer set for idle_since + timeout must find it due, rounding or not
+        and mono_s - i.idle_mono[1] >= timeout_s - 1e-6
+    ]
+
+
+__all__ = ["idle_past", "stamp_idle"]
