@@ -75,17 +75,19 @@ class MigOps:
         # The profile a request right-sizes to, per state space (a GPU model's) and
         # request size: asked of every MIG GPU by each shape and ever-fits check, and it
         # never changes for a space (as the pre-split scheduler memoised it per model).
-        self._sizings: dict[tuple[int, PartitionRequest], tuple[StateSpace, Sizing]] = {}
+        # (Keyed by the request's fields, not a PartitionRequest: making one per GPU and
+        # per check cost more than the look-up.)
+        self._sizings: dict[tuple[int, int, int, str | None], tuple[StateSpace, Sizing]] = {}
 
-    def sizing(self, space: StateSpace, request: PartitionRequest) -> Sizing:
+    def sizing(self, space: StateSpace, request: LeaseRequest) -> Sizing:
         """:func:`size_request`, memoised per (space, request size)."""
-        key = (id(space), request)
+        key = (id(space), request.memory_mib, request.min_compute, request.profile)
         hit = self._sizings.get(key)
         if hit is not None and hit[0] is space:
             return hit[1]
         if len(self._sizings) >= 4096:  # free-form sizes: bounded, not a leak
             self._sizings.clear()
-        sizing = size_request(space, request)
+        sizing = size_request(space, partition_request(request))
         self._sizings[key] = (space, sizing)
         return sizing
 
@@ -100,7 +102,7 @@ class MigOps:
             return Fit()
         if request.mode == "mps":  # only an MPS share inside an instance will do
             return self.hosts.ever_fits(gpu, request)
-        sizing = self.sizing(gpu.space, partition_request(request))
+        sizing = self.sizing(gpu.space, request)
         if sizing.profile is not None:
             return Fit(fits=True, demand=(gpu.space.geometry.model, sizing.profile))
         return Fit(sizing=(gpu.space, sizing))
@@ -109,7 +111,7 @@ class MigOps:
         # Memory and min_compute matter only through the profile they right-size to.
         if gpu.space is None:
             return None
-        prof = self.sizing(gpu.space, partition_request(request)).profile
+        prof = self.sizing(gpu.space, request).profile
         size = prof.profile_id if prof is not None else None
         return (GpuMode.MIG, gpu.space.geometry.model), size
 

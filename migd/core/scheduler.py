@@ -187,6 +187,11 @@ class NodeScheduler:
         self._changed: dict[str, tuple[Lease, LeaseState | None]] = {}
         # Per GPU, a number every change of its books bumps (see books_version).
         self._books_version: dict[int, int] = dict.fromkeys(self.gpus, 0)
+        # Each request's placement shape, kept across passes while no GPU's mode, state
+        # space or MPS-in-MIG setting changes (what a shape depends on besides the
+        # request): see _placement_shape.
+        self._shape_modes: tuple[Hashable, ...] = ()
+        self._shapes: dict[Hashable, Hashable | None] = {}
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -390,7 +395,7 @@ class NodeScheduler:
         # Within one pass the GPUs' modes do not change: a request's shape and whether
         # MPS may take it follow from its size and placement class alone, so each is
         # worked out once per queue bucket, not once per queued request.
-        shapes: dict[tuple[int, Hashable], Hashable | None] = {}
+        shapes = self._shape_memo()
         mps_capable: dict[str, bool] = {}
 
         def try_place(item: QueuedRequest[str]) -> bool | Miss:
@@ -401,11 +406,19 @@ class NodeScheduler:
             by_uid = mps_capable.get(request.mode)
             if by_uid is None:
                 by_uid = mps_capable[request.mode] = self._mps_capable(lease)
-            bucket = (request.memory_mib, item.klass)
-            if bucket in shapes:
-                placement = shapes[bucket]
+            asked = (
+                request.memory_mib,
+                request.min_compute,
+                request.profile,
+                request.mode,
+                request.gpu_uuids,
+            )
+            if asked in shapes:
+                placement = shapes[asked]
             else:
-                placement = shapes[bucket] = self._placement_shape(request)
+                if len(shapes) >= 4096:  # free-form sizes: bounded, not a leak
+                    shapes.clear()
+                placement = shapes[asked] = self._placement_shape(request)
             shape = None if by_uid else placement
             # A miss the memo explains holds for every request of this bucket (same size
             # and class, so same shape, uid and need): the queue skips the rest of it.
@@ -432,6 +445,15 @@ class NodeScheduler:
 
         self._blocked_by = self.queue.schedule(mono_s, try_place).blocked_by
         return work
+
+    def _shape_memo(self) -> dict[Hashable, Hashable | None]:
+        """The placement shapes worked out so far, by request; emptied when a GPU's mode,
+        state space or MPS-in-MIG setting changed since (a pass asked every GPU's mode
+        driver for each bucket's shape before, issue 26 §4)."""
+        modes = tuple((g.mode, g.space, g.mps_in_mig) for g in self.gpus.values())
+        if modes != self._shape_modes:
+            self._shape_modes, self._shapes = modes, {}
+        return self._shapes
 
     def _placement_shape(self, request: LeaseRequest) -> Hashable | None:
         """What decides whether ``request`` can be placed now, apart from MPS.
