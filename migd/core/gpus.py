@@ -276,10 +276,11 @@ class ManagedGpu:
         # GPU runs in order, so a later plan may reuse their slices.
         # An MPS host (even with no share now) is kept for MPS: plain MIG requests
         # neither reuse nor repartition it; idle teardown still removes it.
+        destroying = InstanceStatus.DESTROYING
         seen = tuple(
             (i.profile, i.start, i.busy or i.mps_pool is not None, i.gi_id)
             for i in self.instances
-            if i.status is not InstanceStatus.DESTROYING
+            if i.status is not destroying
         )
         # The view is immutable: the same inputs give back the same one, with the state
         # key and atoms it has worked out already (cheaper than building it again).

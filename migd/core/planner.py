@@ -377,13 +377,22 @@ class _PlanMemo:
             decision = hit[1]
             if decision is None or decision.gpu == view.index:
                 return decision
-            return replace(decision, gpu=view.index)
+            # the same plan for another GPU: made once per GPU index, then kept too
+            mine = self._plans.get((*key, view.index))
+            if mine is not None and mine[0] is view.space:
+                return mine[1]
+            decision = replace(decision, gpu=view.index)
+            self._keep((*key, view.index), view.space, decision)
+            return decision
         decision = _plan_on_gpu(view, prof, policy, score)
+        self._keep(key, view.space, decision)
+        return decision
+
+    def _keep(self, key: tuple[Any, ...], space: StateSpace, decision: Decision | None) -> None:
         if len(self._plans) >= self.LIMIT:
             self._plans.clear()
         # the space is kept with the plan: its id is only this space's while it lives
-        self._plans[key] = (view.space, decision)
-        return decision
+        self._plans[key] = (space, decision)
 
 
 _memo = _PlanMemo()

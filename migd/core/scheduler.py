@@ -450,7 +450,11 @@ class NodeScheduler:
         """The placement shapes worked out so far, by request; emptied when a GPU's mode,
         state space or MPS-in-MIG setting changed since (a pass asked every GPU's mode
         driver for each bucket's shape before, issue 26 §4)."""
-        modes = tuple((g.mode, g.space, g.mps_in_mig) for g in self.gpus.values())
+        # (a mode's state object stands for its mode: the same object, the same mode)
+        modes = tuple(
+            (st, st.space, st.mps_in_mig) if type(st) is MigState else st
+            for st in [g.state for g in self.gpus.values()]
+        )
         if modes != self._shape_modes:
             self._shape_modes, self._shapes = modes, {}
         return self._shapes
