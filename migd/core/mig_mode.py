@@ -78,7 +78,7 @@ class MigOps:
         # (Keyed by the request's fields, not a PartitionRequest: making one per GPU and
         # per check cost more than the look-up.)
         self._sizings: dict[tuple[int, int, int, str | None], tuple[StateSpace, Sizing]] = {}
-        self._fits: dict[int, tuple[Sizing, Fit]] = {}
+        self._fits: dict[tuple[int, int], tuple[StateSpace, Fit]] = {}
 
     def sizing(self, space: StateSpace, request: LeaseRequest) -> Sizing:
         """:func:`size_request`, memoised per (space, request size)."""
@@ -103,17 +103,16 @@ class MigOps:
             return Fit()
         if request.mode == "mps":  # only an MPS share inside an instance will do
             return self.hosts.ever_fits(gpu, request)
-        sizing = self.sizing(gpu.space, request)
-        # one answer per sizing (it names only the space and the profile): kept with it
-        fit = self._fits.get(id(sizing))
-        if fit is None or fit[0] is not sizing:
-            if sizing.profile is not None:
-                made = Fit(fits=True, demand=(gpu.space.geometry.model, sizing.profile))
-            else:
-                made = Fit(sizing=(gpu.space, sizing))
-            if len(self._fits) >= 4096:
-                self._fits.clear()
-            fit = self._fits[id(sizing)] = (sizing, made)
+        space = gpu.space
+        sizing = self.sizing(space, request)
+        if sizing.profile is None:
+            return Fit(sizing=(space, sizing))
+        # the answer names only the model and the profile: one per profile of a space
+        key = (id(space), sizing.profile.profile_id)
+        fit = self._fits.get(key)
+        if fit is None or fit[0] is not space:
+            made = Fit(fits=True, demand=(space.geometry.model, sizing.profile))
+            fit = self._fits[key] = (space, made)
         return fit[1]
 
     def shape(self, gpu: ManagedGpu, request: LeaseRequest) -> tuple[Hashable, Hashable] | None:

@@ -416,7 +416,7 @@ class NodeScheduler:
             if asked in shapes:
                 placement = shapes[asked]
             else:
-                if len(shapes) >= 4096:  # free-form sizes: bounded, not a leak
+                if len(shapes) >= 1024:  # free-form sizes: bounded, not a leak
                     shapes.clear()
                 placement = shapes[asked] = self._placement_shape(request)
             shape = None if by_uid else placement
