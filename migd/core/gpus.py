@@ -198,6 +198,11 @@ class ManagedGpu:
     # Compute slices of the whole GPU (MIG geometry, also known for MPS-mode GPUs of MIG
     # models); None when the model has none. min_compute is read against it.
     compute_slices: int | None = None
+    # The last view() and what it was made from: a node plans every GPU for every
+    # request, and most GPUs have not changed since the last one (see view).
+    _view: tuple[tuple[object, ...], GpuView] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     @property
     def mode(self) -> GpuMode:
@@ -262,25 +267,37 @@ class ManagedGpu:
 
     def view(self) -> GpuView:
         """The planner's view of a MIG GPU with a state machine."""
-        assert self.space is not None, f"GPU {self.index} has no MIG state machine"
+        space = self.space
+        assert space is not None, f"GPU {self.index} has no MIG state machine"
         reason = (
             "draining" if self.draining else ("" if self.health.available else str(self.health))
         )
-        return GpuView(
+        # Instances being destroyed are already gone from the intended layout: work on a
+        # GPU runs in order, so a later plan may reuse their slices.
+        # An MPS host (even with no share now) is kept for MPS: plain MIG requests
+        # neither reuse nor repartition it; idle teardown still removes it.
+        destroying = InstanceStatus.DESTROYING
+        seen = tuple(
+            (i.profile, i.start, i.busy or i.mps_pool is not None, i.gi_id)
+            for i in self.instances
+            if i.status is not destroying
+        )
+        # The view is immutable: the same inputs give back the same one, with the state
+        # key and atoms it has worked out already (cheaper than building it again).
+        # (the space by id: the cached view holds it, so the id is its own meanwhile)
+        made_of = (self.index, id(space), self.available, reason, seen)
+        last = self._view
+        if last is not None and last[0] == made_of:
+            return last[1]
+        view = GpuView(
             index=self.index,
-            space=self.space,
-            # Instances being destroyed are already gone from the intended layout: work on a
-            # GPU runs in order, so a later plan may reuse their slices.
-            # An MPS host (even with no share now) is kept for MPS: plain MIG requests
-            # neither reuse nor repartition it; idle teardown still removes it.
-            instances=tuple(
-                Instance(i.profile, i.start, i.busy or i.mps_pool is not None, f"gi:{i.gi_id}")
-                for i in self.instances
-                if i.status is not InstanceStatus.DESTROYING
-            ),
+            space=space,
+            instances=tuple(Instance(p, s, b, f"gi:{g}") for p, s, b, g in seen),
             available=self.available,
             unavailable_reason=reason,
         )
+        self._view = (made_of, view)
+        return view
 
 
 def _find(

@@ -75,17 +75,20 @@ class MigOps:
         # The profile a request right-sizes to, per state space (a GPU model's) and
         # request size: asked of every MIG GPU by each shape and ever-fits check, and it
         # never changes for a space (as the pre-split scheduler memoised it per model).
-        self._sizings: dict[tuple[int, PartitionRequest], tuple[StateSpace, Sizing]] = {}
+        # (Keyed by the request's fields, not a PartitionRequest: making one per GPU and
+        # per check cost more than the look-up.)
+        self._sizings: dict[tuple[int, int, int, str | None], tuple[StateSpace, Sizing]] = {}
+        self._fits: dict[tuple[int, int], tuple[StateSpace, Fit]] = {}
 
-    def sizing(self, space: StateSpace, request: PartitionRequest) -> Sizing:
+    def sizing(self, space: StateSpace, request: LeaseRequest) -> Sizing:
         """:func:`size_request`, memoised per (space, request size)."""
-        key = (id(space), request)
+        key = (id(space), request.memory_mib, request.min_compute, request.profile)
         hit = self._sizings.get(key)
         if hit is not None and hit[0] is space:
             return hit[1]
         if len(self._sizings) >= 4096:  # free-form sizes: bounded, not a leak
             self._sizings.clear()
-        sizing = size_request(space, request)
+        sizing = size_request(space, partition_request(request))
         self._sizings[key] = (space, sizing)
         return sizing
 
@@ -103,16 +106,23 @@ class MigOps:
             return Fit(why=f"GPU {gpu.index} ({gpu.model}) cannot hold MIG instances: {why}")
         if request.mode == "mps":  # only an MPS share inside an instance will do
             return self.hosts.ever_fits(gpu, request)
-        sizing = self.sizing(gpu.space, partition_request(request))
-        if sizing.profile is not None:
-            return Fit(fits=True, demand=(gpu.space.geometry.model, sizing.profile))
-        return Fit(sizing=(gpu.space, sizing))
+        space = gpu.space
+        sizing = self.sizing(space, request)
+        if sizing.profile is None:
+            return Fit(sizing=(space, sizing))
+        # the answer names only the model and the profile: one per profile of a space
+        key = (id(space), sizing.profile.profile_id)
+        fit = self._fits.get(key)
+        if fit is None or fit[0] is not space:
+            made = Fit(fits=True, demand=(space.geometry.model, sizing.profile))
+            fit = self._fits[key] = (space, made)
+        return fit[1]
 
     def shape(self, gpu: ManagedGpu, request: LeaseRequest) -> tuple[Hashable, Hashable] | None:
         # Memory and min_compute matter only through the profile they right-size to.
         if gpu.space is None:
             return None
-        prof = self.sizing(gpu.space, partition_request(request)).profile
+        prof = self.sizing(gpu.space, request).profile
         size = prof.profile_id if prof is not None else None
         return (GpuMode.MIG, gpu.space.geometry.model), size
 

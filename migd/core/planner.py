@@ -38,7 +38,7 @@ only a node where no GPU knows the name refuses it as unknown.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import cached_property
 from itertools import combinations
@@ -340,7 +340,62 @@ def plan_on_gpu(
     view: GpuView, profile: Profile, policy: PlannerPolicy = PlannerPolicy()
 ) -> Decision | None:
     """The best way to get ``profile`` on this GPU, or ``None`` if it cannot be done now."""
-    return _plan_on_gpu(view, view.space.member(profile), policy, scorer_for(policy))
+    return _memo.plan(view, view.space.member(profile), policy, scorer_for(policy))
+
+
+class _PlanMemo:
+    """One GPU's plan, memoised by what decides it.
+
+    A plan is a pure function of the GPU's state space, its instances as the planner
+    sees them (profile, start, busy; in order), the profile asked for and the planner
+    policy: not of the GPU's index, which the decision only names. A node plans every
+    GPU for every request, and a pool of thousands of GPUs has a few hundred distinct
+    layouts, so most plans were made before (the pool simulator, issue 26 §6). The memo
+    is bounded (free-form layouts cannot grow it without end) and holds only policies
+    that hash (a demand-weighted policy carries a mapping, and is planned afresh).
+    """
+
+    LIMIT = 20_000
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], tuple[StateSpace, Decision | None]] = {}
+
+    def plan(
+        self, view: GpuView, prof: Profile, policy: PlannerPolicy, score: Scorer
+    ) -> Decision | None:
+        try:
+            key = (
+                id(view.space),
+                tuple((i.profile.profile_id, i.start, i.busy) for i in view.instances),
+                prof.profile_id,
+                policy,
+            )
+            hit = self._plans.get(key)
+        except TypeError:  # an unhashable policy (a demand mix): no memo
+            return _plan_on_gpu(view, prof, policy, score)
+        if hit is not None and hit[0] is view.space:
+            decision = hit[1]
+            if decision is None or decision.gpu == view.index:
+                return decision
+            # the same plan for another GPU: made once per GPU index, then kept too
+            mine = self._plans.get((*key, view.index))
+            if mine is not None and mine[0] is view.space:
+                return mine[1]
+            decision = replace(decision, gpu=view.index)
+            self._keep((*key, view.index), view.space, decision)
+            return decision
+        decision = _plan_on_gpu(view, prof, policy, score)
+        self._keep(key, view.space, decision)
+        return decision
+
+    def _keep(self, key: tuple[Any, ...], space: StateSpace, decision: Decision | None) -> None:
+        if len(self._plans) >= self.LIMIT:
+            self._plans.clear()
+        # the space is kept with the plan: its id is only this space's while it lives
+        self._plans[key] = (space, decision)
+
+
+_memo = _PlanMemo()
 
 
 def _plan_on_gpu(
@@ -787,7 +842,7 @@ def plan_on_node(
         if not view.available:
             considered.append({"gpu": view.index, "why": view.unavailable_reason or "unavailable"})
             continue
-        decision = _plan_on_gpu(view, prof, policy, score)
+        decision = _memo.plan(view, prof, policy, score)
         if decision is None:
             considered.append(
                 {

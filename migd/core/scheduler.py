@@ -48,6 +48,7 @@ from migd.core.gpus import (
     InstanceStatus,
     ManagedGpu,
     ManagedInstance,
+    MigState,
     Origin,
     Work,
     observe_mps_client_cap,
@@ -155,6 +156,11 @@ class NodeScheduler:
         self._books_version: dict[int, int] = dict.fromkeys(self.gpus, 0)
         # Lease groups (migd.core.groups): who is in which, and which groups wait.
         self._groups = LeaseGroups()
+        # Each request's placement shape, kept across passes while no GPU's mode, state
+        # space or MPS-in-MIG setting changes (what a shape depends on besides the
+        # request): see _placement_shape.
+        self._shape_modes: tuple[Hashable, ...] = ()
+        self._shapes: dict[Hashable, Hashable | None] = {}
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -377,7 +383,7 @@ class NodeScheduler:
         # Within one pass the GPUs' modes do not change: a request's shape and whether
         # MPS may take it follow from its size and placement class alone, so each is
         # worked out once per queue bucket, not once per queued request.
-        shapes: dict[tuple[int, Hashable], Hashable | None] = {}
+        shapes = self._shape_memo()
         mps_capable: dict[str, bool] = {}
 
         def try_place(item: QueuedRequest[str]) -> bool | Miss:
@@ -396,11 +402,19 @@ class NodeScheduler:
             by_uid = mps_capable.get(request.mode)
             if by_uid is None:
                 by_uid = mps_capable[request.mode] = self._mps_capable(lease)
-            bucket = (request.memory_mib, item.klass)
-            if bucket in shapes:
-                placement = shapes[bucket]
+            asked = (
+                request.memory_mib,
+                request.min_compute,
+                request.profile,
+                request.mode,
+                request.gpu_uuids,
+            )
+            if asked in shapes:
+                placement = shapes[asked]
             else:
-                placement = shapes[bucket] = self._placement_shape(request)
+                if len(shapes) >= 1024:  # free-form sizes: bounded, not a leak
+                    shapes.clear()
+                placement = shapes[asked] = self._placement_shape(request)
             shape = None if by_uid else placement
             # A miss the memo explains holds for every request of this bucket (same size
             # and class, so same shape, uid and need): the queue skips the rest of it.
@@ -427,6 +441,19 @@ class NodeScheduler:
 
         self._blocked_by = self.queue.schedule(mono_s, try_place).blocked_by
         return work
+
+    def _shape_memo(self) -> dict[Hashable, Hashable | None]:
+        """The placement shapes worked out so far, by request; emptied when a GPU's mode,
+        state space or MPS-in-MIG setting changed since (a pass asked every GPU's mode
+        driver for each bucket's shape before, issue 26 §4)."""
+        # (a mode's state object stands for its mode: the same object, the same mode)
+        modes = tuple(
+            (st, st.space, st.mps_in_mig) if type(st) is MigState else st
+            for st in [g.state for g in self.gpus.values()]
+        )
+        if modes != self._shape_modes:
+            self._shape_modes, self._shapes = modes, {}
+        return self._shapes
 
     def _placement_shape(self, request: LeaseRequest) -> Hashable | None:
         """What decides whether ``request`` can be placed now, apart from MPS.

@@ -104,6 +104,8 @@ class StateSpace:
             profiles if profiles is not None else geometry.profile_set("standard")
         )
         self._profile_pos = {p.profile_id: i for i, p in enumerate(self.profiles)}
+        # describe()'s text per state: every grant records its state before and after
+        self._described: dict[StateKey, str] = {}
         atoms: list[Atom] = []
         for p in self.profiles:
             for start in sorted(p.starts):
@@ -449,5 +451,10 @@ def state_space(geometry: Geometry, profiles: str | Sequence[str] = "standard") 
 
 def describe(space: StateSpace, key: StateKey) -> str:
     """``"1g.5gb@6 3g.20gb@0"``: a state for logs and error messages."""
-    atoms = sorted(space.placements(key), key=lambda a: a.start)
-    return " ".join(str(a) for a in atoms) or "(empty)"
+    text = space._described.get(key)
+    if text is None:
+        atoms = sorted(space.placements(key), key=lambda a: a.start)
+        text = " ".join(str(a) for a in atoms) or "(empty)"
+        if len(space._described) < 65536:  # the states of a space are finite; a bound anyway
+            space._described[key] = text
+    return text

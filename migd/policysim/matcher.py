@@ -59,6 +59,10 @@ class Matcher:
         self._by_capacity: dict[int, set[int]] = {}  # advertised MiB -> node indices
         self._stale: set[int] = set(range(len(nodes)))  # ads to compute again
         self._rooms: dict[int | None, dict[int, int]] = {}  # uid -> node -> MPS host MiB
+        # (node, GPU) -> (its books' version, available, what it could place then): a
+        # node's ad is made again whenever anything on it changed, usually one GPU of
+        # eight, and the scheduler's books versions say which (NodeScheduler.books_version)
+        self._gpu_ads: dict[tuple[int, int], tuple[int, bool, tuple[str, int] | None]] = {}
 
     def invalidate(self, node: PoolNode) -> None:
         """The node changed: its advertised capacity is computed again when asked."""
@@ -190,16 +194,23 @@ class Matcher:
         sched = node.scheduler
         best = 0
         for gpu in sched.gpus.values():
-            if not gpu.available:
+            available = gpu.available
+            if not available:
                 continue
-            ops = sched.mode_ops(gpu)
-            key = ops.layout_key(gpu)
-            if key is None:
-                found = ops.largest_placeable(gpu)
-            elif key in self._advert_cache:
-                found = self._advert_cache[key]
+            version = sched.books_version(gpu.index)
+            known = self._gpu_ads.get((node.index, gpu.index))
+            if known is not None and known[0] == version and known[1] == available:
+                found = known[2]
             else:
-                found = self._advert_cache[key] = ops.largest_placeable(gpu)
+                ops = sched.mode_ops(gpu)
+                key = ops.layout_key(gpu)
+                if key is None:
+                    found = ops.largest_placeable(gpu)
+                elif key in self._advert_cache:
+                    found = self._advert_cache[key]
+                else:
+                    found = self._advert_cache[key] = ops.largest_placeable(gpu)
+                self._gpu_ads[(node.index, gpu.index)] = (version, available, found)
             if found is not None:
                 best = max(best, found[1])
         node.capacity = best

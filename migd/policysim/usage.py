@@ -25,6 +25,9 @@ class Usage:
         # what a GPU's mode driver says its layout holds and wastes, by its layout_key: a
         # pool has a few hundred layouts and is sampled after every event
         self._slices: dict[Hashable, tuple[int, int]] = {}
+        # and per GPU, the last answer with its books' version (NodeScheduler
+        # .books_version): most samples follow a change of runs, not of the layout
+        self._last: dict[tuple[int, int], tuple[int, int, int]] = {}
         for node in nodes:
             for g in node.scheduler.gpus:
                 self.timelines[(node.index, g)] = [(0.0, 0.0, 0.0, 0.0, 0.0)]
@@ -35,16 +38,22 @@ class Usage:
         busy = sum(r.busy for r in runs) * self.compute
         alloc = min(float(self.compute), sum(r.alloc_slices for r in runs))
         sched = self.nodes[node_index].scheduler
-        gpu = sched.gpus[gpu_index]
-        ops = sched.mode_ops(gpu)
-        key = ops.layout_key(gpu)
-        if key is None:
-            held, wasted = ops.slice_usage(gpu)
+        version = sched.books_version(gpu_index)
+        last = self._last.get((node_index, gpu_index))
+        if last is not None and last[0] == version:
+            _, held, wasted = last
         else:
-            found = self._slices.get(key)
-            if found is None:
-                found = self._slices[key] = ops.slice_usage(gpu)
-            held, wasted = found
+            gpu = sched.gpus[gpu_index]
+            ops = sched.mode_ops(gpu)
+            key = ops.layout_key(gpu)
+            if key is None:
+                held, wasted = ops.slice_usage(gpu)
+            else:
+                found = self._slices.get(key)
+                if found is None:
+                    found = self._slices[key] = ops.slice_usage(gpu)
+                held, wasted = found
+            self._last[(node_index, gpu_index)] = (version, held, wasted)
         row = (now_s, busy, alloc, float(held), float(wasted))
         line = self.timelines[(node_index, gpu_index)]
         if line[-1][1:] == row[1:]:

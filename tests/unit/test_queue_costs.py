@@ -97,3 +97,27 @@ def test_a_pass_over_a_long_queue_tries_each_blocked_shape_once(
     # the sizes were worked out when they were first submitted: none again
     assert counted["size_request"] == 0
     assert out.queued_position == (401 if scheme is QueuePolicy.FIFO else 101)
+
+
+@pytest.mark.parametrize("scheme", list(QueuePolicy))
+def test_a_request_shape_is_worked_out_once_across_passes_until_a_gpu_changes_mode(
+    scheme: QueuePolicy, counted: dict[str, int]
+) -> None:
+    """Issue 26 §4: each pass asked every GPU's mode driver for each bucket's shape."""
+    node = full_node(scheme)
+    for n in range(40):
+        node.submit(request(SIZES[n % 4], uid=1000 + n % 3), 1.0 + n, 1.0 + n)
+    counted["shape"] = 0
+    for k in range(5):
+        node.schedule(100.0 + k, 100.0 + k)
+        node.submit(request(SIZES[k % 4], uid=1000 + k % 3), 100.0 + k, 100.0 + k)
+    assert counted["shape"] == 0  # every request seen before: its shape is known
+    # a GPU's mode setting changes what a shape is: the next pass works them out again
+    mig = node.gpus[0].mig
+    assert mig is not None
+    mig.mps_in_mig = True
+    node.schedule(200.0, 200.0)
+    assert counted["shape"] >= 1
+    asked = counted["shape"]
+    node.schedule(201.0, 201.0)
+    assert counted["shape"] == asked
