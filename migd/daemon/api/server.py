@@ -344,6 +344,13 @@ class ApiServer:
         timeout = self.ctx.config.api.send_timeout_s
         try:
             writer.write(data)
+            # A reply the kernel took whole (nearly all: a socket buffer holds far more)
+            # leaves nothing to drain and nothing to wait for at the close: the transport
+            # closes itself on the loop's next pass. Each wait_for below is a task of its
+            # own, four per lease cycle (issue 26 §4), so they are kept for the rest.
+            if not writer.transport.get_write_buffer_size():
+                writer.close()
+                return
             await asyncio.wait_for(writer.drain(), timeout)
         except TimeoutError:
             log.info("client.dropped", reason=f"did not read its reply within {timeout:g} s")
