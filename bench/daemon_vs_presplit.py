@@ -50,7 +50,8 @@ def cpu_s(pid: int) -> float:
 class TreeDaemon:
     """A migd of ``tree`` (its own .venv), as bench_daemon.BenchDaemon starts one."""
 
-    def __init__(self, tree: Path) -> None:
+    def __init__(self, tree: Path, script: Path | None = None) -> None:
+        """``script``: run it with the daemon's arguments instead of ``-m migd``."""
         self.root = Path(tempfile.mkdtemp(prefix="migd-cmp-", dir="/tmp"))
         (self.root / "run").mkdir()
         self.socket = str(self.root / "run" / "migd.sock")
@@ -59,8 +60,7 @@ class TreeDaemon:
         self.proc = subprocess.Popen(
             [
                 str(python),
-                "-m",
-                "migd",
+                *([str(script)] if script else ["-m", "migd"]),
                 "--simulate",
                 "8xA100-40GB",
                 "--state-dir",

@@ -105,6 +105,30 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
 HANDLER_NAME = "migd"
 
 
+class _StdlibLoggers:
+    """structlog's ``LoggerFactory``, remembering each stdlib logger by name.
+
+    migd's module-level loggers are structlog proxies, and loggers are not cached on first
+    use (a reload or a test that configures logging again must reach them), so every log
+    call asks the factory for its logger again: ``logging.getLogger`` takes the logging
+    module's lock each time, a measurable part of a lease cycle (issue 26 §4). A stdlib
+    logger of a given name is the same object for the life of the process, so keeping it
+    here changes nothing but the cost.
+    """
+
+    def __init__(self) -> None:
+        self._factory = structlog.stdlib.LoggerFactory()
+        self._loggers: dict[str, logging.Logger] = {}
+
+    def __call__(self, *args: Any) -> logging.Logger:
+        if not args or not isinstance(args[0], str):
+            return self._factory(*args)  # named after the calling module: not cached
+        logger = self._loggers.get(args[0])
+        if logger is None:
+            logger = self._loggers[args[0]] = self._factory(*args)
+        return logger
+
+
 def configure_logging(
     fmt: Literal["auto", "json", "console"] = "auto",
     level: str = "info",
@@ -147,6 +171,9 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.stdlib.LoggerFactory(),
+        logger_factory=_STDLIB_LOGGERS,
         cache_logger_on_first_use=False,
     )
+
+
+_STDLIB_LOGGERS = _StdlibLoggers()

@@ -129,3 +129,19 @@ def test_reconfiguring_replaces_the_handler() -> None:
     structlog.get_logger("migd").warning("once too")
     assert first.getvalue() == ""
     assert [x["event"] for x in lines(second)] == ["once", "once too"]
+
+
+def test_a_module_logger_made_before_follows_each_configuration() -> None:
+    """Each event's stdlib logger is remembered by name (issue 26 §4: looking it up on
+    every event cost a lease cycle's time); the level and the stream still follow every
+    configure_logging, as a reload's does."""
+    module_log = structlog.get_logger("migd.test_module")  # as a module's, at import
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("json", "warning", stream=first)
+    module_log.info("filtered")
+    module_log.warning("kept")
+    configure_logging("json", "debug", stream=second)
+    module_log.debug("now kept")
+    assert [x["event"] for x in lines(first)] == ["kept"]
+    assert [x["event"] for x in lines(second)] == ["now kept"]
+    assert logging.getLogger("migd.test_module") is logging.getLogger("migd.test_module")

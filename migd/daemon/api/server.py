@@ -279,7 +279,10 @@ class ApiServer:
             await self._refuse(reader, writer, error_reply(None, exc))
             return
         try:
-            line = await asyncio.wait_for(reader.readline(), api.request_timeout_s)
+            # asyncio.timeout, not wait_for: wait_for wraps the read in a task of its own,
+            # once per request (issue 26 §4); the timeout only arms a timer.
+            async with asyncio.timeout(api.request_timeout_s):
+                line = await reader.readline()
         except (ValueError, asyncio.LimitOverrunError):
             error = ProtocolError(f"message longer than {api.max_message_bytes} bytes")
             await self._refuse(reader, writer, error_reply(None, error))
@@ -344,6 +347,13 @@ class ApiServer:
         timeout = self.ctx.config.api.send_timeout_s
         try:
             writer.write(data)
+            # A reply the kernel took whole (nearly all: a socket buffer holds far more)
+            # leaves nothing to drain and nothing to wait for at the close: the transport
+            # closes itself on the loop's next pass: no drain and no wait for the close,
+            # each a wait_for task of its own, four per lease cycle (issue 26 §4).
+            if not writer.transport.get_write_buffer_size():
+                writer.close()
+                return
             await asyncio.wait_for(writer.drain(), timeout)
         except TimeoutError:
             log.info("client.dropped", reason=f"did not read its reply within {timeout:g} s")

@@ -83,6 +83,10 @@ class MetricsRecorder:
             ["gpu", "xid", "critical"],
             registry=r,
         )
+        # Each lease's series, looked up once: labels() validates and joins its label
+        # values under a lock on every call, twice per lease cycle (issue 26 §4).
+        self._granted: dict[str, Any] = {}
+        self._ended: dict[LeaseState, Any] = {}
         # Pre-create the common series so a rate() over them starts at 0, not absent.
         for mode in ("mig", "mps", "exclusive"):
             self.granted.labels(mode=mode)
@@ -98,10 +102,17 @@ class MetricsRecorder:
     def lease_changed(self, lease: Lease, new: LeaseState, now_s: float) -> None:
         """A lease reached state ``new`` (call once per transition)."""
         if new is LeaseState.ACTIVE:
-            self.granted.labels(mode=lease.mode or "unknown").inc()
+            mode = lease.mode or "unknown"
+            granted = self._granted.get(mode)
+            if granted is None:
+                granted = self._granted[mode] = self.granted.labels(mode=mode)
+            granted.inc()
             self.wait.observe(max(0.0, now_s - lease.created_s))
         elif new.terminal:
-            self.ended.labels(state=new.value).inc()
+            ended = self._ended.get(new)
+            if ended is None:
+                ended = self._ended[new] = self.ended.labels(state=new.value)
+            ended.inc()
 
     def lease_refused(self, error: MigdError) -> None:
         self.refused.labels(reason=error.code).inc()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from migd.core.leases import Lease, LeaseRequest, LeaseState
@@ -45,7 +46,63 @@ class HistoryRow:
         }
 
 
-def lease_to_json(lease: Lease) -> str:
+# Stands for the decision while the rest of a record is encoded; the decision's own text
+# is then put in its place (see _splice).
+_DECISION_MARK = "\x00decision\x00"
+_DECISION_MARK_JSON = json.dumps(_DECISION_MARK)
+
+
+def _splice(text: str, decision_text: str) -> str | None:
+    """``text`` with its one decision mark replaced by ``decision_text``; None when the
+    mark occurs more than once (client text that holds it: encode the whole instead)."""
+    if text.count(_DECISION_MARK_JSON) != 1:
+        return None
+    return text.replace(_DECISION_MARK_JSON, decision_text)
+
+
+class DecisionText:
+    """The JSON text of each live lease's decision, encoded once.
+
+    A lease's decision (the planner's explanation, a few KB of mostly floats) is written
+    with the lease at every change (preparing, active, released) and in the "granted"
+    history row: three or four encodings of the same dict per lease, the largest single
+    JSON cost of a lease cycle (issue 26 §4). The scheduler finishes a decision while it
+    places the lease (the hybrid mode's ``explain`` adds keys and rewrites ``reason``);
+    afterwards nothing changes it. The cached text is still only used while the lease's
+    decision is the same object with the same number of keys and the same reason, and
+    the entry goes when the lease ends (so the cache holds live leases only).
+    """
+
+    MAX_ENTRIES = 4096  # a bound against a caller that never ends its leases
+
+    def __init__(self) -> None:
+        self._texts: dict[str, tuple[dict[str, Any], int, Any, str]] = {}
+
+    def text(self, lease_id: str, decision: dict[str, Any]) -> str:
+        hit = self._texts.get(lease_id)
+        if (
+            hit is not None
+            and hit[0] is decision
+            and hit[1] == len(decision)
+            and hit[2] == decision.get("reason")
+        ):
+            return hit[3]
+        text = json.dumps(decision, sort_keys=True)
+        if hit is None and len(self._texts) >= self.MAX_ENTRIES:
+            self._texts.pop(next(iter(self._texts)))
+        self._texts[lease_id] = (decision, len(decision), decision.get("reason"), text)
+        return text
+
+    def forget(self, lease_id: str) -> None:
+        self._texts.pop(lease_id, None)
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+
+def lease_to_json(lease: Lease, decisions: DecisionText | None = None) -> str:
+    """The lease's full record (sorted keys); with ``decisions``, its decision's text is
+    taken from there (the same bytes as encoding it here)."""
     # The view plus what only the state db keeps (the request whole, the holder's start).
     data: dict[str, Any] = {**lease.to_dict()}
     data["request"] = {
@@ -61,9 +118,17 @@ def lease_to_json(lease: Lease) -> str:
         "mps_thread_percentage": lease.request.mps_thread_percentage,
     }
     data["owner_start_s"] = lease.owner_start_s
-    data["decision"] = lease.decision
     data["heartbeat_s"] = lease.heartbeat_s
-    return json.dumps(data, sort_keys=True)
+    decision = lease.decision
+    if decisions is None or not isinstance(decision, dict):
+        data["decision"] = decision
+        return json.dumps(data, sort_keys=True)
+    data["decision"] = _DECISION_MARK
+    spliced = _splice(json.dumps(data, sort_keys=True), decisions.text(lease.lease_id, decision))
+    if spliced is None:
+        data["decision"] = decision
+        return json.dumps(data, sort_keys=True)
+    return spliced
 
 
 def lease_from_json(text: str) -> Lease:
@@ -112,6 +177,10 @@ def lease_from_json(text: str) -> Lease:
 class StateStore(StateDatabase):
     """The state database's leases, history, own MIG instances and meta values."""
 
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.decisions = DecisionText()
+
     # -- leases -----------------------------------------------------------------------------
 
     def save_lease(self, lease: Lease) -> None:
@@ -125,9 +194,11 @@ class StateStore(StateDatabase):
                 lease.state.value,
                 lease.created_s,
                 lease.updated_s,
-                lease_to_json(lease),
+                lease_to_json(lease, self.decisions),
             ),
         )
+        if lease.state.terminal:
+            self.decisions.forget(lease.lease_id)
 
     def live_leases(self) -> list[Lease]:
         """Leases that were queued, preparing or active when the daemon last stopped."""
@@ -182,8 +253,24 @@ class StateStore(StateDatabase):
     ) -> None:
         self._write(
             "INSERT INTO history(t, lease_id, job_id, event, data) VALUES(?,?,?,?,?)",
-            (t if t is not None else time.time(), lease_id, job_id, event, json.dumps(data)),
+            (
+                t if t is not None else time.time(),
+                lease_id,
+                job_id,
+                event,
+                self._event_json(data, lease_id),
+            ),
         )
+
+    def _event_json(self, data: dict[str, Any], lease_id: str | None) -> str:
+        """``data`` as JSON; a lease's decision in it (the "granted" row) as the lease's
+        cached text (:class:`DecisionText`: the same dict, its keys sorted)."""
+        decision = data.get("decision")
+        if lease_id is None or not isinstance(decision, dict):
+            return json.dumps(data)
+        text = json.dumps({**data, "decision": _DECISION_MARK})
+        spliced = _splice(text, self.decisions.text(lease_id, decision))
+        return json.dumps(data) if spliced is None else spliced
 
     def history(
         self,
