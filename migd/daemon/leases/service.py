@@ -191,47 +191,17 @@ class LeaseService:
             MigdError: the request is refused (it never fits, a bad profile, a state
                 disk that refuses writes), counted as such.
         """
-        ctx = self.ctx
-        now, mono = ctx.now()
-        lease = Lease(
-            lease_id=f"{int(now)}-{secrets.token_hex(4)}",
-            request=request,
-            owner_uid=uid,
-            owner_pid=holder,
-            owner_start_s=ctx.procs.start_time(holder),
-            created_s=now,
-        )
-        # A state disk that refuses writes refuses the request here, before the books
-        # change (a grant migd cannot record would be lost by the next restart).
-        ctx.db.require_writable()
-        try:
-            outcome = ctx.sched.submit(lease, now, mono)
-        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
-            self.refused(refusal)
-            raise
-        if outcome.refusal is not None:
-            self.refused(outcome.refusal)
-            # Refused, but the same pass may have placed requests queued before it.
-            self.apply(outcome)
-            raise outcome.refusal
-        self.record(
-            "submitted",
-            lease,
-            memory_mib=request.memory_mib,
-            mode=request.mode,
-            uid=uid,
-            state=lease.state.value,
-            queued_position=outcome.queued_position,
-        )
-        self.apply(outcome)
-        return lease
+        return self._enter([request], uid, holder)[0]
 
     def enter_group(self, requests: list[LeaseRequest], uid: int, holder: int) -> list[Lease]:
         """As :meth:`enter` for a job on several GPUs: one lease per request, placed all
         or none (:meth:`migd.core.scheduler.NodeScheduler.submit_group`)."""
+        return self._enter(requests, uid, holder)
+
+    def _enter(self, requests: list[LeaseRequest], uid: int, holder: int) -> list[Lease]:
         ctx = self.ctx
         now, mono = ctx.now()
-        members = [
+        leases = [
             Lease(
                 lease_id=f"{int(now)}-{secrets.token_hex(4)}",
                 request=request,
@@ -242,30 +212,37 @@ class LeaseService:
             )
             for request in requests
         ]
+        # A state disk that refuses writes refuses the request here, before the books
+        # change (a grant migd cannot record would be lost by the next restart).
         ctx.db.require_writable()
         try:
-            outcome = ctx.sched.submit_group(members, now, mono)
-        except MigdError as refusal:
+            if len(leases) == 1:
+                outcome = ctx.sched.submit(leases[0], now, mono)
+            else:
+                outcome = ctx.sched.submit_group(leases, now, mono)
+        except MigdError as refusal:  # never fits, bad profile, ...: counted, then raised
             self.refused(refusal)
             raise
         if outcome.refusal is not None:
             self.refused(outcome.refusal)
+            # Refused, but the same pass may have placed requests queued before it.
             self.apply(outcome)
             raise outcome.refusal
-        group = [m.lease_id for m in members]
-        for member in members:
+        # A group's members name each other in the history (migctl history/explain).
+        group = {"group": [m.lease_id for m in leases]} if len(leases) > 1 else {}
+        for lease in leases:
             self.record(
                 "submitted",
-                member,
-                memory_mib=member.request.memory_mib,
-                mode=member.request.mode,
+                lease,
+                memory_mib=lease.request.memory_mib,
+                mode=lease.request.mode,
                 uid=uid,
-                state=member.state.value,
+                state=lease.state.value,
                 queued_position=outcome.queued_position,
-                group=group,
+                **group,
             )
         self.apply(outcome)
-        return members
+        return leases
 
     # -- the one place outcomes are acted on ------------------------------------------------
 
