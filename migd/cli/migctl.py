@@ -368,6 +368,10 @@ def cmd_inventory(client: MigdClient, args: argparse.Namespace) -> int:
     gpus = gpus_for_inventory(status)
     if args.command == "vram-inventory":
         sys.stdout.write(render_vram_inventory(gpus))
+    elif args.command == "condor-slots":
+        from migd.cli.condor_ad import render_condor_slots
+
+        sys.stdout.write(render_condor_slots(gpus, shares=args.shares))
     elif args.command == "max-vram":
         from migd.cli.condor_ad import max_vram
 
@@ -453,6 +457,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shares", type=int, default=7, help="IDs per GPU = jobs that may share it (default 7)"
     )
+    p = add(
+        "condor-slots",
+        "the startd's slot layout: one partitionable slot per GPU with its shares and VRAM "
+        "(include command in 10-migd-execute.config, MIGD_SLOT_PER_GPU)",
+        json_flag=False,
+    )
+    p.add_argument(
+        "--shares", type=int, default=7, help="IDs per GPU, as for gpu-inventory (default 7)"
+    )
     add(
         "vram-inventory",
         "MACHINE_RESOURCE_INVENTORY_VRAM output: the node's GPU memory pool",
@@ -503,6 +516,7 @@ COMMANDS: dict[str, Callable[[MigdClient, argparse.Namespace], int]] = {
     "gpu-inventory": cmd_inventory,
     "vram-inventory": cmd_inventory,
     "max-vram": cmd_inventory,
+    "condor-slots": cmd_inventory,
 }
 
 
