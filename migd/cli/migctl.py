@@ -365,13 +365,21 @@ def cmd_inventory(client: MigdClient, args: argparse.Namespace) -> int:
     except DaemonUnavailable as exc:
         print(f"migctl: {exc.message}; reading NVML directly", file=sys.stderr)
         status = None
+    if args.command == "condor-slots":
+        from migd.cli.condor_ad import render_condor_slots
+
+        # The startd's config includes this command's output: if it failed, no HTCondor
+        # tool on the node could read its config. Without GPUs: one slot for the node.
+        try:
+            slot_gpus = gpus_for_inventory(status)
+        except Exception as exc:
+            print(f"migctl: no GPUs for the slot layout ({exc}); one slot", file=sys.stderr)
+            slot_gpus = []
+        sys.stdout.write(render_condor_slots(slot_gpus, shares=args.shares))
+        return EXIT_OK
     gpus = gpus_for_inventory(status)
     if args.command == "vram-inventory":
         sys.stdout.write(render_vram_inventory(gpus))
-    elif args.command == "condor-slots":
-        from migd.cli.condor_ad import render_condor_slots
-
-        sys.stdout.write(render_condor_slots(gpus, shares=args.shares))
     elif args.command == "max-vram":
         from migd.cli.condor_ad import max_vram
 

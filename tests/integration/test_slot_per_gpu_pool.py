@@ -3,8 +3,8 @@
 With one partitionable slot for the node, ``VRAM`` is one pool and the startd gives each
 dynamic slot the first free GPU share, so two whole-GPU claims could both sit on GPU 0 and
 claim reuse kept the user's later jobs waiting there while GPU 1 idled. The shipped
-``10-migd-execute.config`` (``MIGD_SLOT_PER_GPU``, ``migctl condor-slots``) gives each GPU
-its own partitionable slot with its own shares and ``VRAM``: a wave of whole-GPU jobs from
+``10-migd-execute.config`` with ``MIGD_SLOT_PER_GPU = true`` (``migctl condor-slots``) gives
+each GPU its own partitionable slot with its own shares and ``VRAM``: a wave of whole-GPU jobs from
 one user must keep both GPUs busy at once, and no job may wait on a busy GPU while the other
 one is free.
 """
@@ -40,7 +40,8 @@ IDLE_BESIDE_WAITING_LIMIT_S = 20.0
 def test_whole_gpu_wave_keeps_both_gpus_busy_with_one_slot_per_gpu(
     migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
-    pool = gpu_pool(personal_pool)
+    # set after the drop-in, in /etc/condor/config.d, as an admin would
+    pool = gpu_pool(personal_pool, "MIGD_SLOT_PER_GPU = true")
     migd_slots(pool)
     gpus = sorted(g["uuid"] for g in migd.ctl("status", "--json")["gpus"])
     assert len(gpus) == 2

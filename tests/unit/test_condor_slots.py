@@ -8,6 +8,7 @@ prints, so the two commands must agree on every node shape (GPUs x shares per GP
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,6 +54,19 @@ def parse_slot_types(text: str) -> dict[str, str]:
     return out
 
 
+def lookup(conf: dict[str, str], name: str, layout: int) -> str:
+    """A macro as the startd reads it: ``$(NAME)`` replaced innermost first (HTCondor
+    expands nested references, e.g. ``$(A_$(B))``), ``MIGD_SLOT_LAYOUT`` from the knob."""
+    macros = {**conf, "MIGD_SLOT_LAYOUT": str(layout)}
+    value = macros.get(name, "")
+    for _ in range(20):
+        inner = re.search(r"\$\(([A-Za-z0-9_]+)\)", value)
+        if not inner:
+            return value
+        value = value[: inner.start()] + macros.get(inner.group(1), "") + value[inner.end() :]
+    raise AssertionError(f"{name} does not expand")
+
+
 def inventory_devices(text: str) -> dict[str, str]:
     """share ID -> DeviceUuid, from gpu-inventory's nested property ads."""
     return {
@@ -65,7 +79,8 @@ def inventory_devices(text: str) -> dict[str, str]:
 @pytest.mark.parametrize("shares", [1, 2, 7, 48])
 def test_each_slot_type_takes_exactly_its_gpus_shares_and_vram(n_gpus: int, shares: int) -> None:
     gpus = [_gpu(i) for i in range(n_gpus)]
-    conf = parse_slot_types(render_condor_slots(gpus, shares=shares))
+    parsed = parse_slot_types(render_condor_slots(gpus, shares=shares))
+    conf = {name: lookup(parsed, name, layout=1) for name in parsed}
     devices = inventory_devices(render_inventory(gpus, shares=shares))
     assert len(devices) == n_gpus * shares
 
@@ -95,7 +110,8 @@ def test_each_slot_type_takes_exactly_its_gpus_shares_and_vram(n_gpus: int, shar
 
 def test_gpus_migd_does_not_manage_get_no_slot_as_they_get_no_shares() -> None:
     gpus = [_gpu(0), _gpu(1, mode="off"), _gpu(2)]
-    conf = parse_slot_types(render_condor_slots(gpus, shares=7))
+    parsed = parse_slot_types(render_condor_slots(gpus, shares=7))
+    conf = {name: lookup(parsed, name, layout=1) for name in parsed}
     devices = set(inventory_devices(render_inventory(gpus, shares=7)).values())
     constrained = {
         re.search(r'DeviceUuid == "([^"]+)"', conf[f"SLOT_TYPE_{n}"]).group(1)  # type: ignore[union-attr]
@@ -106,8 +122,34 @@ def test_gpus_migd_does_not_manage_get_no_slot_as_they_get_no_shares() -> None:
     assert "50%" in conf["SLOT_TYPE_1"]
 
 
-def test_a_node_without_gpus_keeps_one_partitionable_slot_with_everything() -> None:
-    conf = parse_slot_types(render_slot_types([], shares=7))
+@pytest.mark.parametrize("n_gpus", range(1, 9))
+def test_the_knob_off_gives_one_partitionable_slot_with_everything(n_gpus: int) -> None:
+    parsed = parse_slot_types(render_condor_slots([_gpu(i) for i in range(n_gpus)], shares=7))
+    slots = {
+        n: (lookup(parsed, f"SLOT_TYPE_{n}", 0), lookup(parsed, f"NUM_SLOTS_TYPE_{n}", 0))
+        for n in range(1, n_gpus + 1)
+    }
+    assert slots[1] == ("100%", "1")
+    assert all(count == "0" for _, count in list(slots.values())[1:])
+    assert lookup(parsed, "SLOT_TYPE_1_PARTITIONABLE", 0) == "True"
+
+
+def test_the_shipped_config_lets_a_later_file_choose_the_layout() -> None:
+    """No ``if``: HTCondor evaluates those while reading, so a knob set in
+    /etc/condor/config.d (read after the drop-in) would come too late."""
+    text = (
+        Path(__file__).resolve().parents[2] / "condor_config/10-migd-execute.config"
+    ).read_text()
+    assert not re.search(r"^\s*if\b", text, re.M)
+    assert "MIGD_SLOT_LAYOUT = $INT(MIGD_SLOT_PER_GPU)" in text
+    assert "migctl condor-slots --shares $(MIGD_SHARES_PER_GPU)" in text
+    assert "STARTD_CRON_MIGD_ARGS = condor-ad --watch $(MIGD_CONDOR_AD_SCOPE)" in text
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_a_node_without_gpus_keeps_one_partitionable_slot_with_everything(layout: int) -> None:
+    parsed = parse_slot_types(render_slot_types([], shares=7))
+    conf = {name: lookup(parsed, name, layout) for name in parsed}
     assert conf == {
         "SLOT_TYPE_1": "100%",
         "SLOT_TYPE_1_PARTITIONABLE": "True",
