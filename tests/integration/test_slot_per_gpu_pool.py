@@ -126,3 +126,21 @@ def test_whole_gpu_wave_keeps_both_gpus_busy_with_one_slot_per_gpu(
         f"wave of {JOBS} x {JOB_S:.0f} s whole-GPU jobs: GPUs {used}; longest time a GPU "
         f"idled beside a waiting job {longest_idle_beside_waiting:.1f} s"
     )
+
+
+def test_a_several_gpu_job_gets_shares_of_one_gpu_with_one_slot_per_gpu(
+    migd: Migd, personal_pool: Callable[..., PersonalPool]
+) -> None:
+    """The price that keeps ``MIGD_SLOT_PER_GPU`` off by default: a dynamic slot is carved
+    from one GPU's slot, so ``request_GPUs = 2`` gets two shares of the same GPU (two
+    partitions there; a job that needs two whole GPUs could never be served)."""
+    pool = gpu_pool(personal_pool, "MIGD_SLOT_PER_GPU = true")
+    migd_slots(pool)
+    job = simjob(4000, "--start", "1G", "--steps", "1", request_GPUs="2")
+    cluster = pool.submit({**job, "job_machine_attrs": "AssignedGPUs"})
+    [ad] = pool.wait(cluster, timeout=180)
+    assert ad["ExitCode"] == 0, pool.job_error(cluster)
+    assigned = [s.strip() for s in str(ad["MachineAttrAssignedGPUs0"]).split(",")]
+    assert len(assigned) == 2 and len({physical_gpu(s) for s in assigned}) == 1, assigned
+    leases = migd.job_leases(ad["GlobalJobId"])
+    assert len(leases) == 2 and len({x["gpu_uuid"] for x in leases}) == 1, leases
