@@ -144,6 +144,10 @@ def test_the_shipped_config_lets_a_later_file_choose_the_layout() -> None:
     assert "MIGD_SLOT_LAYOUT = $INT(MIGD_SLOT_PER_GPU)" in text
     assert "migctl condor-slots --shares $(MIGD_SHARES_PER_GPU)" in text
     assert "STARTD_CRON_MIGD_ARGS = condor-ad --watch $(MIGD_CONDOR_AD_SCOPE)" in text
+    # one slot for the node: START keeps the node-wide size (every GPU's ad would merge
+    # into a slot that holds shares of every GPU)
+    assert "MIGD_PLACEABLE_MB_0 = MigdLargestPlaceableMB\n" in text
+    assert "<= ($(MIGD_PLACEABLE_MB) ?: 0)" in text
 
 
 @pytest.mark.parametrize("layout", [0, 1])
