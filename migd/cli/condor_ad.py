@@ -14,7 +14,8 @@ distinct shares ``GPU-s00-xxxxxxxx .. GPU-s{K-1}-xxxxxxxx``, each with
 condor_gpu_discovery's property ad: HTCondor 23.x collapses repeated IDs
 (HTCONDOR-2678, docs/htcondor-notes.md (e)), distinct ones work.
 ``vram-inventory`` prints the node's GPU memory pool for
-``MACHINE_RESOURCE_INVENTORY_VRAM``.
+``MACHINE_RESOURCE_INVENTORY_VRAM``. ``condor-slots`` prints the slot layout with one
+partitionable slot per GPU (:mod:`migd.core.condor_slots`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, TextIO
 
 from migd.core.ad_updates import AdUpdates
 from migd.core.condor_shares import share_id, short_uuid
+from migd.core.condor_slots import SlotGpu, render_slot_types
 from migd.errors import MigdError
 
 
@@ -295,6 +297,17 @@ def render_vram_inventory(gpus: list[dict[str, Any]]) -> str:
     """``DetectedVRAM``: the GPU memory (MiB) migd can hand out on this node."""
     total = sum(int(g.get("vram_mib") or 0) for g in gpus if g.get("mode") != "off")
     return f"DetectedVRAM = {total}\n"
+
+
+def render_condor_slots(gpus: list[dict[str, Any]], *, shares: int) -> str:
+    """``migctl condor-slots``: one partitionable slot per GPU migd manages, each with that
+    GPU's shares and its ``VRAM`` (the same GPUs and sizes as the two inventories)."""
+    managed = [
+        SlotGpu(uuid=str(g["uuid"]), vram_mib=int(g.get("vram_mib") or 0))
+        for g in gpus
+        if g.get("mode") != "off"
+    ]
+    return render_slot_types(managed, shares=shares)
 
 
 def gpus_for_inventory(status: dict[str, Any] | None) -> list[dict[str, Any]]:

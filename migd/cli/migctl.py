@@ -394,6 +394,18 @@ def cmd_inventory(client: MigdClient, args: argparse.Namespace) -> int:
     except DaemonUnavailable as exc:
         print(f"migctl: {exc.message}; reading NVML directly", file=sys.stderr)
         status = None
+    if args.command == "condor-slots":
+        from migd.cli.condor_ad import render_condor_slots
+
+        # The startd's config includes this command's output: if it failed, no HTCondor
+        # tool on the node could read its config. Without GPUs: one slot for the node.
+        try:
+            slot_gpus = gpus_for_inventory(status)
+        except Exception as exc:
+            print(f"migctl: no GPUs for the slot layout ({exc}); one slot", file=sys.stderr)
+            slot_gpus = []
+        sys.stdout.write(render_condor_slots(slot_gpus, shares=args.shares))
+        return EXIT_OK
     gpus = gpus_for_inventory(status)
     if args.command == "vram-inventory":
         sys.stdout.write(render_vram_inventory(gpus))
@@ -494,6 +506,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shares", type=int, default=7, help="IDs per GPU = jobs that may share it (default 7)"
     )
+    p = add(
+        "condor-slots",
+        "the startd's slot layout: one partitionable slot per GPU with its shares and VRAM "
+        "(include command in 10-migd-execute.config, MIGD_SLOT_PER_GPU)",
+        json_flag=False,
+    )
+    p.add_argument(
+        "--shares", type=int, default=7, help="IDs per GPU, as for gpu-inventory (default 7)"
+    )
     add(
         "vram-inventory",
         "MACHINE_RESOURCE_INVENTORY_VRAM output: the node's GPU memory pool",
@@ -544,6 +565,7 @@ COMMANDS: dict[str, Callable[[MigdClient, argparse.Namespace], int]] = {
     "gpu-inventory": cmd_inventory,
     "vram-inventory": cmd_inventory,
     "max-vram": cmd_inventory,
+    "condor-slots": cmd_inventory,
 }
 
 

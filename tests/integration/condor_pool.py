@@ -118,11 +118,15 @@ MOUNT_UNDER_SCRATCH =
 USE_PID_NAMESPACES = False
 BASE_CGROUP =
 
-# One partitionable slot; pretend to be bigger than the 2-core test machine so
-# that several small jobs can run at once.
+# One partitionable slot, unless a drop-in read before this file (migd's 10-migd-execute.config
+# with MIGD_SLOT_PER_GPU) already laid out the slots; pretend to be bigger than the 2-core test
+# machine so that several small jobs can run at once.
 NUM_CPUS = 8
 MEMORY = 8192
-use FEATURE : PartitionableSlot
+if defined SLOT_TYPE_1
+else
+  use FEATURE : PartitionableSlot
+endif
 
 # Fast cycles so that a trivial job completes within seconds.
 NEGOTIATOR_INTERVAL = 2
