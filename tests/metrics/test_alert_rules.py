@@ -56,7 +56,7 @@ def test_promtool_unit_tests_of_every_alert_pass() -> None:
 
 def test_the_rules_read_only_metrics_migd_exports() -> None:
     sources = "".join(
-        p.read_text(encoding="utf-8") for p in (REPO / "migd" / "daemon").glob("metrics_*.py")
+        p.read_text(encoding="utf-8") for p in (REPO / "migd" / "daemon" / "metrics").glob("*.py")
     )
     exported = set(re.findall(r'"(migd_[a-z_]+)"', sources))
     used = set(re.findall(r"\b(migd_[a-z_]+)", RULES.read_text(encoding="utf-8")))

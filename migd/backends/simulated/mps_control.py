@@ -129,7 +129,10 @@ def write_fake_mps_control(bin_dir: Path) -> Path:
     """
     bin_dir.mkdir(parents=True, exist_ok=True)
     shim = bin_dir / "nvidia-cuda-mps-control"
-    package_root = Path(__file__).resolve().parents[2]
+    # The directory that holds the ``migd`` package (this file is
+    # <root>/migd/backends/simulated/mps_control.py): a venv finds migd without it, but the
+    # Debian package's system python3 only through it (/usr/lib/migd).
+    package_root = Path(__file__).resolve().parents[3]
     # A per-user MPS daemon runs as the job's user, who may not be able to execute the
     # interpreter migd runs under (a venv below a private home): tests can name another
     # one that only needs the standard library to run this module.
