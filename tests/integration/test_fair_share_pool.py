@@ -132,7 +132,8 @@ def test_a_slice_costs_its_share_of_a_gpu_and_priorities_follow(
 def test_the_access_point_rounds_gpu_memory_to_the_ladder_and_keeps_the_ask(
     four_a100: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
-    pool = gpu_pool(personal_pool)
+    # On in this pool (off by default: it would inflate MPS shares, see the config's comment)
+    pool = gpu_pool(personal_pool, "MIGD_ROUND_VRAM = true\n")
     asks = {"3000": 4864, "4864": 4864, "12000": 16384, "40000": 40192, "100000": 100000}
     clusters = {
         ask: pool.submit({**simjob(int(ask), "--steps", "1"), "hold": "true"}) for ask in asks

@@ -37,11 +37,18 @@ JOB_S = 8.0
 IDLE_BESIDE_WAITING_LIMIT_S = 20.0
 
 
+# What an admin adds to /etc/condor/config.d to turn it on (10-migd-execute.config's comment).
+PER_GPU = (
+    "MIGD_SLOT_PER_GPU = true\n"
+    "include command : $(MIGD_BIN)/migctl condor-slots --shares $(MIGD_SHARES_PER_GPU)\n"
+)
+
+
 def test_whole_gpu_wave_keeps_both_gpus_busy_with_one_slot_per_gpu(
     migd: Migd, personal_pool: Callable[..., PersonalPool]
 ) -> None:
     # set after the drop-in, in /etc/condor/config.d, as an admin would
-    pool = gpu_pool(personal_pool, "MIGD_SLOT_PER_GPU = true")
+    pool = gpu_pool(personal_pool, PER_GPU)
     migd_slots(pool)
     gpus = sorted(g["uuid"] for g in migd.ctl("status", "--json")["gpus"])
     assert len(gpus) == 2
@@ -134,7 +141,7 @@ def test_a_several_gpu_job_gets_shares_of_one_gpu_with_one_slot_per_gpu(
     """The price that keeps ``MIGD_SLOT_PER_GPU`` off by default: a dynamic slot is carved
     from one GPU's slot, so ``request_GPUs = 2`` gets two shares of the same GPU (two
     partitions there; a job that needs two whole GPUs could never be served)."""
-    pool = gpu_pool(personal_pool, "MIGD_SLOT_PER_GPU = true")
+    pool = gpu_pool(personal_pool, PER_GPU)
     migd_slots(pool)
     job = simjob(4000, "--start", "1G", "--steps", "1", request_GPUs="2")
     cluster = pool.submit({**job, "job_machine_attrs": "AssignedGPUs"})
