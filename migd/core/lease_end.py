@@ -92,6 +92,10 @@ class LeaseEnded(TypedDict):
     gpu_lost: NotRequired[str]
     #: Processes found on the instance at release (it is quarantined).
     leftover_pids: NotRequired[list[int]]
+    #: Why the lease ended, in words (an admin's ``--reason``, migd's own): the job's
+    #: stop message says it also when the job ended before the wrapper's poll saw the
+    #: lease go (a job that failed on its vanished partition).
+    reason: NotRequired[str]
 
 
 def end_reason_of(view: Mapping[str, Any]) -> LeaseEndReason | None:

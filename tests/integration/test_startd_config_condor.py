@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from condor_pool import CondorChroot
+from condor_pool import CONDOR_CONFIG_FILE, CondorChroot
 
 from migd.backends.condor import CondorConfigVal
 from migd.core.startd_settings import check_startd, read_knobs, slot_layout
@@ -24,7 +24,11 @@ SITE = "/etc/condor/config.d/50-site-gpus.config"
 
 @pytest.fixture
 def migd_config_files(condor_chroot: CondorChroot) -> Iterator[CondorChroot]:
-    """migd's execute-node file in place; both files removed again (the chroot is shared)."""
+    """migd's execute-node file in place; both files removed again (the chroot is shared).
+    An earlier pool test's own file (condor_pool.CONDOR_CONFIG_FILE, written again by the
+    next pool) goes first: it may include `migctl condor-slots`, which this chroot's
+    config-only install cannot run, and it is not what this test reads."""
+    condor_chroot.path(CONDOR_CONFIG_FILE).unlink(missing_ok=True)
     condor_chroot.copy_in(REPO / "condor_config" / "10-migd-execute.config", SHIPPED)
     try:
         yield condor_chroot

@@ -18,6 +18,7 @@ from migd.backends.accounts import SystemAccounts
 from migd.backends.mps import HealthEvent, HealthReport
 from migd.backends.simulated import simulated_backend
 from migd.core.health import Condition, GpuHealth
+from migd.core.lease_end import LeaseEndReason, StopPlan
 from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.config import RESTART_KEYS, changed_restart_keys, validate_config
 from migd.daemon.service import Daemon, keep_restart_keys
@@ -389,3 +390,16 @@ def test_every_op_of_the_request_types_is_served_or_answered_as_missing(parts: P
     assert len(OPS) == len(set(OPS)) > 15
     assert set(api.ops) | set(api.missing) == set(OPS)
     assert not set(api.ops) & set(api.missing)
+
+
+def test_an_admin_release_tells_the_job_why_also_in_the_release_reply(parts: Parts) -> None:
+    """A job that fails on its vanished partition ends before the wrapper's poll sees the
+    lease go: the wrapper's own release reply is then all it has, and its stop message must
+    still carry the admin's reason (a pool run showed it without)."""
+    lease = parts.lease(4000)
+    parts.daemon.leases.release(lease, "GPU needed", end=LeaseEndReason.ADMIN_RELEASE)
+    reply = parts.daemon.leases.release(lease, "the job's own release")
+    assert reply.get("already") is True
+    plan = StopPlan()
+    assert plan.observe(reply)
+    assert plan.message() == "an administrator released the job's GPU partition (GPU needed)"

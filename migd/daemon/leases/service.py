@@ -51,6 +51,8 @@ def _ended(lease: Lease) -> LeaseEnded:
     }
     if lease.end_reason is LeaseEndReason.GPU_LOST:
         out["gpu_lost"] = lease.warning  # such a wrapper has HTCondor run the job again
+    if lease.reason:
+        out["reason"] = lease.reason
     return out
 
 
