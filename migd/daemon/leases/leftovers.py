@@ -67,16 +67,7 @@ async def quarantine_leftovers(
     where = ctx.sched.quarantine(lease.lease_id, why)
     if where is None:
         return pids
-    log.warning(
-        "lease.leftover_processes",
-        lease_id=lease.lease_id,
-        job_id=lease.request.job_id,
-        gpu=lease.gpu,
-        instance=where,
-        pids=pids,
-        reason=why,
-    )
-    leases.record("leftover_processes", lease, instance=where, pids=pids, reason=why)
+    _report(leases, lease, "leftover_processes", where, pids, why)
     return pids
 
 
@@ -122,16 +113,38 @@ async def check_handout(
         f"{lease.lease_id}): pid {', '.join(map(str, pids))}"
     )
     where = ctx.sched.quarantine(lease.lease_id, why)
+    _report(
+        leases,
+        lease,
+        "handout_refused",
+        where,
+        pids,
+        why,
+        hint="the request is placed again; the instance is reused once they exit",
+    )
+    leases.release(lease, f"its instance {where} had processes at hand-out; placed again")
+    return False
+
+
+def _report(
+    leases: LeaseService,
+    lease: Lease,
+    event: str,
+    where: str | None,
+    pids: list[int],
+    why: str,
+    **extra: str,
+) -> None:
+    """A quarantined instance's processes, in the log (``lease.<event>``) and in the
+    job's history (``migctl history``): the same fields in both."""
     log.warning(
-        "lease.handout_refused",
+        f"lease.{event}",
         lease_id=lease.lease_id,
         job_id=lease.request.job_id,
         gpu=lease.gpu,
         instance=where,
         pids=pids,
         reason=why,
-        hint="the request is placed again; the instance is reused once they exit",
+        **extra,
     )
-    leases.record("handout_refused", lease, instance=where, pids=pids, reason=why)
-    leases.release(lease, f"its instance {where} had processes at hand-out; placed again")
-    return False
+    leases.record(event, lease, instance=where, pids=pids, reason=why)
