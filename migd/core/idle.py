@@ -29,16 +29,22 @@ def stamp_idle(gpu: ManagedGpu, now_s: float, mono_s: float) -> None:
 def idle_past(
     gpu: ManagedGpu, timeout_s: float, now_s: float, mono_s: float
 ) -> list[ManagedInstance]:
-    """The instances of ``gpu`` idle for ``timeout_s`` or longer (stamped first)."""
-    stamp_idle(gpu, now_s, mono_s)
-    return [
-        i
-        for i in gpu.instances
-        if not i.busy
-        and i.idle_mono is not None
-        # a timer set for idle_since + timeout must find it due, rounding or not
-        and mono_s - i.idle_mono[1] >= timeout_s - 1e-6
-    ]
+    """The instances of ``gpu`` idle for ``timeout_s`` or longer (stamped first, as
+    :func:`stamp_idle` does, in the same pass: every idle timer of a pool runs this)."""
+    due: list[ManagedInstance] = []
+    # a timer set for idle_since + timeout must find it due, rounding or not
+    limit = timeout_s - 1e-6
+    for inst in gpu.instances:
+        since = inst.idle_since_s
+        if since is None:
+            inst.idle_mono = None
+            continue
+        stamp = inst.idle_mono
+        if stamp is None or stamp[0] != since:
+            stamp = inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
+        if mono_s - stamp[1] >= limit and not inst.busy:
+            due.append(inst)
+    return due
 
 
 __all__ = ["idle_past", "stamp_idle"]

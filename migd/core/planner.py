@@ -118,6 +118,13 @@ class GpuView:
         return self.space.key_of((i.profile, i.start) for i in self.instances)
 
     @cached_property
+    def layout(self) -> tuple[tuple[int, int, bool], ...]:
+        """What the plan memo keys on: each instance's (profile id, start, busy), in
+        order (worked out once per view; a node's cached views are planned again for
+        every request)."""
+        return tuple((i.profile.profile_id, i.start, i.busy) for i in self.instances)
+
+    @cached_property
     def placed(self) -> tuple[tuple[Atom, Instance], ...]:
         """Each instance with its atom in this space."""
         return tuple((self.space.atom(i.profile, i.start), i) for i in self.instances)
@@ -366,7 +373,7 @@ class _PlanMemo:
         try:
             key = (
                 id(view.space),
-                tuple((i.profile.profile_id, i.start, i.busy) for i in view.instances),
+                view.layout,
                 prof.profile_id,
                 policy,
             )

@@ -161,6 +161,11 @@ class NodeScheduler:
         # request): see _placement_shape.
         self._shape_modes: tuple[Hashable, ...] = ()
         self._shapes: dict[Hashable, Hashable | None] = {}
+        # Whether an MPS drain mark may have been set since a pass last cleared them: a
+        # mark is only ever set by a placement attempt (the drivers' ``place``), so a
+        # pass after none need not visit every GPU's devices to clear none (issue 26 s6:
+        # most passes of a large pool find an empty queue).
+        self._marks_possible = True
 
     def _new_queue(self) -> RequestQueue[str]:
         return RequestQueue(
@@ -370,8 +375,10 @@ class NodeScheduler:
         # Per-user MPS drain marks say who is waiting *now*: this pass sets them again for
         # the requests still queued, so a request that left (refused, expired, placed
         # elsewhere) cannot reserve a device for a user who no longer waits.
-        for gpu in self.gpus.values():
-            self.mode_ops(gpu).clear_waiting(gpu)
+        if self._marks_possible:
+            self._marks_possible = False
+            for gpu in self.gpus.values():
+                self.mode_ops(gpu).clear_waiting(gpu)
         # Within one pass nothing is released, so a request that sizes like one that did
         # not fit will not fit either: a long size-ordered queue costs one plan per
         # distinct partition size, not one per queued job or per distinct MiB figure.
@@ -383,10 +390,12 @@ class NodeScheduler:
         # Within one pass the GPUs' modes do not change: a request's shape and whether
         # MPS may take it follow from its size and placement class alone, so each is
         # worked out once per queue bucket, not once per queued request.
-        shapes = self._shape_memo()
+        # (worked out at the first request tried: a pass over an empty queue needs none)
+        shapes: dict[Hashable, Hashable | None] | None = None
         mps_capable: dict[str, bool] = {}
 
         def try_place(item: QueuedRequest[str]) -> bool | Miss:
+            nonlocal shapes
             lease = self.leases.get(item.payload)
             if lease is None or lease.state is not LeaseState.QUEUED:
                 return True  # stale entry: drop it
@@ -409,6 +418,8 @@ class NodeScheduler:
                 request.mode,
                 request.gpu_uuids,
             )
+            if shapes is None:
+                shapes = self._shape_memo()
             if asked in shapes:
                 placement = shapes[asked]
             else:
@@ -488,6 +499,7 @@ class NodeScheduler:
 
         Each mode's driver tries its candidate GPUs (less those in ``avoid``), in the
         drivers' order (MIG, with MPS inside MIG first, then MPS GPUs, then whole GPUs)."""
+        self._marks_possible = True  # a driver's place may mark an MPS device (see _schedule)
         try:
             gpus = self._candidate_gpus(lease.request)
         except InvalidRequest:

@@ -135,7 +135,8 @@ class Simulation:
         self.isolation_breaches = 0
         self.notes: list[str] = []
         self._dirty: set[int] = set()
-        self._ended_on: set[int] = set()  # nodes where a lease ended since the last settle
+        # leases that ended since the last settle, by node
+        self._ended_on: dict[int, list[Lease]] = {}
         self._negotiate = False
         self.nodes = [
             build_node(
@@ -231,11 +232,10 @@ class Simulation:
             while self._dirty:
                 node = self.nodes[self._dirty.pop()]
                 self._activate(node)
-                # the daemon drops ended leases once persisted and answered (only a node
-                # where one ended has any: the scan of its leases is skipped elsewhere)
-                if node.index in self._ended_on:
-                    self._ended_on.discard(node.index)
-                    node.scheduler.forget_terminal()
+                # the daemon drops ended leases once persisted and answered (those the
+                # outcomes named ended: no scan of every node's leases)
+                for lease in self._ended_on.pop(node.index, ()):
+                    node.scheduler.forget(lease.lease_id)
             if not (self._negotiate and self.queue is not None and len(self.queue)):
                 self._negotiate = False
                 return
@@ -372,8 +372,9 @@ class Simulation:
             elif node.ad_due is None:
                 node.ad_due = self.now + self.config.ad_latency_s
                 self._push(node.ad_due, "advertise", node.index)
-        if any(lease.state.terminal for lease in outcome.touched):
-            self._ended_on.add(node.index)
+        ended = [lease for lease in outcome.touched if lease.state.terminal]
+        if ended:
+            self._ended_on.setdefault(node.index, []).extend(ended)
         for work in outcome.work:
             timed = self.driver.execute(node.index, work, self.now)
             if timed is not None:
