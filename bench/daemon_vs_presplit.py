@@ -15,8 +15,9 @@ bench/bench_daemon.py starts one (simulated 8 x A100-40GB, sim_time_scale 0), an
   holds, 30 cycles each: the client p99 of leases granted at once;
 - saturation: 50 connections, 1-10 ms holds, ``--cycles`` (40) cycles each:
   lease->release cycles per second of wall time, and the daemon's CPU (user + system,
-  from /proc) per cycle. On a loaded machine the CPU per cycle is the steadier figure:
-  the wall-time ones include waiting for a core.
+  from /proc) per cycle, split into the event loop's thread and the others (the GPU
+  threads' NVML calls, the WAL checkpointer). On a loaded machine the CPU per cycle is
+  the steadier figure: the wall-time ones include waiting for a core.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from migd.client import MigdClient  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) of process ``pid``, or of its thread ``tid``."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
@@ -110,14 +113,19 @@ def one_round(tree: Path, clients: int, cycles: int) -> dict[str, float]:
         paced, _, _ = run_async_clients(daemon.socket, clients, 30, hold_s=(0.1, 0.4))
     with TreeDaemon(tree) as daemon:
         run_async_clients(daemon.socket, clients, 4)  # instances made; warm
-        before = cpu_s(daemon.proc.pid)
+        pid = daemon.proc.pid
+        before, loop_before = cpu_s(pid), cpu_s(pid, pid)
         times, made, seconds = run_async_clients(daemon.socket, clients, cycles)
-        used = cpu_s(daemon.proc.pid) - before
+        used, loop_used = cpu_s(pid) - before, cpu_s(pid, pid) - loop_before
     cycles = len(times) + len(made)
     return {
         "paced_p99_ms": pct(paced, 0.99),  # pct gives ms
         "cycles_per_s": cycles / seconds,
         "cpu_ms_per_cycle": used / cycles * 1000,
+        # the event loop's thread (the main one), and the rest: the GPU threads' NVML
+        # calls and their hand-offs, the WAL checkpointer
+        "loop_cpu_ms_per_cycle": loop_used / cycles * 1000,
+        "other_cpu_ms_per_cycle": (used - loop_used) / cycles * 1000,
     }
 
 
@@ -151,6 +159,8 @@ def main() -> int:
         ("paced_p99_ms", "paced client p99 (ms)"),
         ("cycles_per_s", "saturation: cycles/s"),
         ("cpu_ms_per_cycle", "daemon CPU per cycle (ms)"),
+        ("loop_cpu_ms_per_cycle", "of which the event loop's thread (ms)"),
+        ("other_cpu_ms_per_cycle", "of which other threads (ms)"),
     ]
     lines = [
         "# This daemon against the pre-split one, interleaved",
