@@ -45,16 +45,18 @@ def test_the_try_it_jobs_peak_is_what_it_used(daemon: DaemonProcess, tmp_path: P
         for line in chirps.read_text().splitlines()
         if line.startswith("set_job_attr MigdPeakMB ")
     ]
-    # The first attempt: held 3072 + tried 1024 (its OOM message); then the job's own 7168.
     # The first attempt ran out asking for 1 GiB more than the 4096 MiB it held (its OOM
-    # message; NVML may have seen the idle instance's 13 MiB on top); the second
-    # finished with 7168 MiB, the job's own report (too short for samples).
+    # message); the second finished with 7168 MiB, the job's own report. Either may also
+    # have been sampled: on an idle machine the job is too short for a sample, but beside
+    # other work it can run past one, and NVML's used memory counts the instance's own
+    # 13 MiB on top (a loaded run saw 7181). Never below what the job used.
     assert len(peaks) == 2 and 4096 + 1024 <= peaks[0] <= 4096 + 13 + 1024, peaks
-    assert peaks[1] == 7168, peaks
+    assert 7168 <= peaks[1] <= 7168 + 13, peaks
     history = daemon.client().call("history", job_id="7.0", limit=500)["history"]
     released = [h["data"]["peak_used_mib"] for h in history if h["event"] == "released"]
     # newest first: the bigger attempt's peak is the job's own report, the first one's
     # at least what the job held when it ran out (never unknown)
-    assert len(released) == 2 and released[0] == 7168 and released[1] >= 4096, released
+    assert len(released) == 2 and 7168 <= released[0] <= 7168 + 13, released
+    assert released[1] >= 4096, released
     [oom] = [h["data"] for h in history if h["event"] == "wrapper.oom"]
     assert oom["peak_used_mib"] == peaks[0] and "peak unknown" not in oom["oom"]["reason"]
