@@ -282,7 +282,15 @@ def test_condor_rm_releases_the_lease(
 ) -> None:
     pool = gpu_pool(personal_pool)
     cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
-    migd.wait_for(lambda: [x for x in migd.leases() if f"#{cluster}.0#" in x["job_id"]], "lease")
+    # Active, not merely there: a condor_rm while the partition is still being made ends the
+    # lease as "cancelled" (the wrapper went away waiting), which is right too, but not what
+    # this test is about. A loaded run once removed the job that early.
+    migd.wait_for(
+        lambda: [
+            x for x in migd.leases() if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
+        ],
+        "the job's lease to be active",
+    )
     pool.rm(cluster)
     migd.wait_for(lambda: migd.leases() == [], "the lease to be released", timeout_s=30)
     [lease] = [x for x in migd.leases(all_leases=True) if f"#{cluster}.0#" in x["job_id"]]
