@@ -387,8 +387,15 @@ def test_job_exit_hook_releases_the_lease_of_a_sigkilled_wrapper(
     try:
         pool = gpu_pool(personal_pool)
         cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
+        # active, not merely there: a wrapper killed while its partition is being made ends
+        # the lease "cancelled" (a loaded run did), which is not the hook's doing
         [lease] = daemon.wait_for(
-            lambda: [x for x in daemon.leases() if f"#{cluster}.0#" in x["job_id"]], "the lease"
+            lambda: [
+                x
+                for x in daemon.leases()
+                if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
+            ],
+            "the job's lease to be active",
         )
         wrapper_pid = int(lease["owner_pid"])
         cmdline = Path(f"/proc/{wrapper_pid}/cmdline").read_bytes()
