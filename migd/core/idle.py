@@ -19,11 +19,17 @@ def stamp_idle(gpu: ManagedGpu, now_s: float, mono_s: float) -> None:
     exact unless the wall clock was set in between.
     """
     for inst in gpu.instances:
-        since = inst.idle_since_s
-        if since is None:
-            inst.idle_mono = None
-        elif inst.idle_mono is None or inst.idle_mono[0] != since:
-            inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
+        _stamp(inst, now_s, mono_s)
+
+
+def _stamp(inst: ManagedInstance, now_s: float, mono_s: float) -> tuple[float, float] | None:
+    """Stamp one instance (see :func:`stamp_idle`); its ``idle_mono``."""
+    since = inst.idle_since_s
+    if since is None:
+        inst.idle_mono = None
+    elif inst.idle_mono is None or inst.idle_mono[0] != since:
+        inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
+    return inst.idle_mono
 
 
 def idle_past(
@@ -35,14 +41,8 @@ def idle_past(
     # a timer set for idle_since + timeout must find it due, rounding or not
     limit = timeout_s - 1e-6
     for inst in gpu.instances:
-        since = inst.idle_since_s
-        if since is None:
-            inst.idle_mono = None
-            continue
-        stamp = inst.idle_mono
-        if stamp is None or stamp[0] != since:
-            stamp = inst.idle_mono = (since, mono_s - max(0.0, now_s - since))
-        if mono_s - stamp[1] >= limit and not inst.busy:
+        stamp = _stamp(inst, now_s, mono_s)
+        if stamp is not None and mono_s - stamp[1] >= limit and not inst.busy:
             due.append(inst)
     return due
 

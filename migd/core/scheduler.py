@@ -902,11 +902,6 @@ class NodeScheduler:
     def active_leases(self) -> list[Lease]:
         return [lease for lease in self.leases.values() if not lease.state.terminal]
 
-    def forget_terminal(self) -> None:
-        """Drop ended leases from memory (the store keeps their history)."""
-        for lease_id in [k for k, v in self.leases.items() if v.state.terminal]:
-            self.forget(lease_id)
-
     def forget(self, lease_id: str) -> None:
         """Drop one ended lease from memory, with what the queue kept for it."""
         self.leases.pop(lease_id, None)
