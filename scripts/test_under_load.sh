@@ -31,6 +31,9 @@ for n in $(seq 1 "$runs"); do
     load=$(cut -d' ' -f1-3 /proc/loadavg)
     summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1 || true)
     echo "run $n/$runs: $verdict in $((took / 60)) min $((took % 60)) s (load $load; $hogs CPU hogs): $summary"
+    # What skipped and why (pytest -ra), passed or not: a run that passes by skipping more
+    # than the last one says so here, and its log is deleted below.
+    grep -E '^SKIPPED ' "$log" | sed 's/^/  /' || true
     if [ "$verdict" = FAILED ]; then
         grep -E '^(FAILED|ERROR) ' "$log" | head -20 || true
         echo "  (full log: $log)"

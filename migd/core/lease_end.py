@@ -90,8 +90,6 @@ class LeaseEnded(TypedDict):
     #: The lease's warning when its GPU work was lost: what wrappers older than
     #: ``end_reason`` read (they have HTCondor run the job again).
     gpu_lost: NotRequired[str]
-    #: Processes found on the instance at release (it is quarantined).
-    leftover_pids: NotRequired[list[int]]
     #: Why the lease ended, in words (an admin's ``--reason``, migd's own): the job's
     #: stop message says it also when the job ended before the wrapper's poll saw the
     #: lease go (a job that failed on its vanished partition).

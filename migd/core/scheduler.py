@@ -801,6 +801,26 @@ class NodeScheduler:
         inst.origin, inst.note = Origin.UNEXPLAINED, why
         return str(inst)
 
+    def quarantine_idle(self, gpu_index: int, uuid: str, why: str) -> str | None:
+        """Keep the idle MIG instance ``uuid`` from being reused or destroyed: processes run
+        on it that no lease explains (found after the lease that held it ended).
+
+        The instance is UNEXPLAINED with ``why``, as :meth:`quarantine` leaves it (an
+        instance a resync already made UNEXPLAINED gets ``why`` as its note). Returns its
+        name, or ``None`` with nothing changed when it is not an idle, ready instance of
+        that GPU: a lease holds it again (its hand-out check decides), it is being made or
+        destroyed, or it is gone.
+        """
+        gpu = self.gpus.get(gpu_index)
+        if gpu is None:
+            return None
+        inst = next((i for i in gpu.instances if i.uuid == uuid), None)
+        if inst is None or inst.lease_ids or inst.status is not InstanceStatus.READY:
+            return None
+        self._touch(gpu_index)
+        inst.origin, inst.note = Origin.UNEXPLAINED, why
+        return str(inst)
+
     def restore_mps_share(self, gpu: ManagedGpu, lease: Lease) -> bool:
         """Re-account an MPS lease found in the state db at start-up (it may overcommit),
         as :meth:`restore` does with no transition.

@@ -39,6 +39,7 @@ from migd.daemon.config import RESTART_KEYS, MigdConfig, changed_restart_keys, r
 from migd.daemon.context import DaemonContext
 from migd.daemon.exit_codes import exit_status
 from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.leftovers import LeftoverChecks
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.leases.submit import LeaseSubmitter
@@ -195,14 +196,29 @@ class Daemon:
             resync=self.reconciler.resync_gpu,
             before_destroy=self.mps.stop_before_destroy,
         )
+        # MIG instances whose lease ended, checked for processes before their next use.
+        self.leftovers = LeftoverChecks(ctx, self.executor, self.leases)
         self.periodic = PeriodicTasks(
-            ctx, self.executor, self.leases, self.reaper, self.reconciler, self.mps, startd
+            ctx,
+            self.executor,
+            self.leases,
+            self.reaper,
+            self.reconciler,
+            self.mps,
+            self.leftovers,
+            startd,
         )
         self.api = ApiServer(ctx, self.leases.lease_for, self.stopping)
-        self.submitter = LeaseSubmitter(ctx, self.executor, self.leases, self.mps)
-        Ops(ctx, self.leases, self.executor, self.mps, self.submitter, self.reload).register(
-            self.api
-        )
+        self.submitter = LeaseSubmitter(ctx, self.executor, self.leases, self.mps, self.leftovers)
+        Ops(
+            ctx,
+            self.leases,
+            self.executor,
+            self.mps,
+            self.submitter,
+            self.leftovers,
+            self.reload,
+        ).register(self.api)
         # NVML events (XIDs) -> GPU health (docs/operations.md, GPU health).
         self.health = GpuHealthMonitor(ctx, self.leases, self.metrics, events)
         self.leases.event_observers.append(self.health)

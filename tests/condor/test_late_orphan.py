@@ -1,6 +1,7 @@
 """A late orphan: a process that creates its CUDA context on a MIG instance after the
-lease that held it ended (a detached child that starts CUDA later) is seen when the
-idle instance is handed out again, not only when a lease ends (issue 23, section 4).
+lease that held it ended (a detached child that starts CUDA later) is seen before the
+idle instance is handed out again (issue 23, section 4): by the hand-out check, or by
+the sampler's round if that comes first (the release left the instance unchecked).
 The next lease gets another instance, and the busy one is reported unexplained."""
 
 from __future__ import annotations
@@ -26,23 +27,26 @@ def test_an_idle_instance_with_a_late_process_is_not_handed_out(daemon: DaemonPr
     daemon.start()
     client = daemon.client()
     first = client.lease(job_id="ap#1.0#1", gpu_memory_mib=4000, mode="mig", wait_s=10)
-    result = client.release(first["lease_id"], reason="job attempt ended")
-    assert "leftover_pids" not in result  # nothing ran on it when the lease ended
+    client.release(first["lease_id"], reason="job attempt ended")
     # ... and then the detached child starts CUDA on the now idle instance
     client.call("sim_attach", pid=ORPHAN_PID, device_uuid=first["mig_uuid"])
     client.call("sim_alloc", pid=ORPHAN_PID, mib=3000)
-    idle = _instance(client.status(), first["gpu"], first["mig_uuid"])
-    assert idle is not None and not idle["busy"]  # the books cannot know yet
 
     second = client.lease(job_id="ap#2.0#1", gpu_memory_mib=4000, mode="mig", wait_s=10)
     assert second["mig_uuid"] != first["mig_uuid"]
     inst = _instance(client.status(), first["gpu"], first["mig_uuid"])
     assert inst is not None and inst["busy"] and inst["origin"] == "unexplained"
     assert str(ORPHAN_PID) in inst["note"]
-    logged = [e for e in daemon.log_events() if e.get("event") == "lease.handout_refused"]
+    # Found at the hand-out (the second job's history says so), or by a sampler round
+    # before it (then named as the first lease's leftover); either way logged with the pid.
+    found = {"lease.handout_refused", "lease.leftover_processes"}
+    logged = [e for e in daemon.log_events() if e.get("event") in found]
     assert logged and logged[0]["pids"] == [ORPHAN_PID]
-    history = client.call("history", job_id="ap#2.0#1", limit=20)["history"]
-    assert any(h["event"] == "handout_refused" for h in history)
+    if logged[0]["event"] == "lease.handout_refused":
+        history = client.call("history", job_id="ap#2.0#1", limit=20)["history"]
+        assert any(h["event"] == "handout_refused" for h in history)
+    else:
+        assert logged[0]["lease_id"] == first["lease_id"]
     client.release(second["lease_id"])
 
     # once the orphan exits, the instance is migd's again (the reaper's resync)

@@ -236,11 +236,15 @@ def test_an_instance_a_finished_job_left_a_process_on_is_not_reused(
     [ad] = pool.wait(first, timeout=120)
     assert ad["ExitCode"] == 0, pool.job_error(first)
     device = pool.job_output(first).split("LEFT ", 1)[1].split()[0]
-    status = migd.ctl("status", "--json")
-    [inst] = [i for g in status["gpus"] for i in g["instances"] if i["uuid"] == device]
-    # quarantined with the reason, not idle
-    assert inst["busy"] and inst["origin"] == "unexplained", inst
-    assert str(leftover) in inst["note"]
+
+    def quarantined() -> dict[str, Any] | None:
+        status = migd.ctl("status", "--json")
+        [inst] = [i for g in status["gpus"] for i in g["instances"] if i["uuid"] == device]
+        return inst if inst["origin"] == "unexplained" else None
+
+    # quarantined with the reason, not idle: by the sampler's round after the release
+    inst = migd.wait_for(quarantined, "the sampler to quarantine the job's instance")
+    assert inst["busy"] and str(leftover) in inst["note"], inst
     assert any(h["event"] == "leftover_processes" for h in migd.history(ad["GlobalJobId"]))
     # the next job of the same size runs on another instance and does not run out
     second = pool.submit(simjob(4000, "--print-env", "--start", "3G", "--steps", "2"))

@@ -14,9 +14,13 @@ simulated node with a manual clock and one asyncio loop; only two things are rep
 A :class:`World` picks its next step from a seeded ``random.Random``: run the next NVML
 call of a GPU, a job asks for a lease, starts on its instance, exits and releases it,
 leaves an orphan behind or dies with its wrapper, a reaper round, a timer round (idle
-teardown), an XID on an instance, an admin reset, or a kill -9 and restart of migd
-(rebuilt from the state db and the simulated GPU). :meth:`World.check` asserts the
-invariants after every step and raises :class:`Violation` with the step log.
+teardown), a sampler round (which also checks idle instances whose lease ended for
+processes), an XID on an instance, an admin reset, or a kill -9 and restart of migd
+(rebuilt from the state db and the simulated GPU). A granted lease is handed to its job
+as the daemon's submitter does it: after the hand-out check
+(:meth:`~migd.daemon.leases.leftovers.LeftoverChecks.check_handout`), whose NVML call
+waits in the GPU's FIFO like any other. :meth:`World.check` asserts the invariants after
+every step and raises :class:`Violation` with the step log.
 """
 
 from __future__ import annotations
@@ -112,7 +116,9 @@ class Job:
     holder: int
     pid: int
     mig_uuid: str | None = None  # where its process runs (set when it starts)
-    state: str = "waiting"  # waiting, running, exiting, orphaned, done
+    # waiting (for its grant), handing (the hand-out check runs), handed, running,
+    # exiting, leaving (released while a child keeps its process), orphaned, done
+    state: str = "waiting"
 
 
 class DisappearedWatch:
@@ -152,7 +158,15 @@ WEIGHTS = {
     "reset": 1,
     "restart": 1,
     "submit_group": 6,
+    "sample": 4,
+    "leave": 2,
 }
+
+#: Job states in which the job knows its lease: a process of another job on the lease's
+#: instance then breaks the hand-out invariant. Before the hand-out check has passed,
+#: the grant is the daemon's alone (the check may still release it and place the
+#: request again).
+HANDED = ("handed", "running", "exiting", "leaving", "orphaned")
 
 
 @contextlib.contextmanager
@@ -238,6 +252,7 @@ class World:
             daemon.executor,
             daemon.mps,
             daemon.submitter,
+            daemon.leftovers,
             daemon.reload,
         )
         # Start-up runs alone (the socket is bound after it): reconcile, FIFO per GPU.
@@ -283,10 +298,10 @@ class World:
         self.settle_all()
         self.check_restart()
         for job in self.jobs.values():
-            if job.state == "waiting":  # its request died with the daemon; it asks again
+            if job.state in ("waiting", "handing"):  # its request died with the daemon
                 job.state = "done"
                 self.procs.dead.add(job.holder)
-            elif job.state == "exiting":  # the wrapper asks again after the restart
+            elif job.state in ("exiting", "leaving"):  # the wrapper asks again after it
                 self.tasks.append(self.loop.create_task(self._release(job)))
 
     def close(self) -> None:
@@ -355,16 +370,18 @@ class World:
             out.append(("submit_group", None))
         out.append(("reaper", None))
         out.append(("timers", None))
+        out.extend(("sample", index) for index in self.daemon.ctx.sched.gpus)
         out.append(("restart", None))
         out.append(("reset", None))
         if "xid" in self.daemon.ctx.sched.gpus[0].health.conditions:
             out.append(("xid_clear", None))
         for job in self.jobs.values():
             lease = self._lease(job)
-            if job.state == "waiting" and lease is not None and lease.state is LeaseState.ACTIVE:
+            if job.state == "handed" and lease is not None and lease.state is LeaseState.ACTIVE:
                 out.append(("start_job", job))
             if job.state == "running":
                 out.extend([("job_exit", job), ("orphan", job), ("holder_crash", job)])
+                out.append(("leave", job))
                 out.append(("xid", job))
             if job.state == "orphaned":
                 out.append(("orphan_exit", job))
@@ -377,7 +394,35 @@ class World:
         label = getattr(self, f"_do_{kind}")(arg)
         self.steps.append(f"{kind} {label}".strip())
         self.settle()
+        self._hand_out()
         self.check()
+
+    def _hand_out(self) -> None:
+        """Every newly granted job's hand-out check starts, as in the submitter: right
+        after its wait for the grant ends."""
+        started = False
+        for job in self.jobs.values():
+            lease = self._lease(job)
+            if job.state == "waiting" and lease is not None and lease.state is LeaseState.ACTIVE:
+                job.state = "handing"
+                self.tasks.append(self.loop.create_task(self._check_handout(job, lease)))
+                started = True
+        if started:
+            self.settle()
+
+    async def _check_handout(self, job: Job, lease: Lease) -> None:
+        handed = await self.daemon.leftovers.check_handout(lease)
+        if job.state == "handing":
+            # Refused: its instance had processes; the lease is released and the job
+            # (which would ask again) is done here.
+            job.state = "handed" if handed else "done"
+            if not handed:
+                self.steps.append(f"  hand-out of {lease.lease_id} refused")
+
+    def _do_sample(self, index: int) -> str:
+        gpu = self.daemon.ctx.sched.gpus[index]
+        self.tasks.append(self.loop.create_task(self.daemon.periodic.sample_round(gpu)))
+        return f"GPU {index}"
 
     def _do_gpu(self, index: int) -> str:
         return f"{index}: {self.executors[index].run_next()}"
@@ -443,10 +488,21 @@ class World:
         if job.state == "exiting":
             job.state = "done"
             self.procs.dead.add(job.holder)
+        elif job.state == "leaving":  # the wrapper is gone; the child's process stays
+            job.state = "orphaned"
+            self.procs.dead.add(job.holder)
 
     def _do_job_exit(self, job: Job) -> str:
         self.node.detach(job.pid)
         job.state = "exiting"
+        self.tasks.append(self.loop.create_task(self._release(job)))
+        return job.lease_id
+
+    def _do_leave(self, job: Job) -> str:
+        """The job ends and its wrapper releases the lease, but a child it started with
+        ``setsid`` keeps its CUDA process on the instance (a leftover, found by the next
+        hand-out or sampler round)."""
+        job.state = "leaving"
         self.tasks.append(self.loop.create_task(self._release(job)))
         return job.lease_id
 
@@ -540,7 +596,10 @@ class World:
                 self.fail(
                     f"granted lease {lease.lease_id}'s instance {lease.mig_uuid} is not on the GPU"
                 )
-            mine = next((j.pid for j in self.jobs.values() if j.lease_id == lease.lease_id), None)
+            job = self.jobs.get(lease.lease_id)
+            if job is None or job.state not in HANDED:
+                continue
+            mine = job.pid
             for proc in self.node.procs.by_pid.values():
                 if proc.device_uuid == lease.mig_uuid and proc.pid != mine:
                     owner = next((j.lease_id for j in self.jobs.values() if j.pid == proc.pid), "?")

@@ -1,13 +1,15 @@
 """Seeded interleavings of the daemon's concurrent parts, invariants after every step.
 
 :mod:`tests.interleave.harness` drives the real daemon (executor work items, reaper and
-resync, lease grants and releases with their leftover check, idle teardown, XIDs, admin
-reset, kill -9 and restart from the state db and the simulated GPU) on one simulated
-A100, choosing every next step from ``random.Random(seed)``. After every step:
+resync, lease grants with their hand-out check, releases (some leaving a process behind),
+sampler rounds with their leftover check, idle teardown, XIDs, admin reset, kill -9 and
+restart from the state db and the simulated GPU) on one simulated A100, choosing every
+next step from ``random.Random(seed)``. After every step:
 
 * an instance is held by at most one live lease;
-* a granted lease's instance exists on the GPU, and no process but its job's runs there
-  (nothing with a process on it is handed out);
+* a granted lease's instance exists on the GPU, and once its job has it (the hand-out
+  check passed) no process but its job's runs there (nothing with a process on it is
+  handed out);
 * no instance a process runs on was destroyed;
 * no lease is reclaimed as "disappeared" while its instance is on the GPU;
 * after a restart, the db's live leases are the books' and the books' instances the GPU's.
@@ -15,8 +17,12 @@ A100, choosing every next step from ``random.Random(seed)``. After every step:
 The normal run is ``MIGD_INTERLEAVINGS`` seeds (default 500) of 40 steps (about 35 s of
 CPU); a longer one, e.g. ``MIGD_INTERLEAVINGS=200000 MIGD_INTERLEAVING_STEPS=200``, runs
 more and longer ones. A failure names its seed; ``World(seed, tmp).step()`` replays it.
-Before the fix (books versions, ``NodeScheduler.resync(read_at=...)``) seeds 19 and 23
-broke the invariants; they are pinned below.
+Before the fix (books versions, ``NodeScheduler.resync(read_at=...)``, 52be844) seeds 19
+and 23 broke the invariants in the harness of that commit; they are pinned below, and
+replay other interleavings now that the harness has more steps. With the hand-out check
+left out (``check_handout`` always handing out), 6 of seeds 0-60 break, the first seed
+9 at step 40: "granted to L6 while a process of L5 (pid 20005) runs on it". Seed 326 found a half-done teardown,
+pinned below too.
 """
 
 from __future__ import annotations
@@ -98,3 +104,19 @@ def test_the_harness_catches_a_broken_invariant(tmp_path: Path) -> None:
                 world.check()
         finally:
             world.close()
+
+
+def test_a_teardown_refused_for_a_leftover_process_leaves_no_instance_half_gone(
+    tmp_path: Path,
+) -> None:
+    """Seed 326 (step 26) once releases left their instance unchecked: an admin reset
+    queued one destroy of two idle instances, the second had the process a released job
+    left; the first was destroyed, the second refused, ``work_failed`` put both back in
+    the books, and before the resync re-read the GPU the next lease was granted the
+    destroyed one: "granted lease L5's instance ... is not on the GPU". Fixed twice over:
+    a destroy item checks every instance before destroying any, and a GPU whose work
+    failed takes no placement until its resync has read it."""
+    with quiet_logs():
+        world = run_seed(326, tmp_path, 40)
+    assert any(step.startswith("reset") for step in world.steps)
+    assert any(step.startswith("leave") for step in world.steps)

@@ -1,7 +1,8 @@
 """A fake CUDA job killed by a signal frees its simulated GPU memory (issue 21 §4), end to
 end: the real daemon and wrapper, the job SIGKILLed (as ``condor_rm`` or a vacate ends
-it). migd's leftover check at the release then finds nothing on the instance, so the
-instance is not quarantined and the next job gets it; before the simulator freed a dead
+it). migd's leftover check after the release (the sampler's round or the next hand-out)
+then finds nothing on the instance, so it is not quarantined and the next job gets it;
+before the simulator freed a dead
 process's memory, every such kill left the instance unexplained until migd restarted."""
 
 from __future__ import annotations

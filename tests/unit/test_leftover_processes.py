@@ -1,10 +1,12 @@
 """An instance that still has processes is never handed out or destroyed (issue: a
 job's child outlived its lease; the next lease reused the instance and ran out of
-memory). Core only: the daemon checks the processes and calls quarantine/resync."""
+memory). The core's quarantine, and the daemon's record of instances released unchecked
+(LeftoverChecks: the sampler's round, decided on the books, no NVML)."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 from migd.core import catalog
 from migd.core.gpus import ManagedGpu, MigState, Origin, Work
@@ -13,6 +15,7 @@ from migd.core.planner import CreateOp, DestroyOp
 from migd.core.policy import SchedulerPolicy
 from migd.core.scheduler import NodeScheduler
 from migd.core.states import state_space
+from migd.daemon.leases.leftovers import LeftoverChecks
 
 _gi = itertools.count(1)
 
@@ -107,3 +110,108 @@ def test_the_destroy_policy_keeps_a_quarantined_instance() -> None:
 def test_quarantine_ignores_leases_without_a_mig_instance() -> None:
     node = _node()
     assert node.quarantine("nope", "x") is None
+
+
+# -- the daemon's bookkeeping of instances released unchecked (LeftoverChecks) ----------------
+
+
+class _Recorded:
+    """The lease service's history, as LeftoverChecks reports to it."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str | None, dict[str, object]]] = []
+
+    def record(self, event: str, lease: Lease | None = None, /, **data: object) -> None:
+        self.rows.append((event, lease.lease_id if lease else None, data))
+
+
+def _checks(node: NodeScheduler) -> tuple[LeftoverChecks, _Recorded]:
+    recorded = _Recorded()
+    ctx = SimpleNamespace(sched=node)
+    return LeftoverChecks(ctx, None, recorded), recorded  # type: ignore[arg-type]
+
+
+def _released(node: NodeScheduler, checks: LeftoverChecks, lease: Lease, now: float) -> str:
+    """What the API's release does: mark the instance unchecked, then release."""
+    assert lease.mig_uuid is not None
+    checks.released(lease)
+    _run(node, node.release(lease.lease_id, now, now).work, now)
+    return lease.mig_uuid
+
+
+def test_quarantine_idle_takes_only_an_idle_ready_instance() -> None:
+    node = _node()
+    lease = _grant(node, "A", 4000, 1.0)
+    inst = node.gpus[0].instance_of("A")
+    assert inst is not None and inst.uuid is not None
+    assert node.quarantine_idle(0, inst.uuid, "x") is None  # a lease holds it
+    _run(node, node.release("A", 2.0, 2.0).work, 2.0)
+    assert node.quarantine_idle(0, "MIG-unknown", "x") is None
+    version = node.books_version(0)
+    assert node.quarantine_idle(0, inst.uuid, "processes outlived lease A: pid 7") == str(inst)
+    assert inst.origin is Origin.UNEXPLAINED and inst.busy and "pid 7" in inst.note
+    assert node.books_version(0) > version  # a resync read before this cannot undo it
+    assert lease.state.terminal
+
+
+def test_the_sampler_check_quarantines_an_idle_instance_and_names_the_lease() -> None:
+    node = _node()
+    checks, recorded = _checks(node)
+    uuid = _released(node, checks, _grant(node, "A", 4000, 1.0), 2.0)
+    asked = checks.plan(node.gpus[0])
+    assert asked == {uuid: "A"}
+    checks.apply(0, asked, {uuid: [4242]})
+    [inst] = [i for i in node.gpus[0].instances if i.uuid == uuid]
+    assert inst.origin is Origin.UNEXPLAINED and "lease A" in inst.note and "4242" in inst.note
+    assert [(e, lid) for e, lid, _ in recorded.rows] == [("leftover_processes", "A")]
+    assert not checks.unchecked and checks.plan(node.gpus[0]) == {}
+    assert _grant(node, "B", 4000, 3.0).mig_uuid != uuid
+
+
+def test_a_clean_listing_or_none_at_all_keeps_the_instance_in_use() -> None:
+    node = _node()
+    checks, recorded = _checks(node)
+    uuid = _released(node, checks, _grant(node, "A", 4000, 1.0), 2.0)
+    asked = checks.plan(node.gpus[0])
+    checks.apply(0, asked, {uuid: None})  # NVML could not say: asked again next round
+    assert checks.plan(node.gpus[0]) == asked
+    checks.apply(0, asked, {uuid: []})
+    assert not checks.unchecked and not recorded.rows
+    assert _grant(node, "B", 4000, 3.0).mig_uuid == uuid  # reused
+
+
+def test_a_sampler_answer_about_an_instance_leased_again_is_left_to_its_hand_out() -> None:
+    node = _node()
+    checks, recorded = _checks(node)
+    uuid = _released(node, checks, _grant(node, "A", 4000, 1.0), 2.0)
+    asked = checks.plan(node.gpus[0])
+    second = _grant(node, "B", 4000, 3.0)  # granted while the sampler's listing ran
+    assert second.mig_uuid == uuid
+    checks.apply(0, asked, {uuid: [4242]})
+    inst = node.gpus[0].instance_of("B")
+    assert inst is not None and inst.origin is not Origin.UNEXPLAINED
+    assert checks.unchecked[uuid].lease_id == "A" and not recorded.rows  # for the hand-out
+    assert checks.plan(node.gpus[0]) == {}  # nothing to ask while a lease holds it
+
+
+def test_an_answer_about_an_earlier_lease_is_not_applied_to_a_later_one() -> None:
+    node = _node()
+    checks, recorded = _checks(node)
+    uuid = _released(node, checks, _grant(node, "A", 4000, 1.0), 2.0)
+    asked = checks.plan(node.gpus[0])
+    checks.unchecked.pop(uuid)  # B's hand-out checked it ...
+    second = _grant(node, "B", 4000, 3.0)
+    assert second.mig_uuid == uuid
+    _released(node, checks, second, 4.0)  # ... and B ended there since
+    checks.apply(0, asked, {uuid: [4242]})  # what the listing for A saw
+    assert checks.unchecked[uuid].lease_id == "B" and not recorded.rows
+    inst = next(i for i in node.gpus[0].instances if i.uuid == uuid)
+    assert inst.origin is not Origin.UNEXPLAINED
+
+
+def test_a_record_of_an_instance_that_is_gone_is_dropped() -> None:
+    node = _node(idle_policy="destroy")
+    checks, _ = _checks(node)
+    uuid = _released(node, checks, _grant(node, "A", 4000, 1.0), 2.0)  # torn down at once
+    assert all(i.uuid != uuid for i in node.gpus[0].instances)
+    assert checks.plan(node.gpus[0]) == {} and not checks.unchecked

@@ -39,7 +39,7 @@ from migd.daemon.api.server import Access, ApiServer, Call
 from migd.daemon.api.status import build_status, explain_job
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
-from migd.daemon.leases.leftovers import quarantine_leftovers
+from migd.daemon.leases.leftovers import LeftoverChecks
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.leases.submit import LeaseSubmitter
 from migd.daemon.supervision.mps import MpsSupervisor, known_sum
@@ -61,6 +61,7 @@ class Ops:
         executor: GpuExecutor,
         mps: MpsSupervisor,
         submitter: LeaseSubmitter,
+        leftovers: LeftoverChecks,
         reload: Callable[..., Awaitable[dict[str, Any]]],
     ) -> None:
         self.ctx = ctx
@@ -68,6 +69,7 @@ class Ops:
         self.executor = executor
         self.mps = mps
         self.submitter = submitter
+        self.leftovers = leftovers
         self.reload = reload
 
     def register(self, server: ApiServer) -> None:
@@ -226,19 +228,16 @@ class Ops:
     async def release(self, call: Call[LeaseRef]) -> LeaseEnded:
         req = call.request
         lease = call.owned
-        leftover = await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
+        # Its instance is checked for processes the job left before anyone gets it again
+        # (LeftoverChecks): the release makes no NVML call.
+        self.leftovers.released(lease)
         # Only its holder's release is the job's own; anyone else's (migctl release, an
         # admin) takes the partition from under a job that may still run: it must stop.
         end = None  # a request not granted yet is cancelled, whoever withdraws it
         if lease.state is LeaseState.ACTIVE:
             holder = call.peer.pid == lease.owner_pid
             end = LeaseEndReason.RELEASED if holder else LeaseEndReason.ADMIN_RELEASE
-        result = self.leases.release(
-            lease, req.reason or f"released by uid {call.peer.uid}", end=end
-        )
-        if leftover:
-            result["leftover_pids"] = leftover
-        return result
+        return self.leases.release(lease, req.reason or f"released by uid {call.peer.uid}", end=end)
 
     async def release_job(self, call: Call[ReleaseJobRequest]) -> dict[str, Any]:
         """The JOB_EXIT hook's release: admins and ``api.hook_users`` release every lease of
@@ -267,7 +266,7 @@ class Ops:
         released = []
         for lease in leases:
             reason = req.reason or f"released by the JOB_EXIT hook (uid {peer.uid})"
-            await quarantine_leftovers(self.ctx, self.executor, self.leases, lease)
+            self.leftovers.released(lease)
             self.leases.release(lease, reason, end=LeaseEndReason.JOB_EXIT)
             released.append(lease.lease_id)
         return {"released": released}

@@ -22,7 +22,7 @@ from migd.core.groups import merge_environments
 from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
-from migd.daemon.leases.leftovers import check_handout
+from migd.daemon.leases.leftovers import LeftoverChecks
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.supervision.mps import MpsSupervisor
 from migd.errors import InvalidRequest, MigdError
@@ -39,11 +39,13 @@ class LeaseSubmitter:
         executor: GpuExecutor,
         leases: LeaseService,
         mps: MpsSupervisor,
+        leftovers: LeftoverChecks,
     ) -> None:
         self.ctx = ctx
         self.executor = executor
         self.leases = leases
         self.mps = mps
+        self.leftovers = leftovers
 
     def holder(self, req: LeaseRequestMsg, uid: int, pid: int) -> int:
         """The process that holds the lease: the caller as the kernel names it
@@ -97,7 +99,7 @@ class LeaseSubmitter:
             first_state = lease.state
             if lease.state is not LeaseState.ACTIVE:
                 lease = await self.leases.wait_active(lease, reader, request.wait_s or 0.0)
-            if await check_handout(ctx, self.executor, self.leases, lease):
+            if await self.leftovers.check_handout(lease):
                 break
             # A late orphan holds the instance it got (now quarantined): ask again for
             # what is left of the wait. Each round quarantines one instance, so it ends.
@@ -143,7 +145,7 @@ class LeaseSubmitter:
             except MigdError:
                 self._release_group(members, "another GPU of the job's group was not granted")
                 raise
-            handed = [await check_handout(ctx, self.executor, self.leases, m) for m in members]
+            handed = [await self.leftovers.check_handout(m) for m in members]
             if all(handed):
                 break
             # A late orphan on one member's reused instance (that member is released and

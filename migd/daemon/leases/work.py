@@ -96,6 +96,12 @@ class WorkRunner:
         except (MigdError, TimeoutError) as exc:
             error = exc if isinstance(exc, MigdError) else GpuError("NVML call timed out")
             now, mono = ctx.now()
+            # Until the resync below has read the GPU, its books are not the truth (part
+            # of the work may have happened): it takes no new placement meanwhile. The
+            # resync judges this condition afresh; a deferred one leaves it to the reaper.
+            gpu.health.raise_(
+                HealthSource.RESYNC, f"re-reading the GPU after failed work: {error}", now
+            )
             leases.apply(sched.work_failed(work, error, now))
             log.warning(
                 "work.failed",
@@ -153,6 +159,10 @@ class WorkRunner:
         """Run a work item's NVML operations in order (in the GPU's thread)."""
         backend = self.ctx.backend
         created: dict[int, tuple[int | None, str | None, int]] = {}
+        # Every instance the item destroys is checked before any is destroyed: a refusal
+        # then leaves the GPU as the books had it before the work (work_failed puts the
+        # instances back), not with some of them gone.
+        gi_ids: dict[int, int] = {}
         for op in work.ops:
             if isinstance(op, DestroyOp):
                 gi_id, uuid = targets[op.start]
@@ -162,7 +172,10 @@ class WorkRunner:
                 if uuid and backend.processes(work.gpu, uuid):
                     # Never destroy an instance a process uses, whatever our books say.
                     raise GpuBusy(f"{op.profile.name}@{op.start} has processes; not destroying it")
-                backend.destroy_instance(work.gpu, gi_id)
+                gi_ids[op.start] = gi_id
+        for op in work.ops:
+            if isinstance(op, DestroyOp):
+                backend.destroy_instance(work.gpu, gi_ids[op.start])
             elif isinstance(op, CreateOp):
                 inst = backend.create_instance(work.gpu, op.profile.profile_id, op.start)
                 created[op.start] = (inst.gi_id, inst.uuid, inst.memory_total_mib)

@@ -14,7 +14,9 @@ thread, and call the step (cobald's ``regulate()`` / ``run()`` split):
   the history;
 * sampler (every second): :func:`sample_plan` says what to read, the GPU's thread reads
   it (:meth:`Sampler.read`), :meth:`Sampler.apply` books GPU, instance and lease
-  memory for status and OOM evidence;
+  memory for status and OOM evidence; the same round lists the processes on idle
+  instances whose lease ended unchecked (:class:`LeftoverChecks`), so that check costs
+  no round trip of its own;
 * watchdog: :meth:`Watchdog.step` feeds systemd only while every GPU thread answers;
 * startd (every 2 s, when ``htcondor.offline_gpus``): :class:`OfflineShares` says which
   GPUs HTCondor must stop assigning, :class:`StartdSync` tells the startd in a thread.
@@ -33,6 +35,7 @@ from migd.core.lease_end import LeaseEndReason
 from migd.core.leases import Lease, LeaseState
 from migd.daemon.context import DaemonContext
 from migd.daemon.leases.executor import GpuExecutor
+from migd.daemon.leases.leftovers import LeftoverChecks
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.supervision.mps import MpsSupervisor, known_sum
@@ -213,6 +216,9 @@ class SamplePlan:
     instances: list[str] = field(default_factory=list)  # READY instances' UUIDs
     #: MPS devices (None: the whole GPU) -> (lease id, holder pid) of their shares
     shares: dict[str | None, list[tuple[str, int]]] = field(default_factory=dict)
+    #: idle instances to list processes on -> the ended lease each is checked for
+    #: (LeftoverChecks.plan)
+    leftovers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -222,6 +228,8 @@ class SampleReading:
     gpu_used_mib: int | None
     instance_used_mib: dict[str, int | None] = field(default_factory=dict)
     share_used_mib: dict[str, int | None] = field(default_factory=dict)
+    #: the pids on each instance of the plan's ``leftovers``
+    leftover_pids: dict[str, list[int] | None] = field(default_factory=dict)
 
 
 def sample_plan(ctx: DaemonContext, gpu: ManagedGpu) -> SamplePlan:
@@ -239,10 +247,23 @@ class Sampler:
     misses short jobs. An instance's lease uses the instance, an exclusive lease the
     GPU, an MPS share the memory of its holder's processes on the share's device."""
 
-    def __init__(self, ctx: DaemonContext, leases: LeaseService, mps: MpsSupervisor) -> None:
+    def __init__(
+        self,
+        ctx: DaemonContext,
+        leases: LeaseService,
+        mps: MpsSupervisor,
+        leftovers: LeftoverChecks,
+    ) -> None:
         self.ctx = ctx
         self.leases = leases
         self.mps = mps
+        self.leftovers = leftovers
+
+    def plan(self, gpu: ManagedGpu) -> SamplePlan:
+        """What this round reads on ``gpu`` (on the event loop)."""
+        plan = sample_plan(self.ctx, gpu)
+        plan.leftovers = self.leftovers.plan(gpu)
+        return plan
 
     def read(self, plan: SamplePlan) -> SampleReading:
         """The NVML reads of a plan (in the GPU's thread; raises what the backend raises)."""
@@ -254,9 +275,16 @@ class Sampler:
             procs = backend.processes(index, device)
             for lease_id, holder in shares:
                 reading.share_used_mib[lease_id] = known_sum(self.mps.usage(holder, procs))
+        for uuid in plan.leftovers:
+            try:
+                listed: list[int] | None = sorted({p.pid for p in backend.processes(index, uuid)})
+            except MigdError:  # this instance only: the next round asks again
+                listed = None
+            reading.leftover_pids[uuid] = listed
         return reading
 
-    def apply(self, gpu: ManagedGpu, reading: SampleReading) -> None:
+    def apply(self, gpu: ManagedGpu, plan: SamplePlan, reading: SampleReading) -> None:
+        self.leftovers.apply(gpu.index, plan.leftovers, reading.leftover_pids)
         note_peak = self.leases.note_peak
         gpu.used_mib = reading.gpu_used_mib
         if gpu.exclusive_lease is not None:
@@ -318,6 +346,7 @@ class PeriodicTasks:
         reaper: Reaper,
         reconciler: Reconciler,
         mps: MpsSupervisor,
+        leftovers: LeftoverChecks,
         startd: StartdControl | None = None,
     ) -> None:
         self.ctx = ctx
@@ -327,7 +356,7 @@ class PeriodicTasks:
         self.reconciler = reconciler
         self.mps = mps
         self.timers = Timers(ctx, leases)
-        self.sampler = Sampler(ctx, leases, mps)
+        self.sampler = Sampler(ctx, leases, mps, leftovers)
         self.startd = StartdSync(ctx, startd) if startd is not None else None
 
     def start(self) -> list[asyncio.Task[None]]:
@@ -381,16 +410,20 @@ class PeriodicTasks:
                 if gpu.mode is GpuMode.OFF or gpu.index not in self.executor.workers:
                     continue
                 try:
-                    plan = sample_plan(self.ctx, gpu)
-                    reading = await self.executor.on_gpu(
-                        gpu.index, self.sampler.read, plan, timeout_s=10.0
-                    )
-                    self.sampler.apply(gpu, reading)
-                except (MigdError, TimeoutError):
-                    gpu.used_mib = None
+                    await self.sample_round(gpu)
                 except Exception as exc:  # sampling must outlive any surprise
                     log.exception("sampler.crashed", gpu=gpu.index, error=str(exc))
             await asyncio.sleep(1.0)
+
+    async def sample_round(self, gpu: ManagedGpu) -> None:
+        """One GPU's sampling round (the interleaving tests step it directly)."""
+        plan = self.sampler.plan(gpu)
+        try:
+            reading = await self.executor.on_gpu(gpu.index, self.sampler.read, plan, timeout_s=10.0)
+        except (MigdError, TimeoutError):
+            gpu.used_mib = None
+            return
+        self.sampler.apply(gpu, plan, reading)
 
     async def startd_loop(self, sync: StartdSync) -> None:
         while True:
