@@ -21,8 +21,8 @@ Before the fix (books versions, ``NodeScheduler.resync(read_at=...)``, 52be844) 
 and 23 broke the invariants in the harness of that commit; they are pinned below, and
 replay other interleavings now that the harness has more steps. With the hand-out check
 left out (``check_handout`` always handing out), 6 of seeds 0-60 break, the first seed
-9 at step 40: "granted to L6 while a process of L5 (pid 20005) runs on it". Seed 326 found a half-done teardown,
-pinned below too.
+9 at step 40: "granted to L6 while a process of L5 (pid 20005) runs on it". Seed 326
+found a half-done teardown, pinned below too.
 """
 
 from __future__ import annotations
