@@ -22,11 +22,13 @@ between two leases, by whichever comes first:
   that follows makes it UNEXPLAINED and the sampler names the lease.
 
 The release itself makes no NVML call: a lease→release cycle costs one round trip to
-the GPU's thread, not two (issue 26 §4; each round trip is about 0.5 ms of CPU on a
-busy 2-core node, bench/gpu_hop.py). The processes are named with the lease whose job
-left them, in the log (``lease.leftover_processes``), the job's history (``migctl
-explain``) and the instance's note; the reaper's resync adopts the instance again once
-they have exited (:meth:`migd.daemon.leases.reconciler.Reconciler.resync_gpu`).
+the GPU's thread, not two (issue 26 §4: dropping the release's round trip saved 0.43 ms
+of the daemon's CPU per cycle on a 2-core node, bench/results/daemon_vs_presplit.md;
+bench/gpu_hop.py measures one round trip apart from the daemon). The processes are
+named with the lease whose job left them, in the log (``lease.leftover_processes``),
+the job's history (``migctl explain``) and the instance's note; the reaper's resync
+adopts the instance again once they have exited
+(:meth:`migd.daemon.leases.reconciler.Reconciler.resync_gpu`).
 
 Each check applies only to what it read: a hand-out's listing runs in the GPU's thread
 after the sampler's that was queued before it, the sampler's verdict stands only for
