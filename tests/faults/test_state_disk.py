@@ -120,6 +120,29 @@ def test_a_failed_transaction_leaves_nothing_behind(small_disk: SmallDisk) -> No
     assert store.probe()
 
 
+def test_a_batch_the_full_disk_refuses_lands_nothing_and_says_so(small_disk: SmallDisk) -> None:
+    """One commit for a request's writes (issue 26 §4): on a full disk the commit fails,
+    none of them land, the body is not interrupted, and the batch says it was lost."""
+    path = _three_leases(small_disk)
+    store = StateStore(path)
+    small_disk.fill()
+    big = {"blob": "x" * 200_000}  # more than the WAL has room for
+    with store.batch() as batch:
+        store.save_lease(_lease(7))
+        store.record("granted", big, lease_id="L7", job_id="7.0")
+        reached_the_end = True
+    assert reached_the_end
+    assert isinstance(batch.lost, StateDiskError) and "full" in batch.lost.message
+    assert store.failing is not None
+    small_disk.free()
+    assert store.get_lease("L7") is None
+    assert store.history(job_id="7.0") == []
+    with store.batch() as again:
+        store.save_lease(_lease(7))
+    assert again.lost is None and store.failing is None
+    assert store.get_lease("L7") is not None
+
+
 def test_history_is_pruned_by_bytes_and_paged(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "migd.db")
     for _ in range(100):

@@ -73,6 +73,9 @@ class SteppedExecutor(concurrent.futures.Executor):
         self.pending.append((lambda: fn(*args, **kwargs), (name,), fut))
         return fut
 
+    def call(self, fn: Callable[..., Any], /, *args: Any) -> asyncio.Future[Any]:
+        return asyncio.wrap_future(self.submit(fn, *args))
+
     def run_next(self) -> str:
         call, (name,), fut = self.pending.popleft()
         if not fut.set_running_or_notify_cancel():
@@ -242,7 +245,7 @@ class World:
         for index, worker in daemon.executor.workers.items():
             worker.executor.shutdown(wait=False)
             stepped = SteppedExecutor()
-            worker.executor = stepped  # type: ignore[assignment]
+            worker.executor = stepped
             self.executors[index] = stepped
         daemon.leases.add_observer(DisappearedWatch(self))
         self.daemon = daemon

@@ -7,6 +7,7 @@ synchronous step the asyncio loop would call, at the times it chooses.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,3 +404,60 @@ def test_an_admin_release_tells_the_job_why_also_in_the_release_reply(parts: Par
     plan = StopPlan()
     assert plan.observe(reply)
     assert plan.message() == "an administrator released the job's GPU partition (GPU needed)"
+
+
+class _Commits:
+    """The state db's connection, counting commits and failing them while ``fail`` is set
+    (as SQLite does when the disk fills up at the commit)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.commits = 0
+        self.fail = False
+
+    def execute(self, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            self.commits += 1
+            if self.fail:
+                raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, params)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def test_a_lease_cycle_commits_twice_and_a_lost_commit_is_written_once_the_disk_takes_it(
+    parts: Parts,
+) -> None:
+    """Issue 26 §4: a lease→release cycle wrote five rows in five commits. Now each
+    request's rows share one commit; one that fails loses them all, so the lease is
+    written again (and an ended one kept in memory until it is) once the disk recovers."""
+    d = parts.daemon
+    store = d.ctx.db
+    conn = _Commits(store._db)
+    store._db = conn  # type: ignore[assignment]
+    lease = parts.lease(1000)
+    assert lease.state is LeaseState.ACTIVE
+    d.leases.release(lease, "done")
+    assert conn.commits == 2
+    events = [e for e, lid in parts.history() if lid == lease.lease_id]
+    assert events == ["submitted", "granted", "released"]
+    assert lease.lease_id not in d.ctx.sched.leases  # written and answered: forgotten
+
+    other = parts.lease(1000, pid=501)
+    conn.fail = True
+    with structlog.testing.capture_logs() as logs:
+        d.leases.release(other, "done")
+    conn.fail = False
+    assert other.state is LeaseState.RELEASED
+    saved = store.get_lease(other.lease_id)
+    assert saved is not None and saved.state is LeaseState.ACTIVE  # the release was lost
+    assert d.ctx.sched.leases.get(other.lease_id) is other  # kept until written
+    assert store.failing is not None
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["state_disk.failing"]
+
+    assert d.leases.flush()
+    saved = store.get_lease(other.lease_id)
+    assert saved is not None and saved.state is LeaseState.RELEASED
+    assert other.lease_id not in d.ctx.sched.leases
+    assert store.failing is None

@@ -24,9 +24,10 @@ history record of every transition) is the built-in one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +38,7 @@ from migd.core.lease_end import LeaseEnded, LeaseEndReason
 from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.scheduler import Outcome, Transition
 from migd.daemon.context import DaemonContext
+from migd.daemon.store.database import Batch
 from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
 
 log = structlog.get_logger("migd")
@@ -178,6 +180,10 @@ class LeaseService:
         # yields between them (see _drain_hangups).
         self._hangups: deque[tuple[Lease, str]] = deque()
         self._draining: asyncio.Task[None] | None = None
+        # While one commit() is open: the leases it wrote and the ended ones it would
+        # forget, both settled when it commits (see commit()).
+        self._batch: list[Lease] | None = None
+        self._batch_forget: list[str] = []
 
     def add_observer(self, observer: LeaseObserver) -> None:
         self.observers.append(observer)
@@ -217,6 +223,11 @@ class LeaseService:
         # A state disk that refuses writes refuses the request here, before the books
         # change (a grant migd cannot record would be lost by the next restart).
         ctx.db.require_writable()
+        with self.commit():
+            return self._submit(leases, uid, now, mono)
+
+    def _submit(self, leases: list[Lease], uid: int, now: float, mono: float) -> list[Lease]:
+        ctx = self.ctx
         try:
             if len(leases) == 1:
                 outcome = ctx.sched.submit(leases[0], now, mono)
@@ -250,10 +261,14 @@ class LeaseService:
 
     def apply(self, outcome: Outcome) -> None:
         """Observe the outcome's transitions, persist leases that changed, run its work,
-        answer waiting clients, prune.
+        answer waiting clients, prune; the writes in one commit (:meth:`commit`).
 
         Only what the outcome touched (and leases the state disk refused before) is
         visited: the cost follows the outcome, not the number of leases and waiters."""
+        with self.commit():
+            self._apply(outcome)
+
+    def _apply(self, outcome: Outcome) -> None:
         self.notify(outcome.transitions)
         touched = outcome.touched
         for lease in [*self._unsaved.values(), *touched]:
@@ -297,8 +312,41 @@ class LeaseService:
                 self._unsaved[lease.lease_id] = lease
         else:
             self._saved[lease.lease_id] = lease.version
+            if self._batch is not None:
+                self._batch.append(lease)
             if self._unsaved.pop(lease.lease_id, None) is not None:
                 self._forget_if_done(lease.lease_id)
+
+    @contextlib.contextmanager
+    def commit(self) -> Iterator[None]:
+        """The lease and history writes made inside in one SQLite commit
+        (:meth:`migd.daemon.store.database.StateDatabase.batch`): a lease→release cycle
+        commits twice, not five times (issue 26 §4). Ended leases are forgotten only
+        once their last state has landed; when the commit fails, every lease written in
+        it is unsaved again and written by the next :meth:`apply` or :meth:`flush` (the
+        history rows are lost; the log has them). Must not span an ``await``: another
+        request's writes would join it. Nested: the outer one commits."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch, self._batch_forget = [], []
+        batch: Batch | None = None
+        try:
+            with self.ctx.db.batch() as batch:
+                yield
+        finally:
+            written, forget = self._batch, self._batch_forget
+            self._batch, self._batch_forget = None, []
+            if batch is not None and batch.lost is not None:
+                if isinstance(batch.lost, StateDiskError):
+                    self._disk_failed(batch.lost)
+                for lease in written:
+                    if self._saved.get(lease.lease_id) == lease.version:
+                        del self._saved[lease.lease_id]
+                    if lease.lease_id in self.ctx.sched.leases:
+                        self._unsaved[lease.lease_id] = lease
+            for lease_id in forget:
+                self._forget_if_done(lease_id)
 
     def restored(self, lease: Lease) -> None:
         """A lease reloaded from the store as it was there: nothing to write."""
@@ -374,6 +422,9 @@ class LeaseService:
     def _forget_if_done(self, lease_id: str) -> None:
         """:meth:`prune` for one lease: forget it once it has ended, is written and no
         client waits for it (its waiter's end calls this again)."""
+        if self._batch is not None:  # once the commit() has landed (or not)
+            self._batch_forget.append(lease_id)
+            return
         lease = self._ended.get(lease_id)
         if lease is None:
             return
@@ -419,14 +470,15 @@ class LeaseService:
             # Lowers the daemon's pinned limits; the daemon stops after mps.idle_stop_s.
             self.release_share(lease.gpu, mps_device, lease.lease_id)
         peak = self.peaks.get(lease.lease_id)
-        self.record(
-            "reclaimed" if reclaim else "released",
-            lease,
-            reason=reason,
-            peak_used_mib=peak,
-            end_reason=lease.end_reason.value if lease.end_reason else None,
-        )
-        self.apply(outcome)
+        with self.commit():
+            self.record(
+                "reclaimed" if reclaim else "released",
+                lease,
+                reason=reason,
+                peak_used_mib=peak,
+                end_reason=lease.end_reason.value if lease.end_reason else None,
+            )
+            self.apply(outcome)
         ended = _ended(lease)
         ended["peak_used_mib"] = peak
         return ended

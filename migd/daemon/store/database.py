@@ -109,6 +109,18 @@ def _disk_error(path: Path, exc: BaseException, doing: str) -> StateDiskError:
     )
 
 
+class Batch:
+    """What became of the writes of one :meth:`StateDatabase.batch`, known at its end.
+
+    Attributes:
+        lost: why none of the batch's writes landed (a write in it or its commit failed:
+            SQLite may roll back a whole transaction on a full disk or an I/O error, so
+            none is taken to have landed), or None when they all did.
+    """
+
+    lost: StateStoreError | None = None
+
+
 class StateDatabase:
     """The SQLite state database file: opening, writes, transactions and the disk's health.
     Not thread-safe: the daemon uses it from its event loop.
@@ -131,6 +143,9 @@ class StateDatabase:
         self._stop_checkpoints = threading.Event()
         # (WAL frames, frames checkpointed) from the background thread's last round.
         self.last_checkpoint: tuple[int, int] | None = None
+        # The open batch, and the first write that failed in it (see batch()).
+        self._batch: Batch | None = None
+        self._batch_error: StateStoreError | None = None
 
     def checkpoint_in_background(self, interval_s: float = 2.0) -> None:
         """Move WAL checkpoints off the caller's thread.
@@ -234,6 +249,12 @@ class StateDatabase:
         return cur
 
     def _failed(self, exc: sqlite3.Error) -> StateStoreError:
+        error = self._error_for(exc)
+        if self._batch is not None and self._batch_error is None:
+            self._batch_error = error
+        return error
+
+    def _error_for(self, exc: sqlite3.Error) -> StateStoreError:
         if _primary_code(exc) in _CORRUPTION_CODES:
             return StateStoreError(
                 f"the state database {self.path} is corrupt: {exc}",
@@ -276,6 +297,56 @@ class StateDatabase:
             raise
         if self.failing is not None:
             self._recovered()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """The writes made inside land in one commit, at the end, whatever the body does.
+
+        One lease request writes its history row, the lease and the grant's history row;
+        committed one by one, that was three WAL commits (issue 26 §4). Unlike
+        :meth:`transaction`, the body's in-memory change stands when a write fails: each
+        write still raises its own StateDiskError for its caller to handle, and the
+        yielded :class:`Batch` says at the end whether everything was lost, so the caller
+        can mark what it wrote as unwritten. Nested in a transaction or a batch, the outer
+        one commits. Make no request of the disk in it that must land before the body
+        goes on (:meth:`require_writable`'s probe would only reach the open transaction).
+        """
+        result = Batch()
+        if self._db.in_transaction:
+            yield result
+            return
+        try:
+            self._db.execute("BEGIN")  # deferred: takes no lock until the first write
+        except sqlite3.Error:
+            yield result  # cannot open one: the writes commit one by one, as ever
+            return
+        self._batch, self._batch_error = result, None
+        try:
+            yield result
+        finally:
+            self._batch = None
+            lost = self._take_batch_error()
+            if lost is None:
+                try:
+                    self._db.execute("COMMIT")
+                except sqlite3.Error as exc:
+                    lost = self._error_for(exc)  # sets `failing` for a disk's refusal
+            if lost is not None:
+                self._roll_back()
+                result.lost = lost
+            elif self.failing is not None:
+                self._recovered()
+
+    def _roll_back(self) -> None:
+        # SQLite may have rolled the transaction back itself (a full disk, an I/O error).
+        with contextlib.suppress(sqlite3.Error):
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+
+    def _take_batch_error(self) -> StateStoreError | None:
+        # A method, not an inline read: the body's writes set it while batch() waited.
+        error, self._batch_error = self._batch_error, None
+        return error
 
     #: Free space (bytes) on the state disk above which require_writable needs no probe.
     PROBE_HEADROOM_BYTES = 16 * 1024 * 1024
