@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
+import random
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -184,6 +184,10 @@ class LeaseService:
         # forget, both settled when it commits (see commit()).
         self._batch: list[Lease] | None = None
         self._batch_forget: list[str] = []
+        # Lease ids need to be unique, not secret (the owner check is by uid): a PRNG seeded
+        # once from os.urandom, not a getrandom(2) call per lease, each of which let a GPU
+        # thread take the GIL from the loop (issue 26 §4).
+        self._ids = random.Random()
 
     def add_observer(self, observer: LeaseObserver) -> None:
         self.observers.append(observer)
@@ -211,7 +215,7 @@ class LeaseService:
         now, mono = ctx.now()
         leases = [
             Lease(
-                lease_id=f"{int(now)}-{secrets.token_hex(4)}",
+                lease_id=f"{int(now)}-{self._ids.getrandbits(32):08x}",
                 request=request,
                 owner_uid=uid,
                 owner_pid=holder,

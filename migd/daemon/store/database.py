@@ -146,6 +146,7 @@ class StateDatabase:
         # The open batch, and the first write that failed in it (see batch()).
         self._batch: Batch | None = None
         self._batch_error: StateStoreError | None = None
+        self._batch_open = False  # its BEGIN was sent
 
     def checkpoint_in_background(self, interval_s: float = 2.0) -> None:
         """Move WAL checkpoints off the caller's thread.
@@ -241,6 +242,9 @@ class StateDatabase:
     def _write(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Cursor:
         """One write statement; a disk that refuses it becomes StateDiskError."""
         try:
+            if self._batch is not None and not self._batch_open:
+                self._db.execute("BEGIN")  # deferred: the write below takes the lock
+                self._batch_open = True
             cur = self._db.execute(sql, params)
         except sqlite3.Error as exc:
             raise self._failed(exc) from exc
@@ -284,7 +288,7 @@ class StateDatabase:
         On any error the transaction is rolled back and the error propagates (a disk
         error as StateDiskError), so the caller can undo its in-memory change too.
         """
-        if self._db.in_transaction:  # nested: the outer transaction decides
+        if self._db.in_transaction or self._batch is not None:  # nested: the outer decides
             yield
             return
         self._write("BEGIN IMMEDIATE")
@@ -312,21 +316,19 @@ class StateDatabase:
         goes on (:meth:`require_writable`'s probe would only reach the open transaction).
         """
         result = Batch()
-        if self._db.in_transaction:
+        if self._db.in_transaction or self._batch is not None:
             yield result
             return
-        try:
-            self._db.execute("BEGIN")  # deferred: takes no lock until the first write
-        except sqlite3.Error:
-            yield result  # cannot open one: the writes commit one by one, as ever
-            return
-        self._batch, self._batch_error = result, None
+        # The transaction opens at the first write (_write): most outcomes a scheduling
+        # pass applies write nothing, and an empty BEGIN..COMMIT is two statements.
+        self._batch, self._batch_error, self._batch_open = result, None, False
         try:
             yield result
         finally:
-            self._batch = None
+            opened = self._batch_open
+            self._batch, self._batch_open = None, False
             lost = self._take_batch_error()
-            if lost is None:
+            if lost is None and opened:
                 try:
                     self._db.execute("COMMIT")
                 except sqlite3.Error as exc:
