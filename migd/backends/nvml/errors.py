@@ -9,8 +9,8 @@ unversioned wrapper meeting an older driver) from an NVML return code, and the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 from migd.backends.nvml_codes import (
@@ -161,7 +161,6 @@ def _not_supported(message: str, mig_mode: MigModeReader | None, info: dict[str,
     )
 
 
-@contextmanager
 def nvml_errors(
     op: str,
     *,
@@ -170,34 +169,68 @@ def nvml_errors(
     not_found: type[MigdError] = GpuNotFound,
     invalid_argument: type[MigdError] = GpuError,
     **details: Any,
-) -> Iterator[None]:
+) -> NvmlErrors:
     """Translate NVML errors raised in the block (see :func:`translate_nvml_error`).
 
     migd errors and non-NVML exceptions pass through unchanged.
     """
-    try:
-        yield
-    except MigdError:
-        raise
-    except Exception as exc:
+    return NvmlErrors(op, gpu, mig_mode, not_found, invalid_argument, details)
+
+
+class NvmlErrors:
+    """The context manager :func:`nvml_errors` returns. A class, not a generator
+    ``@contextmanager``: it wraps every NVML call, and a generator-based one costs about
+    2 us more per call (a process listing makes three, issue 26 §4)."""
+
+    __slots__ = ("details", "gpu", "invalid_argument", "mig_mode", "not_found", "op")
+
+    def __init__(
+        self,
+        op: str,
+        gpu: int | None,
+        mig_mode: MigModeReader | None,
+        not_found: type[MigdError],
+        invalid_argument: type[MigdError],
+        details: dict[str, Any],
+    ) -> None:
+        self.op = op
+        self.gpu = gpu
+        self.mig_mode = mig_mode
+        self.not_found = not_found
+        self.invalid_argument = invalid_argument
+        self.details = details
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Returns None, never True: what is not translated propagates (and mypy knows the
+        # block's exceptions are never swallowed).
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, MigdError):
+            return  # nothing raised, or not ours to translate
         code = nvml_error_code(exc)
         if code is None and is_library_mismatch(exc):
             raise GpuUnsupported(
-                f"{op} failed: the NVIDIA driver is older than this pynvml call ({exc})",
+                f"{self.op} failed: the NVIDIA driver is older than this pynvml call ({exc})",
                 hint="upgrade the driver, or install the nvidia-ml-py release of its branch",
-                op=op,
-                gpu=gpu,
+                op=self.op,
+                gpu=self.gpu,
             ) from exc
         if code is None:
-            raise
+            return
         raise translate_nvml_error(
             code,
-            op=op,
-            gpu=gpu,
-            mig_mode=mig_mode,
-            not_found=not_found,
-            invalid_argument=invalid_argument,
-            **details,
+            op=self.op,
+            gpu=self.gpu,
+            mig_mode=self.mig_mode,
+            not_found=self.not_found,
+            invalid_argument=self.invalid_argument,
+            **self.details,
         ) from exc
 
 
