@@ -10,6 +10,7 @@ unversioned wrapper meeting an older driver) from an NVML return code, and the
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -177,28 +178,18 @@ def nvml_errors(
     return NvmlErrors(op, gpu, mig_mode, not_found, invalid_argument, details)
 
 
+@dataclass(slots=True)
 class NvmlErrors:
     """The context manager :func:`nvml_errors` returns. A class, not a generator
     ``@contextmanager``: it wraps every NVML call, and a generator-based one costs about
     2 us more per call (a process listing makes three, issue 26 §4)."""
 
-    __slots__ = ("details", "gpu", "invalid_argument", "mig_mode", "not_found", "op")
-
-    def __init__(
-        self,
-        op: str,
-        gpu: int | None,
-        mig_mode: MigModeReader | None,
-        not_found: type[MigdError],
-        invalid_argument: type[MigdError],
-        details: dict[str, Any],
-    ) -> None:
-        self.op = op
-        self.gpu = gpu
-        self.mig_mode = mig_mode
-        self.not_found = not_found
-        self.invalid_argument = invalid_argument
-        self.details = details
+    op: str
+    gpu: int | None
+    mig_mode: MigModeReader | None
+    not_found: type[MigdError]
+    invalid_argument: type[MigdError]
+    details: dict[str, Any]
 
     def __enter__(self) -> None:
         return None

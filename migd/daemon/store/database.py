@@ -143,10 +143,8 @@ class StateDatabase:
         self._stop_checkpoints = threading.Event()
         # (WAL frames, frames checkpointed) from the background thread's last round.
         self.last_checkpoint: tuple[int, int] | None = None
-        # The open batch, and the first write that failed in it (see batch()).
+        # The open batch (see batch()); the first write that fails in it is its `lost`.
         self._batch: Batch | None = None
-        self._batch_error: StateStoreError | None = None
-        self._batch_open = False  # its BEGIN was sent
 
     def checkpoint_in_background(self, interval_s: float = 2.0) -> None:
         """Move WAL checkpoints off the caller's thread.
@@ -242,9 +240,8 @@ class StateDatabase:
     def _write(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Cursor:
         """One write statement; a disk that refuses it becomes StateDiskError."""
         try:
-            if self._batch is not None and not self._batch_open:
+            if self._batch is not None and not self._db.in_transaction:
                 self._db.execute("BEGIN")  # deferred: the write below takes the lock
-                self._batch_open = True
             cur = self._db.execute(sql, params)
         except sqlite3.Error as exc:
             raise self._failed(exc) from exc
@@ -254,8 +251,8 @@ class StateDatabase:
 
     def _failed(self, exc: sqlite3.Error) -> StateStoreError:
         error = self._error_for(exc)
-        if self._batch is not None and self._batch_error is None:
-            self._batch_error = error
+        if self._batch is not None and self._batch.lost is None:
+            self._batch.lost = error
         return error
 
     def _error_for(self, exc: sqlite3.Error) -> StateStoreError:
@@ -321,34 +318,33 @@ class StateDatabase:
             return
         # The transaction opens at the first write (_write): most outcomes a scheduling
         # pass applies write nothing, and an empty BEGIN..COMMIT is two statements.
-        self._batch, self._batch_error, self._batch_open = result, None, False
+        self._batch = result
         try:
             yield result
         finally:
-            opened = self._batch_open
-            self._batch, self._batch_open = None, False
-            lost = self._take_batch_error()
-            if lost is None and opened:
-                try:
-                    self._db.execute("COMMIT")
-                except sqlite3.Error as exc:
-                    lost = self._error_for(exc)  # sets `failing` for a disk's refusal
-            if lost is not None:
+            self._batch = None
+            if result.lost is None:
+                result.lost = self._commit_open()
+            if result.lost is not None:
                 self._roll_back()
-                result.lost = lost
             elif self.failing is not None:
                 self._recovered()
+
+    def _commit_open(self) -> StateStoreError | None:
+        """Commit the open transaction, if a write opened one; why it failed, if it did."""
+        if not self._db.in_transaction:
+            return None
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            return self._error_for(exc)  # sets `failing` for a disk's refusal
+        return None
 
     def _roll_back(self) -> None:
         # SQLite may have rolled the transaction back itself (a full disk, an I/O error).
         with contextlib.suppress(sqlite3.Error):
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
-
-    def _take_batch_error(self) -> StateStoreError | None:
-        # A method, not an inline read: the body's writes set it while batch() waited.
-        error, self._batch_error = self._batch_error, None
-        return error
 
     #: Free space (bytes) on the state disk above which require_writable needs no probe.
     PROBE_HEADROOM_BYTES = 16 * 1024 * 1024
