@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import psutil
 
@@ -25,7 +24,14 @@ _LEGACY_TOLERANCE_S = 0.005
 def _stat(pid: int) -> tuple[bytes, int] | None:
     """(state, start ticks since boot) of ``pid``, ``None`` if there is no such process."""
     try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
+        # os.open/os.read, not Path.read_bytes: 3 system calls, not 9 (a buffered file
+        # object asks for fstat, ioctl and lseek, and reads twice); this runs for every
+        # lease request (the holder's start).
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 4096)  # the line is at most a few hundred bytes
+        finally:
+            os.close(fd)
     except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
         return None
     except PermissionError:  # /proc mounted with hidepid: it exists, its start is unknown

@@ -264,6 +264,9 @@ class Daemon:
         ctx = self.ctx
         cfg = ctx.config
         self.open()
+        # The requests served in one turn of the loop share one SQLite commit, made at
+        # the turn's end (StateDatabase.defer_commits; replies wait for it).
+        ctx.db.defer_commits(asyncio.get_running_loop().call_soon)
         managed = list(ctx.sched.gpus.values())
         await self.mps.start()
         await self.reconciler.reconcile()

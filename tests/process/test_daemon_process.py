@@ -234,6 +234,33 @@ def test_sighup_reloads_and_keeps_old_config_on_error(daemon: DaemonProcess) -> 
     assert client.status()["daemon"]["policy"]["queue"] == "size"
 
 
+def test_a_reply_comes_only_once_what_the_request_wrote_is_committed(
+    daemon: DaemonProcess,
+) -> None:
+    """The daemon commits the requests of one turn of its event loop together, at the
+    turn's end (issue 26 §4); a client hears of a grant or a release only after that
+    commit, so what it was told is on disk, as another reader of the database sees."""
+    import sqlite3
+
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        daemon.start()
+        client = daemon.client()
+        db = sqlite3.connect(daemon.root / "state" / "migd.db")
+        for n in range(20):
+            lease = client.lease(
+                job_id=f"7.{n}", gpu_memory_mib=9000, wait_s=5, holder_pid=holder.pid
+            )
+            state = "SELECT state FROM leases WHERE lease_id=?"
+            assert db.execute(state, (lease["lease_id"],)).fetchone() == ("active",)
+            client.release(lease["lease_id"])
+            assert db.execute(state, (lease["lease_id"],)).fetchone() == ("released",)
+        db.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_sigterm_stops_cleanly_and_keeps_active_leases(daemon: DaemonProcess) -> None:
     holder = subprocess.Popen(["sleep", "120"])
     try:

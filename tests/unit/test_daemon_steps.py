@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -457,6 +457,53 @@ def test_a_lease_cycle_commits_twice_and_a_lost_commit_is_written_once_the_disk_
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["state_disk.failing"]
 
     assert d.leases.flush()
+    saved = store.get_lease(other.lease_id)
+    assert saved is not None and saved.state is LeaseState.RELEASED
+    assert other.lease_id not in d.ctx.sched.leases
+    assert store.failing is None
+
+
+def test_the_requests_of_one_loop_turn_share_a_commit_and_a_lost_one_is_written_again(
+    parts: Parts,
+) -> None:
+    """In the daemon the requests served in one turn of the event loop commit together
+    at its end (StateDatabase.defer_commits, issue 26 §4). A lease and its release in
+    one turn are one commit; when that commit fails, both leases' writes are lost, the
+    ended lease stays in memory, and the next flush writes it once the disk takes it."""
+    d = parts.daemon
+    store = d.ctx.db
+    conn = _Commits(store._db)
+    store._db = conn  # type: ignore[assignment]
+    turn: list[Callable[[], None]] = []
+    store.defer_commits(turn.append)
+
+    def end_turn() -> None:
+        asked = list(turn)
+        turn.clear()
+        for fn in asked:
+            fn()
+
+    lease = parts.lease(1000)
+    d.leases.release(lease, "done")
+    assert conn.commits == 0 and len(turn) == 1
+    assert d.ctx.sched.leases.get(lease.lease_id) is lease  # not forgotten before it lands
+    end_turn()
+    assert conn.commits == 1
+    saved = store.get_lease(lease.lease_id)
+    assert saved is not None and saved.state is LeaseState.RELEASED
+    assert lease.lease_id not in d.ctx.sched.leases
+
+    other = parts.lease(1000, pid=501)
+    d.leases.release(other, "done")
+    conn.fail = True
+    with structlog.testing.capture_logs() as logs:
+        end_turn()
+    conn.fail = False
+    assert store.get_lease(other.lease_id) is None  # neither the lease nor its release
+    assert d.ctx.sched.leases.get(other.lease_id) is other
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["state_disk.failing"]
+    assert d.leases.flush()
+    end_turn()
     saved = store.get_lease(other.lease_id)
     assert saved is not None and saved.state is LeaseState.RELEASED
     assert other.lease_id not in d.ctx.sched.leases

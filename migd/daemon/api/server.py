@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import stat
@@ -311,6 +312,7 @@ class ApiServer:
                 raise refusal
             began = self.ctx.clock.monotonic()
             result = await self.handle(request, peer, reader)
+            await self._committed()
             reply = ok_reply(request_id, result)
             # Rarely larger than a page (status of a big node); refused if it does not fit.
             refusal = self.unsent.refusal(peer.uid, api, len(reply))
@@ -323,10 +325,24 @@ class ApiServer:
         except MigdError as exc:
             if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):
                 log.info("request.refused", error=exc.code, message=exc.message, peer_uid=peer.uid)
+            await self._committed()
             await self._send(writer, error_reply(request_id, exc))
         except Exception as exc:  # never let one request take the daemon down
             log.exception("request.crashed", error=str(exc))
             await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
+
+    async def _committed(self) -> None:
+        """Wait until what the request wrote is committed: the state database commits
+        the requests of one turn of the event loop together, at its end
+        (``StateDatabase.defer_commits``), and a client must not hear of a grant or a
+        release that a crash could still lose. (A failed commit is the lease service's
+        to retry; the reply then says what the books say, as before.)"""
+        store = self.ctx.store
+        if store is None:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if store.when_committed(functools.partial(_set_done, done)):
+            await done
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes, uid: int = -1) -> None:
         """Write one reply and close. A client that does not read it within
@@ -414,6 +430,11 @@ class ApiServer:
             lease = self.lease_for(req.lease_id)
             auth.require_owner(peer, lease.owner_uid, verb)
         return await spec.handler(Call(req, peer, reader, lease))
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # (the request's task may have been cancelled meanwhile)
+        fut.set_result(None)
 
 
 async def _discard(reader: asyncio.StreamReader, cap: int) -> None:

@@ -39,7 +39,14 @@ from migd.core.leases import Lease, LeaseRequest, LeaseState
 from migd.core.scheduler import Outcome, Transition
 from migd.daemon.context import DaemonContext
 from migd.daemon.store.database import Batch
-from migd.errors import GpuError, LeaseNotFound, LeaseTimeout, MigdError, StateDiskError
+from migd.errors import (
+    GpuError,
+    LeaseNotFound,
+    LeaseTimeout,
+    MigdError,
+    StateDiskError,
+    StateStoreError,
+)
 
 log = structlog.get_logger("migd")
 
@@ -325,11 +332,12 @@ class LeaseService:
     def commit(self) -> Iterator[None]:
         """The lease and history writes made inside in one SQLite commit
         (:meth:`migd.daemon.store.database.StateDatabase.batch`): a lease→release cycle
-        commits twice, not five times (issue 26 §4). Ended leases are forgotten only
-        once their last state has landed; when the commit fails, every lease written in
-        it is unsaved again and written by the next :meth:`apply` or :meth:`flush` (the
-        history rows are lost; the log has them). Must not span an ``await``: another
-        request's writes would join it. Nested: the outer one commits."""
+        commits twice, not five times, and in the daemon the requests of one turn of the
+        event loop share a commit (``defer_commits``; issue 26 §4). Ended leases are
+        forgotten only once their last state has landed; when the commit fails, every
+        lease written in it is unsaved again and written by the next :meth:`apply` or
+        :meth:`flush` (the history rows are lost; the log has them). Must not span an
+        ``await``: another request's writes would join it. Nested: the outer one commits."""
         if self._batch is not None:
             yield
             return
@@ -341,16 +349,25 @@ class LeaseService:
         finally:
             written, forget = self._batch, self._batch_forget
             self._batch, self._batch_forget = None, []
-            if batch is not None and batch.lost is not None:
-                if isinstance(batch.lost, StateDiskError):
-                    self._disk_failed(batch.lost)
-                for lease in written:
-                    if self._saved.get(lease.lease_id) == lease.version:
-                        del self._saved[lease.lease_id]
-                    if lease.lease_id in self.ctx.sched.leases:
-                        self._unsaved[lease.lease_id] = lease
-            for lease_id in forget:
-                self._forget_if_done(lease_id)
+            if batch is None:
+                self._landed(written, forget, None)
+            else:
+                batch.then(lambda lost: self._landed(written, forget, lost))
+
+    def _landed(
+        self, written: list[Lease], forget: list[str], lost: StateStoreError | None
+    ) -> None:
+        """A :meth:`commit`'s writes are settled: ``lost`` says why none landed, if so."""
+        if lost is not None:
+            if isinstance(lost, StateDiskError):
+                self._disk_failed(lost)
+            for lease in written:
+                if self._saved.get(lease.lease_id) == lease.version:
+                    del self._saved[lease.lease_id]
+                if lease.lease_id in self.ctx.sched.leases:
+                    self._unsaved[lease.lease_id] = lease
+        for lease_id in forget:
+            self._forget_if_done(lease_id)
 
     def restored(self, lease: Lease) -> None:
         """A lease reloaded from the store as it was there: nothing to write."""

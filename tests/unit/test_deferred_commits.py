@@ -1,0 +1,181 @@
+"""The state database's deferred commits (``StateDatabase.defer_commits``, issue 26 §4):
+the batches of one turn of the event loop share one commit, settled together; nothing
+else joins them, and nothing is left uncommitted at close.
+
+What another connection reads is what is on disk (WAL readers see committed
+transactions only), so each test checks what landed through one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from migd.daemon.store.database import Batch
+from migd.daemon.store.state import StateStore
+from migd.errors import StateDiskError
+from tests.unit.test_daemon_parts import _lease
+
+
+class Turn:
+    """What the event loop's ``call_soon`` would be: the commits asked for, run by hand."""
+
+    def __init__(self) -> None:
+        self.asked: list[Callable[[], None]] = []
+
+    def __call__(self, fn: Callable[[], None]) -> None:
+        self.asked.append(fn)
+
+    def end(self) -> None:
+        asked, self.asked = self.asked, []
+        for fn in asked:
+            fn()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StateStore]:
+    s = StateStore(tmp_path / "migd.db")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def turn(store: StateStore) -> Turn:
+    t = Turn()
+    store.defer_commits(t)
+    return t
+
+
+def on_disk(store: StateStore) -> set[str]:
+    """The lease ids another connection sees (committed ones only)."""
+    other = sqlite3.connect(store.path)
+    try:
+        return {row[0] for row in other.execute("SELECT lease_id FROM leases")}
+    finally:
+        other.close()
+
+
+def test_the_batches_of_one_turn_share_one_commit_and_settle_at_it(
+    store: StateStore, turn: Turn
+) -> None:
+    settled: list[tuple[str, object]] = []
+    batches: list[Batch] = []
+    for n in (1, 2, 3):
+        with store.batch() as batch:
+            store.save_lease(_lease(n))
+        batch.then(lambda lost, n=n: settled.append((f"L{n}", lost)))
+        batches.append(batch)
+    assert len(turn.asked) == 1  # one commit asked for, by the group's first batch
+    assert not any(b.settled for b in batches) and settled == []
+    assert on_disk(store) == set()  # nothing committed yet
+    turn.end()
+    assert on_disk(store) == {"L1", "L2", "L3"}
+    assert settled == [("L1", None), ("L2", None), ("L3", None)]
+    assert all(b.settled and b.lost is None for b in batches)
+    with store.batch() as empty:
+        pass  # wrote nothing, no group open: settled at its end, no commit asked for
+    assert empty.settled and turn.asked == []
+
+
+def test_when_committed_waits_for_the_group_and_only_while_one_waits(
+    store: StateStore, turn: Turn
+) -> None:
+    told: list[str] = []
+    assert not store.when_committed(lambda: told.append("never"))
+    with store.batch():
+        store.save_lease(_lease(1))
+    assert store.when_committed(lambda: told.append("landed"))
+    assert told == []
+    turn.end()
+    assert told == ["landed"] and on_disk(store) == {"L1"}
+    assert not store.when_committed(lambda: told.append("never"))
+
+
+def test_a_write_of_its_own_and_a_transaction_commit_the_waiting_group_first(
+    store: StateStore, turn: Turn
+) -> None:
+    with store.batch() as first:
+        store.save_lease(_lease(1))
+    store.set_meta("draining", ["GPU-1"])  # a write outside any batch
+    assert first.settled and first.lost is None
+    assert on_disk(store) == {"L1"}
+
+    with store.batch() as second:
+        store.save_lease(_lease(2))
+    with pytest.raises(RuntimeError), store.transaction():
+        store.save_lease(_lease(3))
+        raise RuntimeError("the transaction's body fails")
+    # The transaction rolled back its own write only: the batch before it had landed.
+    assert second.settled and second.lost is None
+    assert on_disk(store) == {"L1", "L2"}
+    turn.end()  # the commit asked for finds nothing left to do
+    assert on_disk(store) == {"L1", "L2"}
+
+
+def test_a_batch_in_a_transaction_is_the_transactions(store: StateStore, turn: Turn) -> None:
+    with store.transaction():
+        with store.batch() as inner:
+            store.save_lease(_lease(1))
+        assert inner.settled and inner.lost is None  # the outer one commits
+        assert on_disk(store) == set()
+    assert on_disk(store) == {"L1"} and turn.asked == []
+
+
+def test_close_commits_what_waits(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "migd.db")
+    turn = Turn()
+    store.defer_commits(turn)
+    with store.batch() as batch:
+        store.save_lease(_lease(1))
+    store.close()  # the loop stopped before the turn ended
+    assert batch.settled and batch.lost is None
+    again = StateStore(tmp_path / "migd.db")
+    try:
+        assert again.get_lease("L1") is not None
+    finally:
+        again.close()
+
+
+class FailingCommits:
+    """The store's connection, failing COMMIT while ``fail`` is set (as SQLite does when
+    the disk fills up at the commit)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.fail = False
+
+    def execute(self, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Cursor:
+        if sql == "COMMIT" and self.fail:
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, params)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def test_a_group_whose_commit_fails_is_lost_whole_and_the_next_one_lands(
+    store: StateStore, turn: Turn
+) -> None:
+    conn = FailingCommits(store._db)
+    store._db = conn  # type: ignore[assignment]
+    batches = []
+    for n in (1, 2):
+        with store.batch() as batch:
+            store.save_lease(_lease(n))
+        batches.append(batch)
+    conn.fail = True
+    turn.end()
+    conn.fail = False
+    assert all(isinstance(b.lost, StateDiskError) for b in batches)
+    assert store.failing is not None
+    assert on_disk(store) == set()
+    with store.batch() as again:
+        store.save_lease(_lease(1))
+    turn.end()
+    assert again.lost is None and store.failing is None
+    assert on_disk(store) == {"L1"}
