@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from migd.daemon.store.database import Batch
 from migd.daemon.store.state import StateStore
-from migd.errors import StateDiskError
+from migd.errors import StateDiskError, StateStoreError
 from tests.unit.test_daemon_parts import _lease
 
 
@@ -179,3 +180,42 @@ def test_a_group_whose_commit_fails_is_lost_whole_and_the_next_one_lands(
     turn.end()
     assert again.lost is None and store.failing is None
     assert on_disk(store) == {"L1"}
+
+
+def test_a_group_sqlite_rolled_back_on_its_own_is_lost_not_taken_for_landed(
+    store: StateStore, turn: Turn
+) -> None:
+    """SQLite rolls an open transaction back itself after some failed statements (an
+    I/O error, no memory), reads included: the batches waiting in it are lost, and the
+    next batch does not join a group whose writes are gone."""
+    with store.batch() as first:
+        store.save_lease(_lease(1))
+    store._db.execute("ROLLBACK")  # what SQLite does after such a failure
+    with store.batch() as second:
+        store.save_lease(_lease(2))
+    assert first.settled and isinstance(first.lost, StateStoreError)
+    assert "rolled back" in first.lost.message
+    assert not second.settled
+    turn.end()
+    assert second.settled and second.lost is None
+    assert on_disk(store) == {"L2"}
+
+
+def test_a_failing_callback_does_not_keep_the_others_from_the_commit(
+    store: StateStore, turn: Turn
+) -> None:
+    told: list[str] = []
+
+    def broken(_lost: object) -> None:
+        raise RuntimeError("a bug in one listener")
+
+    with store.batch() as first:
+        store.save_lease(_lease(1))
+    first.then(broken)
+    with store.batch() as second:
+        store.save_lease(_lease(2))
+    second.then(lambda lost: told.append(f"second {lost}"))
+    with structlog.testing.capture_logs() as logs:
+        turn.end()
+    assert told == ["second None"]
+    assert [e["event"] for e in logs] == ["state_db.batch_callback_failed"]

@@ -329,6 +329,7 @@ class ApiServer:
             await self._send(writer, error_reply(request_id, exc))
         except Exception as exc:  # never let one request take the daemon down
             log.exception("request.crashed", error=str(exc))
+            await self._committed()
             await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
 
     async def _committed(self) -> None:

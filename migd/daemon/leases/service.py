@@ -190,6 +190,10 @@ class LeaseService:
         # While one commit() is open: the leases it wrote and the ended ones it would
         # forget, both settled when it commits (see commit()).
         self._batch: list[Lease] | None = None
+        # Lease id -> writes of it in commits not yet settled (deferred to the end of the
+        # loop's turn): such a lease is not forgotten, whatever `_saved` says, until its
+        # commit has landed (a lost one makes it unsaved again).
+        self._landing: dict[str, int] = {}
         self._batch_forget: list[str] = []
         # Lease ids need to be unique, not secret (the owner check is by uid): a PRNG seeded
         # once from os.urandom, not a getrandom(2) call per lease, each of which let a GPU
@@ -325,6 +329,7 @@ class LeaseService:
             self._saved[lease.lease_id] = lease.version
             if self._batch is not None:
                 self._batch.append(lease)
+                self._landing[lease.lease_id] = self._landing.get(lease.lease_id, 0) + 1
             if self._unsaved.pop(lease.lease_id, None) is not None:
                 self._forget_if_done(lease.lease_id)
 
@@ -358,6 +363,12 @@ class LeaseService:
         self, written: list[Lease], forget: list[str], lost: StateStoreError | None
     ) -> None:
         """A :meth:`commit`'s writes are settled: ``lost`` says why none landed, if so."""
+        for lease in written:
+            left = self._landing[lease.lease_id] - 1
+            if left:
+                self._landing[lease.lease_id] = left
+            else:
+                del self._landing[lease.lease_id]
         if lost is not None:
             if isinstance(lost, StateDiskError):
                 self._disk_failed(lost)
@@ -366,7 +377,8 @@ class LeaseService:
                     del self._saved[lease.lease_id]
                 if lease.lease_id in self.ctx.sched.leases:
                     self._unsaved[lease.lease_id] = lease
-        for lease_id in forget:
+        # (each lease written: one that ended may have been asked to go meanwhile)
+        for lease_id in [*forget, *(lease.lease_id for lease in written)]:
             self._forget_if_done(lease_id)
 
     def restored(self, lease: Lease) -> None:
@@ -429,7 +441,7 @@ class LeaseService:
         sched = self.ctx.sched
         for lease_id, lease in list(sched.leases.items()):
             # An ended lease the state disk has not taken yet stays until it is written.
-            unsaved = self._saved.get(lease_id) != lease.version
+            unsaved = self._saved.get(lease_id) != lease.version or lease_id in self._landing
             if (
                 lease.state.terminal
                 and not unsaved
@@ -445,6 +457,8 @@ class LeaseService:
         client waits for it (its waiter's end calls this again)."""
         if self._batch is not None:  # once the commit() has landed (or not)
             self._batch_forget.append(lease_id)
+            return
+        if lease_id in self._landing:  # its commit's landing asks again
             return
         lease = self._ended.get(lease_id)
         if lease is None:

@@ -29,7 +29,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from migd.errors import StateDiskError, StateStoreError
+
+log = structlog.get_logger("migd")
 
 # SQLite's primary result codes (sqlite3.h) that say the *file* is bad; only these (and a
 # failed quick_check) justify moving the database aside. SQLITE_FULL (13), SQLITE_IOERR
@@ -140,7 +144,12 @@ class Batch:
         self.settled = True
         callbacks, self._then = self._then, []
         for fn in callbacks:
-            fn(self.lost)
+            # One failing callback must not keep the others (a reply waiting for the
+            # commit, a lease's bookkeeping) from hearing of the commit.
+            try:
+                fn(self.lost)
+            except Exception:
+                log.exception("state_db.batch_callback_failed")
 
 
 class StateDatabase:
@@ -273,6 +282,7 @@ class StateDatabase:
             self.commit_pending()
         try:
             if self._batch is not None and not self._db.in_transaction:
+                self._group_dropped()  # (not joined by a transaction of its own)
                 self._db.execute("BEGIN")  # deferred: the write below takes the lock
             cur = self._db.execute(sql, params)
         except sqlite3.Error as exc:
@@ -403,12 +413,30 @@ class StateDatabase:
         if self._batch is not None:  # not inside a batch: it joins the group at its end
             self._defer_again()
             return
+        if self._group_dropped():
+            return
         lost = self._commit_open()
         if lost is not None:
             self._roll_back()
         elif self.failing is not None:
             self._recovered()
         self._settle_pending(lost)
+
+    def _group_dropped(self) -> bool:
+        """Whether SQLite rolled the deferred batches' open transaction back on its own
+        (a statement that failed meanwhile, a read included: an I/O error, no memory);
+        if so they are settled as lost, and a later batch starts a group of its own."""
+        if not self._pending or self._db.in_transaction:
+            return False
+        self._settle_pending(
+            StateStoreError(
+                f"SQLite rolled back the open transaction of {self.path} after a failed "
+                "statement; the writes waiting for its commit are lost",
+                hint="migd writes the leases again; `migctl status` shows whether the "
+                "state disk is failing",
+            )
+        )
+        return True
 
     def _defer_again(self) -> None:
         assert self._defer is not None  # (pending batches exist only with deferral)
