@@ -385,12 +385,7 @@ class StateDatabase:
             if len(self._pending) == 1:
                 self._defer(self.commit_pending)
         else:
-            lost = self._commit_open()
-            if lost is not None:
-                self._roll_back()
-            elif self.failing is not None:
-                self._recovered()
-            result._settle(lost)
+            result._settle(self._commit_or_roll_back())
 
     def defer_commits(self, schedule: Callable[[Callable[[], None]], object]) -> None:
         """Commit ended batches in groups: a batch's writes stay in the open transaction,
@@ -415,12 +410,7 @@ class StateDatabase:
             return
         if self._group_dropped():
             return
-        lost = self._commit_open()
-        if lost is not None:
-            self._roll_back()
-        elif self.failing is not None:
-            self._recovered()
-        self._settle_pending(lost)
+        self._settle_pending(self._commit_or_roll_back())
 
     def _group_dropped(self) -> bool:
         """Whether SQLite rolled the deferred batches' open transaction back on its own
@@ -454,6 +444,16 @@ class StateDatabase:
             return False
         self._pending[-1].then(lambda _lost: fn())
         return True
+
+    def _commit_or_roll_back(self) -> StateStoreError | None:
+        """Commit the open transaction, if any: rolled back when that fails (the error
+        returned), the disk's failure cleared when it lands."""
+        lost = self._commit_open()
+        if lost is not None:
+            self._roll_back()
+        elif self.failing is not None:
+            self._recovered()
+        return lost
 
     def _commit_open(self) -> StateStoreError | None:
         """Commit the open transaction, if a write opened one; why it failed, if it did."""
