@@ -19,6 +19,7 @@ from migd.daemon.store.database import Batch
 from migd.daemon.store.state import StateStore
 from migd.errors import StateDiskError, StateStoreError
 from tests.unit.test_daemon_parts import _lease
+from tests.unit.test_daemon_steps import _Commits
 
 
 class Turn:
@@ -142,27 +143,10 @@ def test_close_commits_what_waits(tmp_path: Path) -> None:
         again.close()
 
 
-class FailingCommits:
-    """The store's connection, failing COMMIT while ``fail`` is set (as SQLite does when
-    the disk fills up at the commit)."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.fail = False
-
-    def execute(self, sql: str, params: tuple[object, ...] = ()) -> sqlite3.Cursor:
-        if sql == "COMMIT" and self.fail:
-            raise sqlite3.OperationalError("database or disk is full")
-        return self.db.execute(sql, params)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.db, name)
-
-
 def test_a_group_whose_commit_fails_is_lost_whole_and_the_next_one_lands(
     store: StateStore, turn: Turn
 ) -> None:
-    conn = FailingCommits(store._db)
+    conn = _Commits(store._db)
     store._db = conn  # type: ignore[assignment]
     batches = []
     for n in (1, 2):

@@ -312,7 +312,6 @@ class ApiServer:
                 raise refusal
             began = self.ctx.clock.monotonic()
             result = await self.handle(request, peer, reader)
-            await self._committed()
             reply = ok_reply(request_id, result)
             # Rarely larger than a page (status of a big node); refused if it does not fit.
             refusal = self.unsent.refusal(peer.uid, api, len(reply))
@@ -325,11 +324,9 @@ class ApiServer:
         except MigdError as exc:
             if not isinstance(exc, (ProtocolError, NotAuthorized, LeaseNotFound)):
                 log.info("request.refused", error=exc.code, message=exc.message, peer_uid=peer.uid)
-            await self._committed()
             await self._send(writer, error_reply(request_id, exc))
         except Exception as exc:  # never let one request take the daemon down
             log.exception("request.crashed", error=str(exc))
-            await self._committed()
             await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
 
     async def _committed(self) -> None:
@@ -351,7 +348,9 @@ class ApiServer:
         daemon buffered for it (replies are bounded, and so is this wait).
 
         With ``uid``, the reply counts in :attr:`unsent` until the connection is closed
-        or dropped (error replies are small and not counted)."""
+        or dropped (error replies are small and not counted). Every reply waits for the
+        commit of what is written meanwhile (:meth:`_committed`)."""
+        await self._committed()
         if uid >= 0:
             self.unsent.take(uid, len(data))
         try:
