@@ -16,7 +16,8 @@
 #      and the GPU is empty. On a MIG-off GPU the log says plainly that every MIG
 #      behaviour stays unverified;
 #   4. scripts/mps_gpu_check.sh with a private pipe directory -> OUT_DIR/mps/<UTC>-<host>/
-#      (MPS client cap, a second user's client with SECOND_USER, -M with a non-root
+#      (MPS client cap, a second user's client with SECOND_USER (as root: default
+#      UNPRIVILEGED_USER, else nobody), -M with a non-root
 #      client, whether quit waits for a connected client: none of these needs MIG); on a
 #      MIG GPU inside a MIG device that scripts/with_mig_instance.py makes and destroys;
 #   5. scripts/gpu_daemon_check.sh -> OUT_DIR/daemon/: migd itself, in MIG mode on a MIG
@@ -124,6 +125,12 @@ timeout -k 30 240 "$PYTHON" "$HERE/mig_calibrate.py" "${sim[@]}" --gpu 0 -o "$OU
 echo "[mig_calibrate exit $?]"
 
 step "4. mps_gpu_check.sh"
+if [[ $(id -u) == 0 && -z ${MIGD_SIMULATE:-} ]]; then
+  # A second user's client (7c) and -M with a non-root client (11) need a second user;
+  # the H100 run (2026-11-28) used nobody with the first user's Python.
+  export SECOND_USER=${SECOND_USER:-${UNPRIVILEGED_USER:-nobody}}
+  export SECOND_PYTHON=${SECOND_PYTHON:-$(command -v "$PYTHON")}
+fi
 if [[ $mig == Enabled && -z ${GPU_UUID:-} ]]; then
   # MPS inside MIG: a MIG device of its own for the check, destroyed afterwards (on
   # every signal too); the GPU must be empty, as for mig_calibrate.

@@ -65,6 +65,9 @@ offline_gpus = false
 match = "0"
 mode = "$MODE"
 EOF
+# Simulated GPUs keep their MIG instances across the restart of step 4 only in a state
+# file, as real GPUs keep theirs (without it the restarted migd found hw.3's instance gone).
+[[ -n ${MIGD_SIMULATE:-} ]] && printf '[backend]\nsim_state_file = "%s"\n' "$ROOT/sim-state.json" >>"$ROOT/migd.toml"
 # The job: allocate TARGET MiB in 64 MiB pieces with PyTorch, hold it, exit 0; a CUDA OOM
 # goes to stderr as PyTorch prints it, exit 1. On the simulated backend: its CUDA job.
 cat >"$ROOT/job.py" <<'EOF'

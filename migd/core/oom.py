@@ -209,6 +209,15 @@ SIGNATURES: tuple[Signature, ...] = (
         "RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable",
     ),
     _sig(
+        "mps_client_cap",
+        r"hardware resources required to create MPS client have been exhausted"
+        r"|\bcudaErrorMpsMaxClientsReached\b|\bCUDA_ERROR_MPS_MAX_CLIENTS_REACHED\b",
+        "mps_unavailable",
+        "CUDA error 808: the MPS server is at its client cap (48 on an H100, recorded)",
+        "cuCtxCreate: CUDA error 808 (the hardware resources required to create MPS client "
+        "have been exhausted)",
+    ),
+    _sig(
         "mps_error",
         r"\b(?:cudaErrorMps\w+|CUDA_ERROR_MPS_\w+)\b"
         r"|MPS client failed to connect to the MPS control daemon",

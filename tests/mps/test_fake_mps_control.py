@@ -12,6 +12,8 @@ import pytest
 
 from migd.backends.simulated.mps_control import (
     ALREADY_RUNNING_MESSAGE,
+    CLIENT_CAP_LOG,
+    CLIENT_CAP_MESSAGE,
     NO_DAEMON_MESSAGE,
     PID_FILE_NAME,
     fault_path,
@@ -19,6 +21,8 @@ from migd.backends.simulated.mps_control import (
 from tests.waiting import wait_for
 
 from .conftest import kill_fake, pid_alive
+
+REAL_H100 = Path(__file__).resolve().parents[1] / "data" / "mps_gpu_check" / "20261128T022439Z-h100"
 
 
 def run(
@@ -232,7 +236,14 @@ def test_client_cap_refuses_the_client_past_the_limit(
         for pid in (client_procs(), client_procs(), client_procs())
     ]
     assert replies[0].isdigit() and replies[1] == replies[0]
-    assert "busy or unavailable" in replies[2]
+    # As the H100 recorded (tests/data/mps_gpu_check/20261128T022439Z-h100/, step 10):
+    # CUDA error 808's text for the client, the cap named in the server's log.
+    assert replies[2] == f"ERROR: {CLIENT_CAP_MESSAGE}"
+    line = f"Server {replies[0]:>5}] " + CLIENT_CAP_LOG.format(cap=2)
+    assert line in (log / "server.log").read_text()
+    recorded = REAL_H100 / "server.log", REAL_H100 / "summary.txt"
+    assert CLIENT_CAP_LOG.format(cap=48) in recorded[0].read_text()
+    assert f"CUDA error 808 ({CLIENT_CAP_MESSAGE})" in recorded[1].read_text()
 
 
 @pytest.mark.slow  # waits out real quit timeouts

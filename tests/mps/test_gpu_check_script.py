@@ -256,6 +256,11 @@ def test_gpu_checks_runs_every_step_on_the_simulated_backend(
         assert "[gpu_daemon_check (mig) exit 0]" in log
     if "mig=off" in description:
         assert "[gpu_daemon_check (mps) exit 0]" in log
+    # Every job of the daemon check ended well, hw.3 across migd's restart included: on
+    # the simulated backend its MIG instance survives only in the state file, as real
+    # GPUs keep theirs (the script once left that out, and hw.3 lost its instance).
+    for job in ("hw.1", "hw.2", "hw.3"):
+        assert f"[{job} exit 0]" in log, job
     assert "no nv-hostengine (DCGM) running" in log
     assert log.rstrip().count("no MPS daemon left running") >= 2
 

@@ -303,18 +303,56 @@ def test_daemon_refusing_its_only_client_is_restarted_at_no_cost(
     assert register_client(env, manager, client_procs(), 1000).isdigit()
 
 
-def test_a_refused_client_never_restarts_a_daemon_that_serves_others(
+def test_a_client_past_the_cap_is_counted_and_restarts_nothing(
     env: Env, client_procs: Callable[[], int]
 ) -> None:
-    """Issue 25: the client cap (here 2) refuses a third client. The daemon keeps serving
-    the two, no lease is flagged; it is restarted only once they are gone."""
+    """The cap (here 2) turns a third client away as the H100 did: CUDA error 808's text
+    for the client, "Maximum number of clients (2) reached" in server.log. The device is
+    full, not sick: no restart now or once the clients are gone, no lease flagged, and
+    the cap the log names is what ``migctl status`` shows (and the books take)."""
     manager = env.manager(env={"PATH": os.environ["PATH"], "FAKE_MPS_MAX_CLIENTS": "2"})
     manager.ensure_share(GPU, share(memory_mib=4096))
     old = daemon_pid(manager)
     first, second = client_procs(), client_procs()
     assert register_client(env, manager, first, 1000).isdigit()
     assert register_client(env, manager, second, 1000).isdigit()
+    refused = register_client(env, manager, client_procs(), 1000)
+    assert "MPS client have been exhausted" in refused
+    # the wrapper of the refused job reports it too; one event all the same
+    manager.report_client_error(GPU, f"RuntimeError: CUDA error: {refused[len('ERROR: ') :]}")
+
+    report = manager.check_health()
+    (event,) = report.events
+    assert (event.problem, event.action, event.ok, event.clients_lost) == (
+        "client_cap",
+        "none",
+        True,
+        False,
+    )
+    assert report.affected_devices == () and report.failed_devices == ()
+    (entry,) = manager.status()
+    assert (entry.refused_clients, entry.clients_at_refusal, entry.healthy) == (1, 2, True)
+    env.control(manager.pipe_dir(GPU), f"fake_unregister_client {first}")
+    env.control(manager.pipe_dir(GPU), f"fake_unregister_client {second}")
+    assert manager.check_health().events == ()
+    assert daemon_pid(manager) == old and pid_alive(old)
+
+
+def test_a_refused_client_never_restarts_a_daemon_that_serves_others(
+    env: Env, client_procs: Callable[[], int]
+) -> None:
+    """Issue 25: a device that refuses a third client with "busy or unavailable" (what
+    k8s users saw below the cap, and a sick server says) keeps serving the two, no lease
+    is flagged; it is restarted only once they are gone."""
+    manager = env.manager()
+    manager.ensure_share(GPU, share(memory_mib=4096))
+    old = daemon_pid(manager)
+    first, second = client_procs(), client_procs()
+    assert register_client(env, manager, first, 1000).isdigit()
+    assert register_client(env, manager, second, 1000).isdigit()
+    fault_path(manager.pipe_dir(GPU), "refuse-clients").touch()
     assert "busy or unavailable" in register_client(env, manager, client_procs(), 1000)
+    fault_path(manager.pipe_dir(GPU), "refuse-clients").unlink()
     # the wrapper of the refused job reports it too
     manager.report_client_error(
         GPU, "RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable"

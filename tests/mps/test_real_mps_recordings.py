@@ -3,9 +3,13 @@
 ``tests/data/mps_gpu_check/20261126T015109Z-h200/`` is ``scripts/mps_gpu_check.sh`` on an
 NVIDIA H200 (driver 580.159.04, CUDA 13.0, PyTorch 2.11 clients, MIG off, DEFAULT compute
 mode); ``tests/data/gpu_daemon_check/20261126T020227Z-h200/`` is
-``scripts/gpu_daemon_check.sh`` there: migd itself on NVML with the GPU in MPS mode. Each
-test states one fact migd relies on and checks it on the recorded answers, so a change to
-migd's parsing or OOM classifier that would misread the real daemon fails here.
+``scripts/gpu_daemon_check.sh`` there: migd itself on NVML with the GPU in MPS mode.
+``.../20261128T022439Z-h100/`` and ``.../20261128T022653Z-h100/`` are the same two scripts
+on an NVIDIA H100 80GB HBM3 (same driver, CUDA and PyTorch), run as root with
+``SECOND_USER=nobody``, so they also hold a second user's client, a ``-M`` daemon with a
+non-root client, the client cap and a ``quit`` under a connected client. Each test states
+one fact migd relies on and checks it on the recorded answers, so a change to migd's
+parsing or OOM classifier that would misread the real daemon fails here.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from migd.backends.mps.config import MpsManagerConfig
+from migd.backends.mps.health import CLIENT_CAP_LOG, CLIENT_CAP_MESSAGE, LOG_PROBLEMS
 from migd.backends.nvml import NvmlBackend
 from migd.backends.simulated import FakePynvml, SimNode
 from migd.core.mps import (
@@ -28,35 +36,43 @@ from migd.core.mps import (
     readable_limit_mib,
 )
 from migd.core.oom import classify_exit
+from migd.daemon.config import MpsSection
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RUN = DATA / "mps_gpu_check" / "20261126T015109Z-h200"
 DAEMON_RUN = DATA / "gpu_daemon_check" / "20261126T020227Z-h200"
+H100_RUN = DATA / "mps_gpu_check" / "20261128T022439Z-h100"
+H100_DAEMON_RUN = DATA / "gpu_daemon_check" / "20261128T022653Z-h100"
+RUNS = pytest.mark.parametrize("run", [RUN, H100_RUN], ids=["h200", "h100"])
+DAEMON_RUNS = pytest.mark.parametrize(
+    "daemon_run", [DAEMON_RUN, H100_DAEMON_RUN], ids=["h200", "h100"]
+)
 
 
-def clients() -> dict[str, dict[str, Any]]:
-    lines = (RUN / "clients.jsonl").read_text().splitlines()
+def clients(run: Path = RUN) -> dict[str, dict[str, Any]]:
+    lines = (run / "clients.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]  # a crashed client: a blank
     return {row["label"]: row for row in rows if "label" in row}
 
 
-def replies(command: str) -> list[str]:
+def replies(command: str, run: Path = RUN) -> list[str]:
     """The front end's output lines for the summary's ``$ printf <command>...`` step."""
-    text = (RUN / "summary.txt").read_text()
+    text = (run / "summary.txt").read_text()
     block = text.split(f"$ printf {command}", 1)[1].split("[exit", 1)[0]
     return [line for line in block.splitlines()[1:] if line.strip()]
 
 
-def test_limits_read_back_as_whole_g_and_migd_accepts_them() -> None:
+@RUNS
+def test_limits_read_back_as_whole_g_and_migd_accepts_them(run: Path) -> None:
     # set 1536M by UUID, read it back by UUID: the daemon shows whole G, rounded down
-    assert replies("set_default_device_pinned_mem_limit\\ GPU-") == ["1G"]
+    assert replies("set_default_device_pinned_mem_limit\\ GPU-", run) == ["1G"]
     assert parse_limit_mib("1G") == 1024
     # 1G is also what 1024..2047 read back as: it confirms none of them but 1024, so migd
     # sets the daemon's bound in whole G from 1 GiB on, which reads back exactly
     assert not limit_applied("1G", 1536) and limit_applied("1G", 1024)
     assert readable_limit_mib(1536) == 2048
     # and by index: 2048M reads back as 2G (the UUID's own value is kept apart)
-    assert replies("set_default_device_pinned_mem_limit\\ 0\\ 2048M") == ["2G", "1G"]
+    assert replies("set_default_device_pinned_mem_limit\\ 0\\ 2048M", run) == ["2G", "1G"]
     assert limit_applied("2G", 2048)
 
 
@@ -112,11 +128,12 @@ def test_the_default_set_by_uuid_is_the_one_clients_got_and_the_fake_agrees(
         ctl("quit -t 1")
 
 
-def test_the_limit_is_per_client_process_and_counts_its_cuda_context() -> None:
-    got = clients()
+@RUNS
+def test_the_limit_is_per_client_process_and_counts_its_cuda_context(run: Path) -> None:
+    got = clients(run)
     over, a, b = got["over_env_limit"], got["same_job_a"], got["same_job_b"]
     # 0=1024M: cudaMemGetInfo says 510 MiB free before any allocation, so ~514 MiB of the
-    # limit is the client's own context (PyTorch, CUDA 13 on H200)
+    # limit is the client's own context (PyTorch, CUDA 13; the same on H200 and H100)
     assert over["mem_get_info_mib"][0] == 510 and over["outcome"] == "oom"
     # two clients of one job, each with 0=1024M, each got the whole 1024M for itself:
     # MPS limits a process, not a job (migd accounts memory x mps_clients)
@@ -124,14 +141,16 @@ def test_the_limit_is_per_client_process_and_counts_its_cuda_context() -> None:
         assert client["mem_get_info_mib"][0] == 510 and client["allocated_mib"] == 448
 
 
-def test_a_client_limit_above_the_daemons_default_does_not_raise_it() -> None:
-    got = clients()
+@RUNS
+def test_a_client_limit_above_the_daemons_default_does_not_raise_it(run: Path) -> None:
+    got = clients(run)
     assert got["env_above_default"]["mem_get_info_mib"] == got["no_env"]["mem_get_info_mib"]
     assert got["env_above_default"]["allocated_mib"] == got["no_env"]["allocated_mib"]
 
 
-def test_migds_classifier_calls_every_recorded_mps_oom_an_oom() -> None:
-    ooms = [c for c in clients().values() if c.get("outcome") == "oom"]
+@RUNS
+def test_migds_classifier_calls_every_recorded_mps_oom_an_oom(run: Path) -> None:
+    ooms = [c for c in clients(run).values() if c.get("outcome") == "oom"]
     assert len(ooms) >= 5
     for client in ooms:
         # the clients caught the OOM; a job that does not exits 1 with that text
@@ -150,24 +169,26 @@ def test_the_daemon_carried_the_limit_when_a_client_dropped_its_variable() -> No
     assert check["stopped"] is True and check["summary"]["oom_verdicts"] == ["migd_share_env_MB"]
 
 
-def test_migd_on_the_h200_restarted_the_oom_job_on_a_bigger_share() -> None:
-    log = (DAEMON_RUN / "daemon_check.log").read_text()
+@DAEMON_RUNS
+def test_migd_on_a_real_gpu_restarted_the_oom_job_on_a_bigger_share(daemon_run: Path) -> None:
+    log = (daemon_run / "daemon_check.log").read_text()
     assert "[migd] the job ran out of GPU memory on an MPS share of 2048 MiB" in log
     assert "restarting on a bigger partition (>= 4096 MiB" in log
     assert "[hw.2 exit 0]" in log and "[hw.1 exit 0]" in log and "[migd exit 0]" in log
-    usage = json.loads((DAEMON_RUN / "usage-hw1.json").read_text())
+    usage = json.loads((daemon_run / "usage-hw1.json").read_text())
     # the job's own process: 2496 MiB allocated by PyTorch plus its context, under 4096
     [proc] = usage["processes"]
     assert usage["scope"] == "job" and 2496 < proc["used_mib"] < usage["limit_mib"]
 
 
-def test_migd_restarted_under_a_running_job_adopted_its_mps_daemon() -> None:
-    log = (DAEMON_RUN / "daemon_check.log").read_text()
+@DAEMON_RUNS
+def test_migd_restarted_under_a_running_job_adopted_its_mps_daemon(daemon_run: Path) -> None:
+    log = (daemon_run / "daemon_check.log").read_text()
     assert "[migd exit 0 with hw.3 running]" in log and "[hw.3 exit 0]" in log
-    status = json.loads((DAEMON_RUN / "status-after-restart.json").read_text())
+    status = json.loads((daemon_run / "status-after-restart.json").read_text())
     assert any("adopted the MPS daemon" in note for note in status["notes"])
     assert status["leases"]["active"] == 1
-    leases = json.loads((DAEMON_RUN / "leases.json").read_text())["leases"]
+    leases = json.loads((daemon_run / "leases.json").read_text())["leases"]
     hw3 = [x for x in leases if x["job_id"] == "hw.3"]
     assert [x["state"] for x in hw3] == ["released"], hw3
 
@@ -208,3 +229,69 @@ def test_the_simulator_charges_the_mps_server_and_the_client_context_as_recorded
     finally:
         server.kill()
         server.wait()
+
+
+# -- what only the H100 run recorded (SECOND_USER set, steps 8, 10 and 11) -------------------
+
+
+def test_the_h100_client_cap_was_48_and_migd_reads_the_refusal_as_the_cap() -> None:
+    """Step 10: 50 light clients at once; the server listed 48, and the other two failed
+    CUDA init with error 808 while the server logged the cap. migd's default
+    ``[mps] max_clients`` is 48; the health check reads the log line as a refusal at the
+    cap (no restart), and the wrapper's classifier sends 808 to migd, not as an OOM."""
+    summary = (H100_RUN / "summary.txt").read_text()
+    assert "[client cap: 48 of 50 clients connected to server" in summary
+    refused = [c for c in clients(H100_RUN).values() if c.get("outcome") == "error"]
+    refused = [c for c in refused if c["label"].startswith("cap_")]
+    assert len(refused) == 2
+    for client in refused:
+        assert CLIENT_CAP_MESSAGE in client["error"] and "CUDA error 808" in client["error"]
+        verdict = classify_exit(1, None, client["error"], None, 1024)
+        assert (verdict.kind, verdict.signature) == ("mps_unavailable", "mps_client_cap")
+    cap_lines = [
+        line
+        for line in (H100_RUN / "server.log").read_text().splitlines()
+        if CLIENT_CAP_LOG.search(line)
+    ]
+    assert len(cap_lines) == 2
+    for line in cap_lines:
+        found = CLIENT_CAP_LOG.search(line)
+        assert found is not None and int(found.group(1)) == 48 == MpsSection().max_clients
+        # no other problem pattern reads this line (it is not a crash or a refusing device)
+        assert [kind for pattern, kind in LOG_PROBLEMS if pattern.search(line)] == ["client_cap"]
+
+
+def test_a_second_users_client_waited_for_the_first_users_server_to_drain() -> None:
+    """Step 7c: while root's client held its server (10 s), nobody's client hung in CUDA
+    init; it ran once root's server was done, on a new server of its own: what migd's
+    per-user serialisation (``Admission.waiting_for_uid``) spares jobs from."""
+    summary = (H100_RUN / "summary.txt").read_text()
+    step = summary.split("## 7c.", 1)[1].split("## 7d.", 1)[0]
+    waited = int(step.split("[second user's client took ", 1)[1].split(" s]", 1)[0])
+    assert waited >= 10  # at least the first user's hold
+    first, second = clients(H100_RUN)["first_user"], clients(H100_RUN)["second_user"]
+    assert first["outcome"] == second["outcome"] == "allocated"
+    servers_before = replies("get_server_list", H100_RUN)
+    servers_after = step.split("$ printf get_server_list", 1)[1].split("[exit", 1)[0].split()
+    assert servers_after and servers_after[-1] not in servers_before
+
+
+def test_a_multi_user_daemon_served_a_non_root_client_within_its_pinned_limit() -> None:
+    """Step 11: ``-M`` and a client of user nobody with ``0=1024M``: it connected to the
+    root server and had the same 510 MiB free as root's clients under that limit."""
+    client = clients(H100_RUN)["multi_user_non_root"]
+    assert client["outcome"] == "allocated"
+    assert client["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1024M"
+    assert client["mem_get_info_mib"][0] == 1024 - MPS_CLIENT_CONTEXT_MIB
+
+
+def test_quit_waited_for_the_connected_client() -> None:
+    """Step 8: ``quit`` while a connected client held memory for 10 s returned after it
+    had gone (13 s). So a plain ``quit`` of a device with a stray client blocks, which is
+    why migd bounds it (``quit_timeout_s``) and then kills the daemon."""
+    summary = (H100_RUN / "summary.txt").read_text()
+    step = summary.split("## 8.", 1)[1].split("## 9.", 1)[0]
+    took = int(step.split("[quit returned after ", 1)[1].split(" s;", 1)[0])
+    assert 10 <= took < MpsManagerConfig().quit_timeout_s
+    assert "client still running: no" in step
+    assert clients(H100_RUN)["live_at_quit"]["outcome"] == "allocated"

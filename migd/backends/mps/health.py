@@ -31,11 +31,30 @@ SERVER_LOG_NAME = "server.log"
 # cannot attach to the server (NVIDIA/k8s-device-plugin#647, #1118); whether the real
 # daemon logs it is not verified, so the wrapper should also pass it on from the job's
 # stderr (MpsManager.report_client_error).
+# The fourth is what a real server logs when it turns a client away at its cap (H100,
+# driver 580.159.04: tests/data/mps_gpu_check/20261128T022439Z-h100/server.log, step 10):
+# a healthy device at capacity, never a reason to restart it.
+CLIENT_CAP_LOG = re.compile(r"Maximum number of clients \((\d+)\) reached")
 LOG_PROBLEMS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"Server (\d+) exited with status ([1-9]\d*)"), "server_crashed"),
     (re.compile(r"Server encountered a fatal exception"), "server_crashed"),
     (re.compile(r"all CUDA-capable devices are busy or unavailable"), "devices_unavailable"),
+    (CLIENT_CAP_LOG, "client_cap"),
 )
+# Which problem a scan reports when it finds several: a refusing device needs a restart,
+# a crashed server a new server, a client past the cap nothing.
+_RANK = {"client_cap": 0, "server_crashed": 1, "devices_unavailable": 2}
+# What the refused client itself prints (CUDA error 808, cudaErrorMpsMaxClientsReached;
+# the same recording's clients.jsonl), which the wrapper passes on.
+CLIENT_CAP_MESSAGE = "the hardware resources required to create MPS client have been exhausted"
+
+
+def worse(a: tuple[str, str] | None, b: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The more serious of two ``(problem, detail)`` findings (the first on a tie)."""
+    if a is None or (b is not None and _RANK[b[0]] > _RANK[a[0]]):
+        return b
+    return a
+
 
 # A server that ends normally (asked to by `quit`, a user hand-over or shutdown_server)
 # logs status 0; its clients were done, so nothing is lost.
@@ -47,7 +66,8 @@ class HealthEvent:
     """One problem the health check found and what it did about it."""
 
     device_uuid: str
-    problem: str  # daemon_gone, daemon_unresponsive, server_crashed, devices_unavailable
+    # daemon_gone, daemon_unresponsive, server_crashed, devices_unavailable, client_cap
+    problem: str
     detail: str
     action: str  # restarted_daemon, restarted_server, restart_failed, none
     ok: bool  # the device serves again
@@ -108,19 +128,19 @@ def scan_logs(daemon: Daemon) -> tuple[tuple[str, str] | None, set[int]]:
             if normal is not None:
                 exited_ok.add(int(normal.group(1)))
             for pattern, kind in LOG_PROBLEMS:
-                # A refusing device outranks a crashed server: it needs a restart.
-                if pattern.search(line) and (found is None or kind == "devices_unavailable"):
-                    found = (kind, line.strip())
+                if pattern.search(line):
+                    found = worse(found, (kind, line.strip()))
     return found, exited_ok
 
 
 def diagnose(daemon: Daemon, cmds: DaemonCommands) -> tuple[str, str] | None:
     """The daemon's problem now as ``(problem, detail)``, ``None`` if it is healthy.
 
-    ``problem`` is ``daemon_gone``, ``daemon_unresponsive``, ``devices_unavailable`` or
-    ``server_crashed``. Updates ``daemon.known_servers`` to the servers it lists, except
-    when the device refuses clients (the daemon is restarted then anyway); consumes a
-    client's report and the new log lines.
+    ``problem`` is ``daemon_gone``, ``daemon_unresponsive``, ``devices_unavailable``,
+    ``server_crashed`` or ``client_cap`` (a client turned away at the cap). Updates
+    ``daemon.known_servers`` to the servers it lists, except when the device refuses
+    clients (the daemon is restarted then anyway); consumes a client's report and the new
+    log lines.
     """
     if not pid_alive(daemon.record.pid):
         return "daemon_gone", f"control daemon {daemon.record.pid} is gone"
@@ -131,13 +151,13 @@ def diagnose(daemon: Daemon, cmds: DaemonCommands) -> tuple[str, str] | None:
     scanned, exited_ok = scan_logs(daemon)
     # A server that logged a normal exit had no clients left: not a crash.
     lost = sorted(p for p in daemon.known_servers if p not in servers and p not in exited_ok)
-    log_problem = daemon.reported or scanned
+    log_problem = worse(daemon.reported, scanned)
     daemon.reported = None
     if log_problem is not None and log_problem[0] == "devices_unavailable":
         return log_problem
     daemon.known_servers = servers
-    if log_problem is not None:
-        return "server_crashed", log_problem[1]
+    if log_problem is not None and log_problem[0] == "server_crashed":
+        return log_problem
     if lost:
         return "server_crashed", f"MPS server(s) {', '.join(map(str, lost))} exited"
-    return None
+    return log_problem  # None, or a client turned away at the cap

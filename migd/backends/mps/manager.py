@@ -23,7 +23,7 @@ from migd.ports import Clock, SystemClock
 from .commands import DaemonCommands
 from .config import MpsManagerConfig
 from .errors import MpsDeviceBusy
-from .health import HealthEvent, HealthReport, diagnose
+from .health import CLIENT_CAP_LOG, CLIENT_CAP_MESSAGE, HealthEvent, HealthReport, diagnose
 from .lifecycle import DaemonLauncher
 from .limits import apply_limits, ensure_server
 from .procs import live_pids, looks_like_mps_control, pid_alive, read_pid
@@ -409,7 +409,8 @@ class MpsManager:
 
         ``all CUDA-capable devices are busy or unavailable`` from an MPS client means the
         server does not take clients; the next :meth:`check_health` restarts the daemon.
-        Other messages are kept as the daemon's last error only.
+        CUDA error 808's text (the client cap) is counted as a refusal at the cap, with no
+        restart. Other messages are kept as the daemon's last error only.
         """
         with self._device_lock(device_uuid):
             daemon = self._daemons.get(device_uuid)
@@ -418,6 +419,8 @@ class MpsManager:
             daemon.last_error = message.strip()
             if "all CUDA-capable devices are busy or unavailable" in message:
                 daemon.reported = ("devices_unavailable", f"client reported: {message.strip()}")
+            elif CLIENT_CAP_MESSAGE in message:
+                daemon.reported = ("client_cap", f"client reported: {message.strip()}")
 
     # -- for migd.daemon: leases instead of shares
 
@@ -532,6 +535,8 @@ class MpsManager:
             return [self._recover_server(daemon, detail)]
         if problem == "devices_unavailable":
             return [self._client_refused(daemon, detail)]
+        if problem == "client_cap":
+            return [self._client_capped(daemon, detail)]
         daemon.healthy, daemon.last_error = False, detail
         try:
             self._restart(daemon)
@@ -587,6 +592,28 @@ class MpsManager:
         # Nobody connected (or the daemon cannot say): a server that refuses its only
         # would-be client is sick, and a restart now loses nothing it can know of.
         return self._restart_refusing(daemon, detail, clients_lost=connected is None)
+
+    def _client_capped(self, daemon: Daemon, detail: str) -> HealthEvent:
+        """The server turned a client away at its client cap: the device is healthy and
+        full, so nothing is restarted. The refusal is counted with the cap (the server's
+        log line names it; a client's report does not, then the clients connected now),
+        which the scheduler's books take as the device's capacity
+        (``MpsSupervisor.apply_client_caps``)."""
+        named = CLIENT_CAP_LOG.search(detail)
+        connected = int(named.group(1)) if named else self._connected_clients(daemon)
+        daemon.last_error = detail
+        daemon.refusals += 1
+        if connected:
+            daemon.clients_at_refusal = max(daemon.clients_at_refusal or 0, connected)
+        daemon.healthy = True
+        return HealthEvent(
+            daemon.record.device_uuid,
+            "client_cap",
+            f"{detail}: only the refused client is affected",
+            "none",
+            True,
+            clients_lost=False,
+        )
 
     def _restart_refusing(self, daemon: Daemon, detail: str, *, clients_lost: bool) -> HealthEvent:
         uuid = daemon.record.device_uuid

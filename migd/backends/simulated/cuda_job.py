@@ -36,13 +36,19 @@ def _connect_mps(pid: int) -> tuple[bool, int | None, str]:
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     if not pipe:
         return False, None, ""
-    from migd.backends.simulated.mps_control import ClientRefused, connect_client
+    from migd.backends.simulated.mps_control import (
+        CLIENT_CAP_MESSAGE,
+        ClientRefused,
+        connect_client,
+    )
 
     try:
         got = connect_client(
             pipe, pid, os.getuid(), os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
         )
     except ClientRefused as exc:
+        if CLIENT_CAP_MESSAGE in str(exc):  # error 808, as a real client past the cap
+            return True, None, f"CUDA error: {CLIENT_CAP_MESSAGE}"
         return True, None, f"CUDA error: all CUDA-capable devices are busy or unavailable ({exc})"
     if got is None:
         return False, None, ""

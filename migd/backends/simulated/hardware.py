@@ -87,9 +87,12 @@ MIG_IDLE_USED_MIB = 13
 #: Measured on real boards (MIG off, no process): model -> (nvmlDeviceGetMemoryInfo
 #: total, used on the idle GPU), in MiB. H200: tests/data/gpu/h200-141gb-probe.json
 #: (driver 580.159.04, persistence mode on, 2026-11-26); the nominal 141 GiB would be
-#: 144384 MiB, and the idle GPU is at 616 MiB, not a few MiB.
+#: 144384 MiB, and the idle GPU is at 616 MiB, not a few MiB. H100 80GB HBM3:
+#: tests/data/gpu/h100-80gb-probe.json (same driver, 2026-11-28): 81559 MiB, not the
+#: nominal 81920, and 480 MiB used idle.
 MEASURED: dict[str, tuple[int, int]] = {
     "H200-141GB": (143771, 616),
+    "H100-80GB": (81559, 480),
 }
 
 

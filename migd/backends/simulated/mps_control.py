@@ -58,7 +58,8 @@ migd relies on it:
 Test-only (clearly not NVIDIA's) commands, prefixed ``fake_``:
 ``fake_register_client PID UID [LIMIT]`` connects a client process the way CUDA
 init would (starting a server for the UID; per-user serialisation; the client cap
-from ``$FAKE_MPS_MAX_CLIENTS``, default 48; ``LIMIT`` is the client's
+from ``$FAKE_MPS_MAX_CLIENTS``, default 48 as on a real H100, refusing with error 808's
+text and the server's log line; ``LIMIT`` is the client's
 ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) and prints the server PID;
 ``fake_client_limit PID`` prints the client's enforced limit for device 0 in MiB
 (empty: none); ``fake_unregister_client PID``; ``fake_status`` prints the daemon's
@@ -107,6 +108,12 @@ SERVER_LOG_NAME = "server.log"
 NO_DAEMON_MESSAGE = "Cannot find MPS control daemon process"
 ALREADY_RUNNING_MESSAGE = "An instance of this daemon is already running"
 DEVICES_UNAVAILABLE_MESSAGE = "all CUDA-capable devices are busy or unavailable"
+# A client past the server's cap, as recorded on an H100 (driver 580.159.04,
+# tests/data/mps_gpu_check/20261128T022439Z-h100/, step 10: 48 of 50 clients connected):
+# its CUDA init failed with error 808 (cudaErrorMpsMaxClientsReached) and this text, and
+# the server logged the line below. Not "busy or unavailable", which k8s users saw.
+CLIENT_CAP_MESSAGE = "the hardware resources required to create MPS client have been exhausted"
+CLIENT_CAP_LOG = "Failed to accept new client. Maximum number of clients ({cap}) reached."
 
 FAULTS = ("crash-server", "refuse-clients", "die", "hang", "chatty", "ignore-limits")
 _ONE_SHOT_FAULTS = ("crash-server", "die")
@@ -510,8 +517,13 @@ class _Daemon:
             self.log(f"NEW CLIENT {client_pid} from user {uid}: {DEVICES_UNAVAILABLE_MESSAGE}")
             return f"ERROR: {DEVICES_UNAVAILABLE_MESSAGE}"
         if self.client_count() >= self.max_clients:
-            self.log(f"NEW CLIENT {client_pid} from user {uid}: client limit reached")
-            return f"ERROR: {DEVICES_UNAVAILABLE_MESSAGE}"
+            full = next((s for s in self.servers.values() if s.clients), None)
+            self.log(
+                CLIENT_CAP_LOG.format(cap=self.max_clients),
+                who="Server",
+                pid=full.pid if full else os.getpid(),
+            )
+            return f"ERROR: {CLIENT_CAP_MESSAGE}"
         server_uid = 0 if self.multi_user else uid
         server = next((s for s in self.servers.values() if s.uid == server_uid), None)
         if server is None:
