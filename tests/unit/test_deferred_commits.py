@@ -8,13 +8,18 @@ transactions only), so each test checks what landed through one.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import structlog.testing
 
+from migd.daemon.api.server import ApiServer
+from migd.daemon.context import DaemonContext
 from migd.daemon.store.database import Batch
 from migd.daemon.store.state import StateStore
 from migd.errors import StateDiskError, StateStoreError
@@ -203,3 +208,56 @@ def test_a_failing_callback_does_not_keep_the_others_from_the_commit(
         turn.end()
     assert told == ["second None"]
     assert [e["event"] for e in logs] == ["state_db.batch_callback_failed"]
+
+
+class _Writer:
+    """The two things ``ApiServer._send`` uses of a StreamWriter: write, and a transport
+    that took everything (nothing buffered); what was written, and when."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.transport = self
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.log.append(f"wrote {data.decode()}")
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_reply_is_written_at_the_commit_itself_not_a_turn_of_the_loop_later(
+    store: StateStore,
+) -> None:
+    """Issue 26 §4: a reply that waits for the group's commit is written in the commit's
+    callback. Resuming the replying coroutine first would take one more turn of the loop,
+    after every request that came in meanwhile (here: a callback the loop already
+    holds when the commit runs), and put that turn's work into each reply's latency."""
+    log: list[str] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        store.defer_commits(loop.call_soon)
+        api = SimpleNamespace(send_timeout_s=5.0)
+        ctx = cast(DaemonContext, SimpleNamespace(store=store, config=SimpleNamespace(api=api)))
+        server = ApiServer(ctx, lambda _id: None, asyncio.Event())  # type: ignore[arg-type,return-value]
+        writer = _Writer(log)
+
+        async def request() -> None:
+            with store.batch():
+                store.save_lease(_lease(1))  # the request's write: its commit is asked for
+            await server._send(writer, b"granted", 1000)  # type: ignore[arg-type]
+
+        sending = asyncio.create_task(request())
+        await asyncio.sleep(0)  # the request runs up to its wait for the commit
+        assert log == [] and on_disk(store) == set()
+        # What the loop serves next: the commit, then this (a request that came meanwhile).
+        loop.call_soon(lambda: log.append(f"next request; on disk {sorted(on_disk(store))}"))
+        await sending
+        assert writer.closed and server.unsent.total == 0
+
+    asyncio.run(scenario())
+    assert log == ["wrote granted", "next request; on disk ['L1']"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import socket
 import stat
@@ -329,47 +328,44 @@ class ApiServer:
             log.exception("request.crashed", error=str(exc))
             await self._send(writer, error_reply(request_id, MigdError(f"internal error: {exc}")))
 
-    async def _committed(self) -> None:
-        """Wait until what the request wrote is committed: the state database commits
-        the requests of one turn of the event loop together, at its end
-        (``StateDatabase.defer_commits``), and a client must not hear of a grant or a
-        release that a crash could still lose. (A failed commit is the lease service's
-        to retry; the reply then says what the books say, as before.)"""
-        store = self.ctx.store
-        if store is None:
-            return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if store.when_committed(functools.partial(_set_done, done)):
-            await done
-
     async def _send(self, writer: asyncio.StreamWriter, data: bytes, uid: int = -1) -> None:
         """Write one reply and close. A client that does not read it within
         api.send_timeout_s is dropped: its transport is aborted, which frees what the
         daemon buffered for it (replies are bounded, and so is this wait).
 
         With ``uid``, the reply counts in :attr:`unsent` until the connection is closed
-        or dropped (error replies are small and not counted). Every reply waits for the
-        commit of what is written meanwhile (:meth:`_committed`)."""
-        await self._committed()
+        or dropped (error replies are small and not counted).
+
+        Every reply waits for the commit of what is written meanwhile: the state database
+        commits the requests of one turn of the event loop together, after it
+        (``StateDatabase.defer_commits``), and a client must not hear of a grant or a
+        release that a crash could still lose. (A failed commit is the lease service's to
+        retry; the reply then says what the books say, as before.) The reply is written
+        *at* the commit, in its callback, not by this coroutine once it resumes: that is a
+        turn later, after the loop has served every request that came in meanwhile, which
+        put a whole turn's work into every reply's latency (issue 26 §4, paced p99)."""
         if uid >= 0:
             self.unsent.take(uid, len(data))
         try:
-            await self._write_and_close(writer, data)
+            whole: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+            def write() -> None:
+                if not whole.done():  # (the request's task may have been cancelled)
+                    whole.set_result(_write_whole(writer, data))
+
+            store = self.ctx.store
+            if store is None or not store.when_committed(write):
+                write()
+            if not await whole:
+                await self._drain_and_close(writer)
         finally:
             if uid >= 0:
                 self.unsent.give(uid, len(data))
 
-    async def _write_and_close(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def _drain_and_close(self, writer: asyncio.StreamWriter) -> None:
+        """Wait (bounded) until a reply the kernel did not take whole has left, then close."""
         timeout = self.ctx.config.api.send_timeout_s
         try:
-            writer.write(data)
-            # A reply the kernel took whole (nearly all: a socket buffer holds far more)
-            # leaves nothing to drain and nothing to wait for at the close: the transport
-            # closes itself on the loop's next pass: no drain and no wait for the close,
-            # each a wait_for task of its own, four per lease cycle (issue 26 §4).
-            if not writer.transport.get_write_buffer_size():
-                writer.close()
-                return
             await asyncio.wait_for(writer.drain(), timeout)
         except TimeoutError:
             log.info("client.dropped", reason=f"did not read its reply within {timeout:g} s")
@@ -432,9 +428,23 @@ class ApiServer:
         return await spec.handler(Call(req, peer, reader, lease))
 
 
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():  # (the request's task may have been cancelled meanwhile)
-        fut.set_result(None)
+def _write_whole(writer: asyncio.StreamWriter, data: bytes) -> bool:
+    """Write ``data``; True when the kernel took it whole (nearly always: a socket buffer
+    holds far more than a reply) and the connection is closed, False when some waits in
+    the transport's buffer, or the transport was aborted after an error.
+
+    Taken whole, there is nothing to drain and nothing to wait for at the close: the
+    transport closes itself on the loop's next pass: no drain and no wait for the close,
+    each a wait_for task of its own, four per lease cycle (issue 26 §4)."""
+    try:
+        writer.write(data)
+    except OSError:
+        writer.transport.abort()
+        return True
+    if writer.transport.get_write_buffer_size():
+        return False
+    writer.close()
+    return True
 
 
 async def _discard(reader: asyncio.StreamReader, cap: int) -> None:
