@@ -175,6 +175,15 @@ def gpu_pool(personal_pool: Callable[..., PersonalPool], extra: str = "") -> Per
     return personal_pool(POOL_CONFIG + extra)
 
 
+def active_leases(daemon: Migd, cluster: int) -> list[dict[str, Any]]:
+    """The active leases of job ``cluster``.0. Active, not merely there: a job removed or
+    a wrapper killed while its partition is still being made ends the lease "cancelled"
+    (the wrapper went away waiting), which is right too but not what the tests ask."""
+    return [
+        x for x in daemon.leases() if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
+    ]
+
+
 def migd_slots(pool: PersonalPool) -> list[dict[str, Any]]:
     """The slot ads once the startd cron has published a healthy migd ad in them."""
     slots: list[dict[str, Any]] = Migd.wait_for(
@@ -282,15 +291,8 @@ def test_condor_rm_releases_the_lease(
 ) -> None:
     pool = gpu_pool(personal_pool)
     cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
-    # Active, not merely there: a condor_rm while the partition is still being made ends the
-    # lease as "cancelled" (the wrapper went away waiting), which is right too, but not what
-    # this test is about. A loaded run once removed the job that early.
-    migd.wait_for(
-        lambda: [
-            x for x in migd.leases() if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
-        ],
-        "the job's lease to be active",
-    )
+    # A loaded run once removed the job before its lease was active (see active_leases).
+    migd.wait_for(lambda: active_leases(migd, cluster), "the job's lease to be active")
     pool.rm(cluster)
     migd.wait_for(lambda: migd.leases() == [], "the lease to be released", timeout_s=30)
     [lease] = [x for x in migd.leases(all_leases=True) if f"#{cluster}.0#" in x["job_id"]]
@@ -387,15 +389,10 @@ def test_job_exit_hook_releases_the_lease_of_a_sigkilled_wrapper(
     try:
         pool = gpu_pool(personal_pool)
         cluster = pool.submit(simjob(4000, "--start", "1G", "--steps", "600", "--step-s", "0.1"))
-        # active, not merely there: a wrapper killed while its partition is being made ends
-        # the lease "cancelled" (a loaded run did), which is not the hook's doing
+        # (a loaded run killed a wrapper whose partition was still being made: see
+        # active_leases)
         [lease] = daemon.wait_for(
-            lambda: [
-                x
-                for x in daemon.leases()
-                if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
-            ],
-            "the job's lease to be active",
+            lambda: active_leases(daemon, cluster), "the job's lease to be active"
         )
         wrapper_pid = int(lease["owner_pid"])
         cmdline = Path(f"/proc/{wrapper_pid}/cmdline").read_bytes()
@@ -428,12 +425,7 @@ def test_a_lease_migd_takes_back_requeues_the_job_with_the_reason(
         {**simjob(4000), "executable": "job.sh", "arguments": "", "transfer_executable": "true"},
         files={"job.sh": TAKEN_BACK_JOB},
     )
-    [lease] = migd.wait_for(
-        lambda: [
-            x for x in migd.leases() if f"#{cluster}.0#" in x["job_id"] and x["state"] == "active"
-        ],
-        "the job's lease",
-    )
+    [lease] = migd.wait_for(lambda: active_leases(migd, cluster), "the job's lease")
     assert migd.ctl("release", lease["lease_id"], "--reason", "GPU needed") is not None
     [ad] = pool.wait(cluster, timeout=180)
     # Stopped, back to the queue (not held, not completed with migd's exit), run again.
