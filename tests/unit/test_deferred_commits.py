@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -40,15 +40,6 @@ class Turn:
         asked, self.asked = self.asked, []
         for fn in asked:
             fn()
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StateStore]:
-    s = StateStore(tmp_path / "migd.db")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture

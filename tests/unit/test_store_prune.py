@@ -9,21 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from migd.daemon.store.state import StateStore
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StateStore]:
-    s = StateStore(tmp_path / "migd.db")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def add(store: StateStore, rows: int, size: int) -> None:
