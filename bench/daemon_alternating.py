@@ -37,18 +37,22 @@ from bench_daemon import pct, run_async_clients  # noqa: E402
 from daemon_vs_presplit import TreeDaemon  # noqa: E402
 
 
-def run_ns(pid: int) -> tuple[int, int]:
-    """(run time of all of ``pid``'s threads, of its main thread: the event loop's), ns."""
-    total = main = 0
+def schedstat(pid: int) -> dict[str, tuple[int, int]]:
+    """Each thread of ``pid`` by its id: (run time ns, time slices)."""
+    out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            ns = int((task / "schedstat").read_text().split()[0])
+            fields = (task / "schedstat").read_text().split()
         except (FileNotFoundError, ProcessLookupError):
             continue  # a thread that ended meanwhile
-        total += ns
-        if task.name == str(pid):
-            main = ns
-    return total, main
+        out[task.name] = (int(fields[0]), int(fields[2]))
+    return out
+
+
+def run_ns(pid: int) -> tuple[int, int]:
+    """(run time of all of ``pid``'s threads, of its main thread: the event loop's), ns."""
+    threads = schedstat(pid)
+    return sum(ns for ns, _ in threads.values()), threads.get(str(pid), (0, 0))[0]
 
 
 def segment(daemon: TreeDaemon, clients: int, cycles: int) -> tuple[float, float, float]:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from bench_daemon import run_async_clients  # noqa: E402
+from daemon_alternating import schedstat  # noqa: E402
 from daemon_vs_presplit import TreeDaemon  # noqa: E402
 
 
@@ -47,18 +48,6 @@ def request(path: str, message: dict[str, object]) -> tuple[dict[str, object], f
             data += chunk
     reply: dict[str, object] = json.loads(data)
     return reply, first
-
-
-def threads(pid: int) -> dict[str, tuple[int, int]]:
-    """Each thread of ``pid``: (run time ns, time slices)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "schedstat").read_text().split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out[task.name] = (int(fields[0]), int(fields[2]))
-    return out
 
 
 def segment(daemon: TreeDaemon, cycles: int, offset: int) -> tuple[list[float], list[float]]:
@@ -103,9 +92,9 @@ def main() -> int:
         for n in range(args.rounds):
             for tree in trees if n % 2 == 0 else list(reversed(trees)):
                 pid = daemons[tree].proc.pid
-                before = threads(pid)
+                before = schedstat(pid)
                 leases, releases = segment(daemons[tree], args.cycles, n * args.cycles)
-                after = threads(pid)
+                after = schedstat(pid)
                 lease_s[tree] += leases
                 release_s[tree] += releases
                 for tid, (ns, slices) in after.items():

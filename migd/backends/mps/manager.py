@@ -576,8 +576,7 @@ class MpsManager:
         connected = self._connected_clients(daemon)
         daemon.last_error = detail
         if connected:
-            daemon.refusals += 1
-            daemon.clients_at_refusal = max(daemon.clients_at_refusal or 0, connected)
+            daemon.count_refusal(connected)
             daemon.restart_when_drained = True
             daemon.healthy = True
             return HealthEvent(
@@ -602,9 +601,7 @@ class MpsManager:
         named = CLIENT_CAP_LOG.search(detail)
         connected = int(named.group(1)) if named else self._connected_clients(daemon)
         daemon.last_error = detail
-        daemon.refusals += 1
-        if connected:
-            daemon.clients_at_refusal = max(daemon.clients_at_refusal or 0, connected)
+        daemon.count_refusal(connected)
         daemon.healthy = True
         return HealthEvent(
             daemon.record.device_uuid,

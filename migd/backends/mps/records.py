@@ -144,6 +144,13 @@ class Daemon:
     # now would kill every one of them), if the device still refuses then.
     restart_when_drained: bool = False
 
+    def count_refusal(self, connected: int | None) -> None:
+        """A client was refused with ``connected`` clients on the device (None or 0: it
+        could not say, and the cap as seen stays what it was)."""
+        self.refusals += 1
+        if connected:
+            self.clients_at_refusal = max(self.clients_at_refusal or 0, connected)
+
 
 def write_record(record: DaemonRecord) -> None:
     path = Path(record.pipe_dir).parent / RECORD_FILE_NAME

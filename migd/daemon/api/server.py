@@ -429,9 +429,10 @@ class ApiServer:
 
 
 def _write_whole(writer: asyncio.StreamWriter, data: bytes) -> bool:
-    """Write ``data``; True when the kernel took it whole (nearly always: a socket buffer
-    holds far more than a reply) and the connection is closed, False when some waits in
-    the transport's buffer, or the transport was aborted after an error.
+    """Write ``data``; False when some of it waits in the transport's buffer (the caller
+    drains it), True when nothing is left to wait for: the kernel took it whole (nearly
+    always: a socket buffer holds far more than a reply) and the connection is closed,
+    or the write failed and the transport was aborted.
 
     Taken whole, there is nothing to drain and nothing to wait for at the close: the
     transport closes itself on the loop's next pass: no drain and no wait for the close,

@@ -335,12 +335,12 @@ class StateStore(StateDatabase):
                 "SELECT COALESCE(SUM(length(data)), 0) FROM history WHERE id <= ?", (cut,)
             ).fetchone()
             dropped = self._write("DELETE FROM history WHERE id <= ?", (cut,)).rowcount
-            if self._history_bytes is None:
-                total = self._history_total()  # the first prune counts them once
+            if self._history_bytes is None or self._history_bytes - going > keep_bytes:
+                # The first prune counts the bytes once; a count over the budget is
+                # checked by an exact one (it may over-count, never under-count).
+                total = self._history_total()
             else:
                 total = self._history_bytes - going
-            if total > keep_bytes:
-                total = self._history_total()  # exact: the count may be over
             if total > keep_bytes:
                 # The newest row whose running total (newest first) passes the budget: it
                 # and everything older goes.
