@@ -77,11 +77,19 @@ print("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"),
       "limit", os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), flush=True)
 try:
     import torch
-except ImportError:  # the simulated job allocates at once (the mark comes just before)
-    if os.environ.get("MARK"):
-        open(os.environ["MARK"], "w").close()
-    os.execvp(sys.executable, [sys.executable, "-m", "migd.backends.simulated.cuda_job",
-              "--start", f"{target}M", "--steps", str(int(hold * 10)), "--step-s", "0.1"])
+except ImportError:
+    # The simulated job, as a child: the mark once it holds its memory (its first "step"
+    # line comes after it reached migd and allocated). A mark before it starts let step
+    # 4 stop migd before a loaded host's job had reached it, and the job failed its init.
+    import subprocess
+    job = subprocess.Popen([sys.executable, "-m", "migd.backends.simulated.cuda_job",
+                            "--start", f"{target}M", "--steps", str(int(hold * 10)),
+                            "--step-s", "0.1"], stdout=subprocess.PIPE, text=True)
+    for line in job.stdout:
+        print(line, end="", flush=True)
+        if line.startswith("step ") and os.environ.get("MARK"):
+            open(os.environ["MARK"], "a").close()
+    sys.exit(job.wait())
 free, total = torch.cuda.mem_get_info()
 print(f"mem_get_info free {free >> 20} MiB of {total >> 20} MiB", flush=True)
 held = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(target // 64)]
