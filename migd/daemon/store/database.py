@@ -35,6 +35,16 @@ from migd.errors import StateDiskError, StateStoreError
 
 log = structlog.get_logger("migd")
 
+#: The WAL file's bound (see :meth:`StateDatabase.checkpoint_in_background`): some six
+#: seconds of commits at the daemon's saturation on a 2-core node (bench/results/wal_growth.md).
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
+#: PASSIVE rounds the checkpointer runs back to back before the writer's restart, and
+#: the frames committed during one that are few enough to leave to it.
+_CATCH_UP_ROUNDS = 8
+_CATCH_UP_FRAMES = 64
+#: Bytes of a WAL frame besides its page (sqlite.org/fileformat.html, "WAL Frame Format").
+_WAL_FRAME_HEADER = 24
+
 # SQLite's primary result codes (sqlite3.h) that say the *file* is bad; only these (and a
 # failed quick_check) justify moving the database aside. SQLITE_FULL (13), SQLITE_IOERR
 # (10), SQLITE_READONLY (8), SQLITE_CANTOPEN (14) and SQLITE_PERM (3) are the disk's or the
@@ -163,8 +173,10 @@ class StateDatabase:
         failing_since: wall-clock time of the first failed write of the current spell.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, wal_limit_bytes: int = WAL_LIMIT_BYTES) -> None:
         self.path = path
+        #: The WAL file's bound (see checkpoint_in_background); tests make it small.
+        self.wal_limit_bytes = wal_limit_bytes
         self.recovered_from: Path | None = None
         self.corruption: str | None = None
         self.failing: str | None = None
@@ -174,6 +186,11 @@ class StateDatabase:
         self._stop_checkpoints = threading.Event()
         # (WAL frames, frames checkpointed) from the background thread's last round.
         self.last_checkpoint: tuple[int, int] | None = None
+        #: Set by the checkpointer when the WAL is over its bound and folded; the writer
+        #: starts it over at its next commit (see checkpoint_in_background).
+        self._wal_over_bound = False
+        #: How often the writer started a WAL over its bound anew.
+        self.wal_restarts = 0
         # The open batch (see batch()); the first write that fails in it is its `lost`.
         self._batch: Batch | None = None
         # Inside transaction(): its own COMMIT decides for everything written in it.
@@ -184,35 +201,84 @@ class StateDatabase:
         self._pending: list[Batch] = []
 
     def checkpoint_in_background(self, interval_s: float = 2.0) -> None:
-        """Move WAL checkpoints off the caller's thread.
+        """Move WAL checkpoints off the caller's thread, and keep the WAL file bounded.
 
         SQLite checkpoints the WAL inside whichever commit crosses 1000 pages, and a
         checkpoint syncs the database file: a ~5 ms stall on the daemon's event loop every
         few hundred lease changes, the whole p99 of a lease. Here a thread with its own
         connection checkpoints every ``interval_s`` instead (PASSIVE: it never blocks a
         writer, and the sqlite3 module drops the GIL while it waits on the disk).
+
+        A PASSIVE checkpoint never shrinks the WAL: SQLite starts the WAL over only when
+        a write begins after *every* frame was checkpointed, and under unbroken load some
+        commit always lands between the checkpoint's end and the next write, so the file
+        grew by every commit's pages (11 MB/s at saturation, 717 MB after a minute,
+        bench/results/wal_growth.md). When the WAL holds more than :attr:`wal_limit_bytes`
+        after a PASSIVE that folded everything it saw, the thread asks the writer to
+        start it over at its next commit (:meth:`_restart_wal_if_asked`), and
+        ``journal_size_limit`` (:meth:`_prepare`) gives back the space
+        above twice the bound. Before asking, the thread folds what was committed while
+        its PASSIVE ran (:meth:`_catch_up`), so the restart costs the writer the database
+        file's sync and little else: a 13-17 ms stall once per :attr:`wal_limit_bytes` of
+        commits, about every 6 s at saturation, and never at a load with pauses, where
+        the WAL starts over by itself. (A TRUNCATE checkpoint instead stalled 110-165 ms,
+        most of it giving the file's blocks back; run from this thread it blocked the
+        loop's writes behind SQLite's busy-handler sleeps as well.) When a whole round
+        saw no commit, the thread truncates a WAL of more than a sixteenth of the bound.
         """
         if self._checkpointer is not None:
             return
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._stop_checkpoints.clear()
         self._checkpointer = threading.Thread(
-            target=self._checkpoint_loop, args=(interval_s,), name="migd-wal", daemon=True
+            target=self._checkpoint_loop,
+            args=(interval_s, self.wal_limit_bytes),
+            name="migd-wal",
+            daemon=True,
         )
         self._checkpointer.start()
 
-    def _checkpoint_loop(self, interval_s: float) -> None:
+    def _checkpoint_loop(self, interval_s: float, wal_limit_bytes: int) -> None:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             db.execute("PRAGMA busy_timeout=5000")
+            frame_bytes = db.execute("PRAGMA page_size").fetchone()[0] + _WAL_FRAME_HEADER
+            before = -1  # the WAL's frames at the last round
             while not self._stop_checkpoints.wait(interval_s):
                 try:
-                    _busy, frames, done = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                    self.last_checkpoint = (frames, done)
+                    frames, done = self._passive(db)
+                    size = frames * frame_bytes
+                    if frames == done == before and size > wal_limit_bytes // 16:
+                        # Nothing committed for a whole round: give the disk back (a
+                        # writer that comes meanwhile waits for the file's truncation,
+                        # once; a smaller WAL is left for SQLite to start over).
+                        busy, _f, _d = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                        frames = frames if busy else 0
+                    elif done >= frames and size > wal_limit_bytes:
+                        self._catch_up(db)
+                        self._wal_over_bound = True  # (a plain flag: the writer reads it)
+                    before = frames
                 except sqlite3.Error:
                     continue  # busy or a transient error: the next round catches up
         finally:
             db.close()
+
+    def _passive(self, db: sqlite3.Connection) -> tuple[int, int]:
+        """One PASSIVE checkpoint: (the WAL's frames, how many are folded)."""
+        _busy, frames, done = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.last_checkpoint = (frames, done)
+        return frames, done
+
+    def _catch_up(self, db: sqlite3.Connection) -> None:
+        """Fold what was committed while the last PASSIVE ran, until that is a few pages:
+        the writer's restart then syncs the file and little else (13-17 ms a restart
+        against 17-66 ms without, bench/results/wal_growth.md)."""
+        frames, _done = self.last_checkpoint or (0, 0)
+        for _ in range(_CATCH_UP_ROUNDS):
+            now, done = self._passive(db)
+            if done < now or now - frames < _CATCH_UP_FRAMES:
+                return
+            frames = now
 
     def _open(self) -> sqlite3.Connection:
         try:
@@ -255,6 +321,11 @@ class StateDatabase:
     def _prepare(self, db: sqlite3.Connection) -> None:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
+        # The WAL file shrinks back to this when SQLite starts it over (it is reused, never
+        # shrunk, otherwise: its high-water mark stayed on disk for good). Twice the bound:
+        # at the restarts that bound it under load (checkpoint_in_background) the file is
+        # below that, so no restart also waits for the file system to free its blocks.
+        db.execute(f"PRAGMA journal_size_limit={2 * int(self.wal_limit_bytes)}")
         db.execute("PRAGMA busy_timeout=5000")
         check = db.execute("PRAGMA quick_check").fetchone()
         if not check or check[0] != "ok":
@@ -287,9 +358,31 @@ class StateDatabase:
             cur = self._db.execute(sql, params)
         except sqlite3.Error as exc:
             raise self._failed(exc) from exc
-        if self.failing is not None and not self._db.in_transaction:
-            self._recovered()
+        if not self._db.in_transaction:  # committed on its own
+            if self.failing is not None:
+                self._recovered()
+            self._restart_wal_if_asked()
         return cur
+
+    def _restart_wal_if_asked(self) -> None:
+        """Start the WAL over when the checkpointer found it over its bound (see
+        :meth:`checkpoint_in_background`). Called by the writer just after a commit,
+        with no transaction open: what is left to fold is what was committed since the
+        checkpointer's PASSIVE. It never waits for a lock: when the checkpointer is busy
+        folding, the next commit tries again."""
+        if not self._wal_over_bound or self._db.in_transaction:
+            return
+        try:
+            self._db.execute("PRAGMA busy_timeout=0")
+            try:
+                busy, _frames, _done = self._db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+            finally:
+                self._db.execute("PRAGMA busy_timeout=5000")
+        except sqlite3.Error:
+            return  # a refusing disk shows at the next write; the next commit tries again
+        if not busy:
+            self._wal_over_bound = False
+            self.wal_restarts += 1
 
     def _failed(self, exc: sqlite3.Error) -> StateStoreError:
         error = self._error_for(exc)
@@ -386,6 +479,7 @@ class StateDatabase:
                 self._defer(self.commit_pending)
         else:
             result._settle(self._commit_or_roll_back())
+            self._restart_wal_if_asked()
 
     def defer_commits(self, schedule: Callable[[Callable[[], None]], object]) -> None:
         """Commit ended batches in groups: a batch's writes stay in the open transaction,
@@ -411,6 +505,7 @@ class StateDatabase:
         if self._group_dropped():
             return
         self._settle_pending(self._commit_or_roll_back())
+        self._restart_wal_if_asked()  # after the replies: they do not wait for it
 
     def _group_dropped(self) -> bool:
         """Whether SQLite rolled the deferred batches' open transaction back on its own

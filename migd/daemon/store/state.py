@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from migd.core.leases import Lease, LeaseRequest, LeaseState
-from migd.daemon.store.database import StateDatabase
+from migd.daemon.store.database import WAL_LIMIT_BYTES, StateDatabase
 
 # History kept, in bytes of event data (rows are pruned by count *and* by bytes, so a few
 # large reports cannot grow the database without bound).
@@ -177,8 +177,8 @@ def lease_from_json(text: str) -> Lease:
 class StateStore(StateDatabase):
     """The state database's leases, history, own MIG instances and meta values."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, wal_limit_bytes: int = WAL_LIMIT_BYTES) -> None:
+        super().__init__(path, wal_limit_bytes)
         self.decisions = DecisionText()
         # Bytes of event data in history, counted as rows are added, so that the hourly
         # prune learns whether the table is over its byte budget without a scan: the
