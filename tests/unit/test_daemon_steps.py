@@ -138,6 +138,31 @@ def test_timer_housekeeping_runs_every_ten_seconds(parts: Parts) -> None:
     assert saved is not None and saved["last_s"] == parts.clock.now()
 
 
+def test_history_past_its_budget_is_pruned_at_a_housekeeping_round_not_the_hour(
+    parts: Parts,
+) -> None:
+    ctx = parts.daemon.ctx
+    ctx.config = ctx.config.model_copy(
+        update={"daemon": ctx.config.daemon.model_copy(update={"history_keep": 100})}
+    )
+    timers = Timers(ctx, parts.daemon.leases)
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # starts the schedule
+    ctx.db.prune(100, ctx.config.daemon.history_keep_bytes)
+    for n in range(50):  # half the budget added: left to the hourly prune
+        ctx.db.record("wrapper.note", {"n": n}, lease_id="L1", job_id="1.0")
+    parts.clock.advance(10.0)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    before = len(ctx.db.history(limit=1000))
+    for n in range(51, 160):
+        ctx.db.record("wrapper.note", {"n": n}, lease_id="L1", job_id="1.0")
+    parts.clock.advance(9.9)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert len(ctx.db.history(limit=1000)) == before + 109  # not a housekeeping round yet
+    parts.clock.advance(0.1)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert len(ctx.db.history(limit=1000)) == 100
+
+
 def test_the_reaper_picks_dead_holders_and_silent_ones(parts: Parts) -> None:
     reaper = parts.daemon.reaper
     alive, dead = parts.lease(1000, pid=501), parts.lease(1000, pid=502)

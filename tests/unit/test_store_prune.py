@@ -71,3 +71,19 @@ def test_an_over_count_from_a_lost_write_costs_a_recount_not_a_row(store: StateS
     store._history_bytes += 10**9  # as if inserts that were counted rolled back
     assert store.prune(keep=100_000, keep_bytes=50_000) == 0
     assert on_disk(store)[0] == 20 and store._history_bytes == on_disk(store)[1]
+
+
+def test_history_is_overdue_once_half_again_over_its_rows_or_bytes(store: StateStore) -> None:
+    """What lets the 10 s housekeeping prune a busy node's history before the hour
+    (Timers.step): counted as rows are added, no query."""
+    add(store, 100, 10)
+    assert not store.history_overdue(keep=200, keep_bytes=1 << 20)  # 100 added: half of 200
+    add(store, 1, 10)
+    assert store.history_overdue(keep=200, keep_bytes=1 << 20)
+    store.prune(keep=200, keep_bytes=1 << 20)
+    assert not store.history_overdue(keep=200, keep_bytes=1 << 20)
+    add(store, 4, 4000)  # few rows, but 16 kB of data on top of 1 kB: past 1.5 x 10 kB
+    assert store.history_overdue(keep=200, keep_bytes=10_000)
+    store.prune(keep=200, keep_bytes=10_000)
+    assert not store.history_overdue(keep=200, keep_bytes=10_000)
+    assert on_disk(store)[1] <= 10_000

@@ -11,7 +11,7 @@ thread, and call the step (cobald's ``regulate()`` / ``run()`` split):
   need it;
 * timers (every second): :meth:`Timers.step` expires queued requests past their
   deadline; every 10 s idle teardown, the demand model's snapshot and pruning; hourly
-  the history;
+  the history (at a 10 s round already once it is half again over its budget);
 * sampler (every second): :func:`sample_plan` says what to read, the GPU's thread reads
   it (:meth:`Sampler.read`), :meth:`Sampler.apply` books GPU, instance and lease
   memory for status and OOM evidence; the same round lists the processes on idle
@@ -139,14 +139,18 @@ class Timers:
         for lease in expired.ended:
             leases.record("expired", lease, reason=lease.reason)
         leases.apply(expired)
+        keep, keep_bytes = ctx.config.daemon.history_keep, ctx.config.daemon.history_keep_bytes
+        overdue = False
         if mono >= self._next_housekeeping:
             self._next_housekeeping = mono + self.HOUSEKEEPING_EVERY_S
             leases.apply(sched.idle_teardown(now, mono))
             ctx.db.set_meta("demand", {"counts": sched.demand.snapshot(), "last_s": now})
             leases.prune(all_terminal=True)
-        if mono >= self._next_history:
+            # A busy node passes the history budget long before the hour is up.
+            overdue = ctx.db.history_overdue(keep, keep_bytes)
+        if mono >= self._next_history or overdue:
             self._next_history = mono + self.HISTORY_EVERY_S
-            ctx.db.prune(ctx.config.daemon.history_keep, ctx.config.daemon.history_keep_bytes)
+            ctx.db.prune(keep, keep_bytes)
 
 
 class Watchdog:
