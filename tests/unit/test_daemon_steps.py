@@ -148,16 +148,15 @@ def test_history_past_its_budget_is_pruned_at_a_housekeeping_round_not_the_hour(
     timers = Timers(ctx, parts.daemon.leases)
     timers.step(parts.clock.now(), parts.clock.monotonic())  # starts the schedule
     ctx.db.prune(100, ctx.config.daemon.history_keep_bytes)
-    for n in range(50):  # half the budget added: left to the hourly prune
-        ctx.db.record("wrapper.note", {"n": n}, lease_id="L1", job_id="1.0")
+    while len(ctx.db.history(limit=1000)) < 150:  # half again the budget: left to the hour
+        ctx.db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
     parts.clock.advance(10.0)
     timers.step(parts.clock.now(), parts.clock.monotonic())
-    before = len(ctx.db.history(limit=1000))
-    for n in range(51, 160):
-        ctx.db.record("wrapper.note", {"n": n}, lease_id="L1", job_id="1.0")
+    assert len(ctx.db.history(limit=1000)) == 150
+    ctx.db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
     parts.clock.advance(9.9)
     timers.step(parts.clock.now(), parts.clock.monotonic())
-    assert len(ctx.db.history(limit=1000)) == before + 109  # not a housekeeping round yet
+    assert len(ctx.db.history(limit=1000)) == 151  # not a housekeeping round yet
     parts.clock.advance(0.1)
     timers.step(parts.clock.now(), parts.clock.monotonic())
     assert len(ctx.db.history(limit=1000)) == 100

@@ -75,15 +75,23 @@ def test_an_over_count_from_a_lost_write_costs_a_recount_not_a_row(store: StateS
 
 def test_history_is_overdue_once_half_again_over_its_rows_or_bytes(store: StateStore) -> None:
     """What lets the 10 s housekeeping prune a busy node's history before the hour
-    (Timers.step): counted as rows are added, no query."""
-    add(store, 100, 10)
-    assert not store.history_overdue(keep=200, keep_bytes=1 << 20)  # 100 added: half of 200
+    (Timers.step): counted as rows are added, no scan."""
+    add(store, 300, 10)
+    assert not store.history_overdue(keep=200, keep_bytes=1 << 20)  # 300 rows: 1.5 x 200
     add(store, 1, 10)
     assert store.history_overdue(keep=200, keep_bytes=1 << 20)
+    reopened = StateStore(store.path)  # counted from the ids, not from what it added
+    try:
+        assert reopened.history_overdue(keep=200, keep_bytes=1 << 20)
+        assert not reopened.history_overdue(keep=201, keep_bytes=1 << 20)
+    finally:
+        reopened.close()
     store.prune(keep=200, keep_bytes=1 << 20)
     assert not store.history_overdue(keep=200, keep_bytes=1 << 20)
-    add(store, 4, 4000)  # few rows, but 16 kB of data on top of 1 kB: past 1.5 x 10 kB
-    assert store.history_overdue(keep=200, keep_bytes=10_000)
-    store.prune(keep=200, keep_bytes=10_000)
-    assert not store.history_overdue(keep=200, keep_bytes=10_000)
+    add(store, 100, 10)  # back to 300 rows
+    assert not store.history_overdue(keep=200, keep_bytes=1 << 20)
+    add(store, 4, 4000)  # few rows, but 16 kB of data on top of 3 kB: past 1.5 x 10 kB
+    assert store.history_overdue(keep=400, keep_bytes=10_000)
+    store.prune(keep=400, keep_bytes=10_000)
+    assert not store.history_overdue(keep=400, keep_bytes=10_000)
     assert on_disk(store)[1] <= 10_000

@@ -247,8 +247,8 @@ class StateDatabase:
             while not self._stop_checkpoints.wait(interval_s):
                 try:
                     frames, done = self._passive(db)
-                    size = frames * frame_bytes
-                    if frames == done == before and size > wal_limit_bytes // 16:
+                    size = frames * frame_bytes  # what is in use since the WAL started over
+                    if frames == done == before and self._wal_file_bytes() > wal_limit_bytes // 16:
                         # Nothing committed for a whole round: give the disk back (a
                         # writer that comes meanwhile waits for the file's truncation,
                         # once; a smaller WAL is left for SQLite to start over).
@@ -262,6 +262,14 @@ class StateDatabase:
                     continue  # busy or a transient error: the next round catches up
         finally:
             db.close()
+
+    def _wal_file_bytes(self) -> int:
+        """The WAL file's size on disk: after restarts it is the high-water mark of what
+        was in use, which the frame count no longer says."""
+        try:
+            return Path(f"{self.path}-wal").stat().st_size
+        except OSError:
+            return 0
 
     def _passive(self, db: sqlite3.Connection) -> tuple[int, int]:
         """One PASSIVE checkpoint: (the WAL's frames, how many are folded)."""
