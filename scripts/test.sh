@@ -21,11 +21,14 @@ fi
 
 # Debian's packages the tests use, installed where missing (root only):
 # debootstrap builds the HTCondor chroot (tests/integration), rpm's rpmbuild the .rpm
-# (tests/packaging), shellcheck checks scripts/mps_gpu_check.sh, and a real Prometheus
+# (tests/packaging), shellcheck checks scripts/mps_gpu_check.sh, a real Prometheus
 # scrapes a simulated node (tests/metrics/test_scrape.py) and its promtool checks the shipped
-# alert rules (tests/metrics/test_alert_rules.py); both skip, saying why, without it.
+# alert rules (tests/metrics/test_alert_rules.py), and systemd-nspawn boots the chroot with
+# systemd as PID 1 to run the shipped unit (tests/integration/test_systemd_unit.py); each
+# skips, saying why, without its package.
 missing=()
-for pair in debootstrap:debootstrap rpmbuild:rpm shellcheck:shellcheck prometheus:prometheus; do
+for pair in debootstrap:debootstrap rpmbuild:rpm shellcheck:shellcheck prometheus:prometheus \
+    systemd-nspawn:systemd-container; do
     command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
 done
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
