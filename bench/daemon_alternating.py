@@ -16,14 +16,18 @@ run time per thread), not the 10 ms clock ticks of ``/proc/PID/stat``.
 
 Each tree needs its own ``.venv`` (a link to this one works). Two phases, each
 alternating: saturation (50 connections, 1-10 ms holds: CPU per cycle and cycles/s)
-and, with ``--paced``, paced load (50 connections, 0.1-0.4 s holds: the client p99 of
-leases granted at once, over all of a tree's segments together).
+and, with ``--paced``, paced load (50 connections, 0.1-0.4 s holds: the client p50 and
+p99 of leases granted at once, over all of a tree's segments together). A paced p99 of a
+few thousand leases moves by 10-20 % from run to run, so each tree's p99 ratio to the last
+tree comes with a 95 % interval: the paced rounds are resampled with replacement, the same
+rounds for both trees (``--boot`` times), and the ratio of the pooled p99s taken each time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -70,6 +74,22 @@ def quartiles(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} (IQR {q[0]:.3f}-{q[2]:.3f})"
 
 
+def p99_ratio(mine: list[list[float]], ref: list[list[float]], boot: int) -> str:
+    """The pooled p99 of ``mine`` over ``ref``'s, and a 95 % bootstrap interval from
+    resampling the paced rounds (the same rounds for both: they ran side by side)."""
+
+    def ratio(rounds: list[int]) -> float:
+        return pct([t for r in rounds for t in mine[r]], 0.99) / pct(
+            [t for r in rounds for t in ref[r]], 0.99
+        )
+
+    every = list(range(len(mine)))
+    rng = random.Random(0)
+    draws = sorted(ratio(rng.choices(every, k=len(every))) for _ in range(boot))
+    low, high = draws[int(0.025 * boot)], draws[min(boot - 1, int(0.975 * boot))]
+    return f"{ratio(every):.3f} ({low:.3f}-{high:.3f})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("trees", type=Path, nargs="+", help="the last is the reference")
@@ -77,6 +97,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--cycles", type=int, default=8, help="per client and segment")
     parser.add_argument("--paced", type=int, default=0, help="paced rounds after (0: none)")
+    parser.add_argument("--boot", type=int, default=400, help="resamples of the paced rounds")
     parser.add_argument(
         "--pin", action="store_true", help="daemons on the first CPU, this client on the last"
     )
@@ -101,13 +122,13 @@ def main() -> int:
                 f"round {n + 1}: " + " | ".join(f"{t.name} {runs[t][-1][0]:.3f} ms" for t in trees),
                 flush=True,
             )
-        paced: dict[Path, list[float]] = {t: [] for t in trees}
+        paced: dict[Path, list[list[float]]] = {t: [] for t in trees}
         for n in range(args.paced):
             for tree in trees if n % 2 == 0 else list(reversed(trees)):
                 times, _, _ = run_async_clients(
                     daemons[tree].socket, args.clients, 10, hold_s=(0.1, 0.4)
                 )
-                paced[tree] += times
+                paced[tree].append(times)
             print(f"paced round {n + 1} done", flush=True)
     finally:
         for daemon in daemons.values():
@@ -118,9 +139,10 @@ def main() -> int:
     )
     print(
         "| tree | CPU ms/cycle | loop thread | other threads | cycles/s | CPU ratio | "
-        "loop ratio | cycles/s ratio | rounds below 1 |" + (" paced p99 ms |" if args.paced else "")
+        "loop ratio | cycles/s ratio | rounds below 1 |"
+        + (" paced p50 / p99 ms | paced p99 ratio (95 % interval) |" if args.paced else "")
     )
-    print("|---" * (9 + bool(args.paced)) + "|")
+    print("|---" * (9 + 2 * bool(args.paced)) + "|")
     ref = runs[reference]
     for tree in trees:
         mine = runs[tree]
@@ -135,7 +157,11 @@ def main() -> int:
             f"| {quartiles(loop)} | {quartiles(rate)} | {sum(r < 1 for r in cpu)}/{len(cpu)} |"
         )
         if args.paced:
-            row += f" {pct(paced[tree], 0.99):.1f} ({len(paced[tree])} leases) |"
+            pooled = [t for times in paced[tree] for t in times]
+            row += (
+                f" {pct(pooled, 0.5):.2f} / {pct(pooled, 0.99):.2f} ({len(pooled)} leases) "
+                f"| {p99_ratio(paced[tree], paced[reference], args.boot)} |"
+            )
         print(row)
     return 0
 
