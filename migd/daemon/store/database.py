@@ -232,14 +232,15 @@ class StateDatabase:
         self._stop_checkpoints.clear()
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop,
-            args=(interval_s, self.wal_limit_bytes),
+            args=(interval_s,),
             name="migd-wal",
             daemon=True,
         )
         self._checkpointer.start()
 
-    def _checkpoint_loop(self, interval_s: float, wal_limit_bytes: int) -> None:
+    def _checkpoint_loop(self, interval_s: float) -> None:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        limit = self.wal_limit_bytes
         try:
             db.execute("PRAGMA busy_timeout=5000")
             frame_bytes = db.execute("PRAGMA page_size").fetchone()[0] + _WAL_FRAME_HEADER
@@ -248,13 +249,13 @@ class StateDatabase:
                 try:
                     frames, done = self._passive(db)
                     size = frames * frame_bytes  # what is in use since the WAL started over
-                    if frames == done == before and self._wal_file_bytes() > wal_limit_bytes // 16:
+                    if frames == done == before and self._wal_file_bytes() > limit // 16:
                         # Nothing committed for a whole round: give the disk back (a
                         # writer that comes meanwhile waits for the file's truncation,
                         # once; a smaller WAL is left for SQLite to start over).
                         busy, _f, _d = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
                         frames = frames if busy else 0
-                    elif done >= frames and size > wal_limit_bytes:
+                    elif done >= frames and size > limit:
                         self._catch_up(db)
                         self._wal_over_bound = True  # (a plain flag: the writer reads it)
                     before = frames
