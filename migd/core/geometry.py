@@ -1,7 +1,7 @@
 """MIG geometry of one GPU model: profiles, legal placements and shared caps.
 
 Pure data, no I/O. A geometry comes either from the built-in catalog
-(:mod:`migd.core.catalog`, derived from ``shared/reference/mig-tables.json``)
+(:mod:`migd.core.catalog`, derived from ``tests/data/mig-tables.json``)
 or from what NVML reports on a live GPU (:meth:`Geometry.from_nvml`), so
 unknown models work from NVML data alone.
 
