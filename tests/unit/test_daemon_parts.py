@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
+import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,7 +39,7 @@ from migd.daemon.config import (
     load_config,
     validate_config,
 )
-from migd.daemon.store.database import WAL_LIMIT_BYTES
+from migd.daemon.store.database import WAL_LIMIT_BYTES, StateDatabase
 from migd.daemon.store.state import StateStore
 from migd.daemon.systemd import Notifier
 from migd.errors import ConfigError, ProtocolError
@@ -236,15 +238,94 @@ def test_background_checkpoints_fold_the_wal_back(tmp_path: Path) -> None:
     store.checkpoint_in_background(interval_s=0.02)
     for n in range(1501, 3001):
         store.save_lease(_lease(n))
+    store.last_checkpoint = None  # only a round after the writes counts
 
     def folded() -> bool:
-        # (0, 0) once the writes are done: folded, and truncated as the WAL sat idle
         last = store.last_checkpoint
         return last is not None and last[0] == last[1]
 
     wait_for(folded, what="the background thread to fold the WAL")
     store.close()
     assert len(StateStore(path).live_leases()) == 3000
+
+
+def test_the_checkpointer_outlives_errors_logs_each_spell_once_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With wal_autocheckpoint off, nothing but the checkpointer folds the WAL: a thread
+    that died on one error (its connection, say, on a disk that failed for a moment)
+    would let the WAL grow until the disk is full. It tries again every round, says so
+    once per spell, and says when it works again."""
+    store = StateStore(tmp_path / "migd.db")
+    real = StateDatabase._checkpoint_connection
+    failures = iter(range(5))
+
+    def flaky(self: StateDatabase) -> tuple[sqlite3.Connection, int]:
+        if next(failures, None) is not None:
+            raise sqlite3.OperationalError("disk I/O error")
+        return real(self)
+
+    monkeypatch.setattr(StateDatabase, "_checkpoint_connection", flaky)
+    with structlog.testing.capture_logs() as logs:
+        store.checkpoint_in_background(interval_s=0.01)
+        for n in range(1, 51):
+            store.save_lease(_lease(n))
+        wait_for(
+            lambda: store.last_checkpoint is not None,
+            what="the checkpointer to fold the WAL after its connection failed",
+        )
+        store.close()
+    events = [e["event"] for e in logs if e["event"].startswith("state.checkpoint")]
+    assert events == ["state.checkpoint_failed", "state.checkpoint_recovered"]
+    assert next(e for e in logs if e["event"] == "state.checkpoint_failed")["error"] == (
+        "disk I/O error"
+    )
+
+
+def test_a_passive_checkpoint_that_could_not_run_is_not_a_round_without_commits() -> None:
+    """SQLite answers (1, -1, -1) to a PASSIVE checkpoint while another connection (the
+    writer's restart) checkpoints: read as frames == folded == the last round's, it
+    would truncate the WAL as idle under load."""
+
+    class Busy:
+        def execute(self, sql: str) -> Any:
+            assert sql == "PRAGMA wal_checkpoint(PASSIVE)"
+            return sqlite3.connect(":memory:").execute("SELECT 1, -1, -1")
+
+    db = StateDatabase.__new__(StateDatabase)
+    db.last_checkpoint = (7, 7)
+    assert db._passive(Busy()) is None  # type: ignore[arg-type]
+    assert db.last_checkpoint == (7, 7)
+
+
+def test_a_failed_wal_restart_is_not_retried_at_every_commit(tmp_path: Path) -> None:
+    """Each try syncs the database on the event loop: after SQLite fails one, the
+    checkpointer's next round decides whether to ask again."""
+    store = StateStore(tmp_path / "migd.db")
+    real = store._db
+
+    class Refusing:
+        in_transaction = False
+
+        def __init__(self) -> None:
+            self.restarts = 0
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if "wal_checkpoint(RESTART)" in sql:
+                self.restarts += 1
+                raise sqlite3.OperationalError("disk I/O error")
+            return real.execute(sql, *args)
+
+    refusing = Refusing()
+    store._db = refusing  # type: ignore[assignment]
+    try:
+        store._wal_over_bound = True
+        store._restart_wal_if_asked()
+        store._restart_wal_if_asked()
+    finally:
+        store._db = real
+    assert refusing.restarts == 1 and not store._wal_over_bound and store.wal_restarts == 0
+    store.close()
 
 
 @pytest.mark.parametrize("commits", ["one by one", "grouped as the daemon's"])
@@ -279,7 +360,12 @@ def test_the_wal_stays_bounded_while_writes_never_pause_and_shrinks_after(
                     store.save_lease(_lease(n))
                 store.commit_pending()
             else:
-                store.save_lease(_lease(n))  # one commit each, no pause between them
+                store.save_lease(_lease(n))  # one commit each
+            # Paced at about a saturated daemon's rate (0.5 ms a commit), not a bare loop's
+            # 20,000 a second: commits still land inside every checkpoint round (so SQLite
+            # never starts the WAL over by itself), and the ceiling below is seconds of
+            # commits, not the 0.35 s a round of slow fsyncs on a busy disk could take.
+            time.sleep(0.0005)
             peak = max(peak, wal.stat().st_size)
             # The ceiling is far above what a round of the checkpointer lets through, even
             # late on a loaded host; without the bound this loop writes 1 GB in seconds.

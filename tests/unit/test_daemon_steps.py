@@ -26,6 +26,7 @@ from migd.daemon.service import Daemon, keep_restart_keys
 from migd.daemon.supervision.mps import MPS_UNHEALTHY
 from migd.daemon.supervision.periodic import Timers, Watchdog
 from migd.daemon.systemd import Notifier
+from migd.errors import StateDiskError
 from migd.ports import ManualClock
 
 
@@ -158,6 +159,38 @@ def test_history_past_its_budget_is_pruned_at_a_housekeeping_round_not_the_hour(
     timers.step(parts.clock.now(), parts.clock.monotonic())
     assert len(ctx.db.history(limit=1000)) == 151  # not a housekeeping round yet
     parts.clock.advance(0.1)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert len(ctx.db.history(limit=1000)) == 100
+
+
+def test_a_history_prune_the_disk_refuses_is_said_once_and_not_tried_every_round(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = parts.daemon.ctx
+    ctx.config = ctx.config.model_copy(
+        update={"daemon": ctx.config.daemon.model_copy(update={"history_keep": 100})}
+    )
+    timers = Timers(ctx, parts.daemon.leases)
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    ctx.db.prune(100, ctx.config.daemon.history_keep_bytes)
+    while len(ctx.db.history(limit=1000)) <= 150:
+        ctx.db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
+    tries = []
+
+    def refused(keep: int, keep_bytes: int) -> int:
+        tries.append(parts.clock.monotonic())
+        raise StateDiskError("the state disk is full", hint="free space on it")
+
+    monkeypatch.setattr(ctx.db, "prune", refused)
+    with structlog.testing.capture_logs() as events:
+        for _ in range(60):  # ten minutes of housekeeping rounds
+            parts.clock.advance(10.0)
+            timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert len(tries) == 1
+    failed = [e for e in events if e["event"] == "history.prune_failed"]
+    assert len(failed) == 1 and failed[0]["error"] == "the state disk is full"
+    monkeypatch.undo()
+    parts.clock.advance(10.0)  # the disk takes writes again, and the retry is due
     timers.step(parts.clock.now(), parts.clock.monotonic())
     assert len(ctx.db.history(limit=1000)) == 100
 

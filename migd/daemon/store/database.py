@@ -239,15 +239,25 @@ class StateDatabase:
         self._checkpointer.start()
 
     def _checkpoint_loop(self, interval_s: float) -> None:
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        """The background thread (see :meth:`checkpoint_in_background`). It must outlive
+        every error: with ``wal_autocheckpoint`` off, nothing else folds the WAL, which
+        would grow until the disk is full. So even its connection is made inside the
+        round (a failure is tried again next round), and an error is logged once per
+        spell, not swallowed: a disk that refuses checkpoints refuses writes soon."""
+        db: sqlite3.Connection | None = None
         limit = self.wal_limit_bytes
+        frame_bytes = 0
+        before: int | None = None  # the WAL's frames at the last round that ran
+        failing = ""  # the error of the current spell, logged once
         try:
-            db.execute("PRAGMA busy_timeout=5000")
-            frame_bytes = db.execute("PRAGMA page_size").fetchone()[0] + _WAL_FRAME_HEADER
-            before = -1  # the WAL's frames at the last round
             while not self._stop_checkpoints.wait(interval_s):
                 try:
-                    frames, done = self._passive(db)
+                    if db is None:
+                        db, frame_bytes = self._checkpoint_connection()
+                    ran = self._passive(db)
+                    if ran is None:
+                        continue  # the writer's restart was checkpointing: next round
+                    frames, done = ran
                     size = frames * frame_bytes  # what is in use since the WAL started over
                     if frames == done == before and self._wal_file_bytes() > limit // 16:
                         # Nothing committed for a whole round: give the disk back (a
@@ -259,10 +269,35 @@ class StateDatabase:
                         self._catch_up(db)
                         self._wal_over_bound = True  # (a plain flag: the writer reads it)
                     before = frames
-                except sqlite3.Error:
-                    continue  # busy or a transient error: the next round catches up
+                except sqlite3.Error as exc:
+                    if str(exc) != failing:
+                        log.warning(
+                            "state.checkpoint_failed",
+                            path=str(self.path),
+                            error=str(exc),
+                            reason="the state database's WAL could not be checkpointed; "
+                            "it grows until this succeeds",
+                            hint="check the state disk (space, read-only, I/O errors); "
+                            "migd tries again every round",
+                        )
+                    failing = str(exc)
+                    continue
+                if failing:
+                    log.info("state.checkpoint_recovered", path=str(self.path))
+                    failing = ""
         finally:
+            if db is not None:
+                db.close()
+
+    def _checkpoint_connection(self) -> tuple[sqlite3.Connection, int]:
+        """The checkpointer's own connection, and the bytes of one WAL frame."""
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA busy_timeout=5000")
+            return db, db.execute("PRAGMA page_size").fetchone()[0] + _WAL_FRAME_HEADER
+        except sqlite3.Error:
             db.close()
+            raise
 
     def _wal_file_bytes(self) -> int:
         """The WAL file's size on disk: after restarts it is the high-water mark of what
@@ -272,9 +307,13 @@ class StateDatabase:
         except OSError:
             return 0
 
-    def _passive(self, db: sqlite3.Connection) -> tuple[int, int]:
-        """One PASSIVE checkpoint: (the WAL's frames, how many are folded)."""
-        _busy, frames, done = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    def _passive(self, db: sqlite3.Connection) -> tuple[int, int] | None:
+        """One PASSIVE checkpoint: (the WAL's frames, how many are folded), or None when
+        it could not run because another checkpoint was running (SQLite then answers -1
+        for both, which must not read as a round that saw no commit)."""
+        busy, frames, done = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        if busy and frames < 0:
+            return None
         self.last_checkpoint = (frames, done)
         return frames, done
 
@@ -284,7 +323,10 @@ class StateDatabase:
         against 17-66 ms without, bench/results/wal_growth.md)."""
         frames, _done = self.last_checkpoint or (0, 0)
         for _ in range(_CATCH_UP_ROUNDS):
-            now, done = self._passive(db)
+            ran = self._passive(db)
+            if ran is None:
+                return
+            now, done = ran
             if done < now or now - frames < _CATCH_UP_FRAMES:
                 return
             frames = now
@@ -378,7 +420,8 @@ class StateDatabase:
         :meth:`checkpoint_in_background`). Called by the writer just after a commit,
         with no transaction open: what is left to fold is what was committed since the
         checkpointer's PASSIVE. It never waits for a lock: when the checkpointer is busy
-        folding, the next commit tries again."""
+        folding, the next commit tries again; when SQLite fails it, the checkpointer's
+        next round decides whether to ask again."""
         if not self._wal_over_bound or self._db.in_transaction:
             return
         try:
@@ -388,7 +431,10 @@ class StateDatabase:
             finally:
                 self._db.execute("PRAGMA busy_timeout=5000")
         except sqlite3.Error:
-            return  # a refusing disk shows at the next write; the next commit tries again
+            # A refusing disk shows at the next write. Not again at every commit (each
+            # try syncs on the loop): the checkpointer asks again next round if need be.
+            self._wal_over_bound = False
+            return
         if not busy:
             self._wal_over_bound = False
             self.wal_restarts += 1

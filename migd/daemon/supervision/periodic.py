@@ -39,7 +39,7 @@ from migd.daemon.leases.leftovers import LeftoverChecks
 from migd.daemon.leases.reconciler import Reconciler
 from migd.daemon.leases.service import LeaseService
 from migd.daemon.supervision.mps import MpsSupervisor, known_sum
-from migd.errors import MigdError, StartdError
+from migd.errors import MigdError, StartdError, StateStoreError
 from migd.ports import StartdControl
 
 log = structlog.get_logger("migd")
@@ -119,12 +119,15 @@ class Timers:
 
     HOUSEKEEPING_EVERY_S = 10.0
     HISTORY_EVERY_S = 3600.0
+    #: After a history prune the state disk refused: the next early one no sooner.
+    PRUNE_RETRY_S = 600.0
 
     def __init__(self, ctx: DaemonContext, leases: LeaseService) -> None:
         self.ctx = ctx
         self.leases = leases
         self._next_housekeeping: float | None = None  # monotonic
         self._next_history: float | None = None
+        self._early_prune_after = 0.0  # monotonic
 
     def step(self, now: float, mono: float) -> None:
         """One round at wall-clock ``now`` / monotonic ``mono`` (the loop: every second)."""
@@ -147,10 +150,21 @@ class Timers:
             ctx.db.set_meta("demand", {"counts": sched.demand.snapshot(), "last_s": now})
             leases.prune(all_terminal=True)
             # A busy node passes the history budget long before the hour is up.
-            overdue = ctx.db.history_overdue(keep, keep_bytes)
+            overdue = mono >= self._early_prune_after and ctx.db.history_overdue(keep, keep_bytes)
         if mono >= self._next_history or overdue:
             self._next_history = mono + self.HISTORY_EVERY_S
-            ctx.db.prune(keep, keep_bytes)
+            try:
+                ctx.db.prune(keep, keep_bytes)
+            except StateStoreError as exc:
+                # A full or failing state disk: the history stays over its budget, and an
+                # early prune at every housekeeping round would only fail again.
+                self._early_prune_after = mono + self.PRUNE_RETRY_S
+                log.warning(
+                    "history.prune_failed",
+                    error=exc.message,
+                    hint=exc.hint,
+                    retry_s=self.PRUNE_RETRY_S,
+                )
 
 
 class Watchdog:
