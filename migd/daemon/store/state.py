@@ -381,10 +381,11 @@ class StateStore(StateDatabase):
 
     def history_overdue(self, keep: int, keep_bytes: int) -> bool:
         """Whether history holds half again its budget of rows, or of bytes by the running
-        count (known from the first prune on): a prune not to leave to the hourly one.
-        At saturation the database file grew 2.6 MB/s (155 MiB in a minute,
-        bench/results/wal_growth.md): history rows, and the ended leases only a history
-        prune removes; pruned hourly, that is gigabytes. Costs no query."""
+        count (known from the first prune on, which the daemon runs 10 s after it starts):
+        a prune not to leave to the hourly one. At saturation the database file grew
+        2.6 MB/s (155 MiB in a minute, bench/results/wal_growth.md): history rows, and the
+        ended leases only a history prune removes; pruned hourly, that is gigabytes. Costs
+        no query."""
         if self._history_rows > keep * 3 // 2:
             return True
         return self._history_bytes is not None and self._history_bytes > keep_bytes * 3 // 2

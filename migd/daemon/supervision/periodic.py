@@ -137,7 +137,10 @@ class Timers:
         leases.flush()
         if self._next_housekeeping is None or self._next_history is None:
             self._next_housekeeping = mono + self.HOUSEKEEPING_EVERY_S
-            self._next_history = mono + self.HISTORY_EVERY_S
+            # The first prune comes with the first housekeeping round, not at the hour: it
+            # counts the history's bytes once (StateStore.prune), and until then only the
+            # row budget can tell an early prune is due (StateStore.history_overdue).
+            self._next_history = mono + self.HOUSEKEEPING_EVERY_S
         expired = sched.expire(now, mono)  # its outcome places what they blocked
         for lease in expired.ended:
             leases.record("expired", lease, reason=lease.reason)
