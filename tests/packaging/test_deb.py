@@ -306,9 +306,10 @@ def test_install_upgrade_remove_purge_keep_leases_and_state(
     ch.run(["dpkg", "--purge", "migd-ep", "migd-ap", "migd"], check=False)
     ch.run(["rm", "-rf", "/tmp/migd-debs", "/var/lib/migd", "/run/migd"])
     real, aside = ch.path(FAKE_SYSTEMCTL), ch.path(REAL_SYSTEMCTL_ASIDE)
-    if aside.exists() or aside.is_symlink():
-        real.unlink(missing_ok=True)  # an interrupted run's stand-in; systemd's is aside
+    if real.is_file() and not real.is_symlink() and real.read_bytes() == FAKE.encode():
+        real.unlink()  # an interrupted run's stand-in (systemd's, if any, is aside)
     elif real.exists() or real.is_symlink():
+        assert not aside.exists(), f"{aside} and a systemctl that is not the stand-in"
         real.rename(aside)
     ch.write_file(FAKE_SYSTEMCTL, FAKE, mode=0o755)
     ch.path("run/systemd/system").mkdir(parents=True, exist_ok=True)
