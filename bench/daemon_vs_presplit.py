@@ -53,8 +53,9 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
 class TreeDaemon:
     """A migd of ``tree`` (its own .venv), as bench_daemon.BenchDaemon starts one."""
 
-    def __init__(self, tree: Path, script: Path | None = None) -> None:
-        """``script``: run it with the daemon's arguments instead of ``-m migd``."""
+    def __init__(self, tree: Path, script: Path | None = None, extra: tuple[str, ...] = ()) -> None:
+        """``script``: run it with the daemon's arguments instead of ``-m migd``;
+        ``extra``: more of them (``--set`` options)."""
         self.root = Path(tempfile.mkdtemp(prefix="migd-cmp-", dir="/tmp"))
         (self.root / "run").mkdir()
         self.socket = str(self.root / "run" / "migd.sock")
@@ -82,6 +83,7 @@ class TreeDaemon:
                 'api.lease_users=["*"]',
                 "--set",
                 "policy.idle_policy=keep",
+                *extra,
             ],
             stdout=self.log,
             stderr=self.log,

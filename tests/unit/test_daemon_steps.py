@@ -7,10 +7,12 @@ synchronous step the asyncio loop would call, at the times it chooses.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sqlite3
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog.testing
@@ -169,6 +171,63 @@ def test_history_past_its_budget_is_pruned_at_a_housekeeping_round_not_the_hour(
     assert len(ctx.db.history(limit=1000)) == 100
 
 
+def test_a_prune_larger_than_a_step_goes_in_steps_with_the_loop_served_between(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An early prune drops at most PRUNE_STEP_ROWS rows a step and leaves the leases
+    table's scan to the hourly prune; the steps after the first run from the timer loop,
+    other tasks running between two."""
+    ctx, periodic = parts.daemon.ctx, parts.daemon.periodic
+    ctx.config = ctx.config.model_copy(
+        update={"daemon": ctx.config.daemon.model_copy(update={"history_keep": 100})}
+    )
+    monkeypatch.setattr(Timers, "PRUNE_STEP_ROWS", 20)
+    monkeypatch.setattr(Timers, "PRUNE_STEP_GAP_S", 0.0)  # (a turn of the loop, no wait)
+    timers = periodic.timers
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # starts the schedule
+    parts.clock.advance(10.0)
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # the first prune: nothing due
+    while len(ctx.db.history(limit=1000)) <= 170:
+        ctx.db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
+    steps: list[tuple[int, bool, int]] = []  # (rows dropped, swept, other task's turns)
+    turns = [0]
+    prune = ctx.db.prune
+
+    def counted(keep: int, keep_bytes: int, **bounds: Any) -> int:
+        dropped = prune(keep, keep_bytes, **bounds)
+        steps.append((dropped, bounds["sweep"], turns[0]))
+        return dropped
+
+    monkeypatch.setattr(ctx.db, "prune", counted)
+    parts.clock.advance(10.0)
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # overdue: the first step
+    assert timers.pruning and len(ctx.db.history(limit=1000)) == 151
+
+    async def served_between() -> None:
+        async def other() -> None:
+            while True:
+                turns[0] += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await periodic.finish_prune()
+        task.cancel()
+
+    asyncio.run(served_between())
+    assert [(d, swept) for d, swept, _ in steps] == [
+        (20, False),
+        (20, False),
+        (20, False),
+        (11, False),
+    ]
+    assert all(b[2] > a[2] for a, b in itertools.pairwise(steps))
+    assert not timers.pruning and len(ctx.db.history(limit=1000)) == 100
+    steps.clear()
+    parts.clock.advance(Timers.HISTORY_EVERY_S)  # the hourly prune sweeps, in one step here
+    timers.step(parts.clock.now(), parts.clock.monotonic())
+    assert [(d, swept) for d, swept, _ in steps] == [(0, True)] and not timers.pruning
+
+
 def test_a_history_prune_the_disk_refuses_is_said_once_and_not_tried_every_round(
     parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,7 +242,7 @@ def test_a_history_prune_the_disk_refuses_is_said_once_and_not_tried_every_round
         ctx.db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
     tries = []
 
-    def refused(keep: int, keep_bytes: int) -> int:
+    def refused(keep: int, keep_bytes: int, **bounds: object) -> int:
         tries.append(parts.clock.monotonic())
         raise StateDiskError("the state disk is full", hint="free space on it")
 

@@ -24,6 +24,8 @@ from migd.daemon.store.database import WAL_LIMIT_BYTES, StateDatabase
 # History kept, in bytes of event data (rows are pruned by count *and* by bytes, so a few
 # large reports cannot grow the database without bound).
 HISTORY_KEEP_BYTES = 64 * 1024 * 1024
+# The states of a lease not yet ended (its record is never pruned).
+_LIVE = (LeaseState.QUEUED.value, LeaseState.PREPARING.value, LeaseState.ACTIVE.value)
 
 
 @dataclass(frozen=True)
@@ -180,11 +182,12 @@ class StateStore(StateDatabase):
     def __init__(self, path: Path, wal_limit_bytes: int = WAL_LIMIT_BYTES) -> None:
         super().__init__(path, wal_limit_bytes)
         self.decisions = DecisionText()
-        # Bytes of event data in history, counted as rows are added, so that the hourly
-        # prune learns whether the table is over its byte budget without a scan: the
-        # running SUM over every row it used held the event loop ~190 ms at 100,000 rows.
-        # None until the first prune counts them; an over-count (an insert rolled back)
-        # costs only an exact count at the next prune, never a row.
+        # Bytes of event data in history, counted as rows are added, so that a prune
+        # learns whether the table is over its byte budget without a scan: the running
+        # SUM over every row it used held the event loop ~190 ms at 100,000 rows. Exact
+        # or None: None until the first prune counts them, and again after writes are
+        # lost (_writes_lost; the next prune counts again), so a prune by bytes never
+        # drops a row on an over-count.
         self._history_bytes: int | None = None
         # History rows, counted as they are added (history_overdue): from the id span
         # (ids are never reused, and only the oldest rows are deleted), two index reads.
@@ -213,7 +216,7 @@ class StateStore(StateDatabase):
         """Leases that were queued, preparing or active when the daemon last stopped."""
         rows = self._db.execute(
             "SELECT data FROM leases WHERE state IN (?,?,?) ORDER BY created_s",
-            (LeaseState.QUEUED.value, LeaseState.PREPARING.value, LeaseState.ACTIVE.value),
+            _LIVE,
         ).fetchall()
         out = []
         for (text,) in rows:
@@ -323,61 +326,115 @@ class StateStore(StateDatabase):
         ).fetchone()
         return int(row[0])
 
-    def prune(self, keep: int, keep_bytes: int = HISTORY_KEEP_BYTES) -> int:
+    def prune(
+        self,
+        keep: int,
+        keep_bytes: int = HISTORY_KEEP_BYTES,
+        *,
+        max_rows: int | None = None,
+        sweep: bool = True,
+    ) -> int:
         """Drop the oldest history rows beyond ``keep`` rows or ``keep_bytes`` of event
-        data, and ended leases older than the oldest row kept.
+        data, at most ``max_rows`` of them (None: every one due), and the ended leases
+        older than the oldest row kept; the number of rows dropped. With ``max_rows``,
+        :meth:`history_due` says whether rows are left to drop.
 
-        Costs the rows it drops, not the table: the bytes of the rows beyond ``keep`` are
-        summed over their id range, the table's total comes from the running count
-        (:attr:`_history_bytes`), and only a table over its byte budget by that count is
-        summed whole (to correct an over-count) and, if it truly is over, walked newest
-        first to find where the budget ends."""
+        Costs the rows it drops, not the table: the rows beyond ``keep`` are summed over
+        their id range, the table's bytes come from the running count
+        (:attr:`_history_bytes`), and rows over the byte budget are walked oldest first
+        until what is left fits. Only the first prune of the store's life (and the first
+        after lost writes) sums the table.
+
+        Ended leases go by the ids of the rows dropped, each a primary-key delete. A
+        lease whose rows all went while it was still live is left to the ``sweep``, a
+        scan of the leases table once no row due is left: the daemon sweeps once an
+        hour, not at each bounded step (bench/results/history_prune.md: the scan alone
+        is ~70 ms at 50,000 leases).
+        """
         with self.transaction():
-            cut = self._db.execute("SELECT MAX(id) FROM history").fetchone()[0]
-            cut = -1 if cut is None else cut - keep
-            (going,) = self._db.execute(
-                "SELECT COALESCE(SUM(length(data)), 0) FROM history WHERE id <= ?", (cut,)
-            ).fetchone()
-            dropped = self._write("DELETE FROM history WHERE id <= ?", (cut,)).rowcount
-            if self._history_bytes is None or self._history_bytes - going > keep_bytes:
-                # The first prune counts the bytes once; a count over the budget is
-                # checked by an exact one (it may over-count, never under-count).
-                total = self._history_total()
-            else:
-                total = self._history_bytes - going
-            if total > keep_bytes:
-                # The newest row whose running total (newest first) passes the budget: it
-                # and everything older goes.
-                over = self._db.execute(
-                    "SELECT id FROM (SELECT id, SUM(length(data)) OVER (ORDER BY id DESC) "
-                    "AS total FROM history) WHERE total > ? ORDER BY id DESC LIMIT 1",
-                    (keep_bytes,),
+            total = self._history_total() if self._history_bytes is None else self._history_bytes
+            ids = self._ids()
+            going = dropped = 0
+            finished = True
+            if ids is not None:
+                first, last = ids
+                # Rows go oldest first, ids first..stop: those beyond ``keep`` rows, then
+                # as many more as the bytes over budget need, at most ``max_rows``.
+                bound = last if max_rows is None else first + max_rows - 1
+                stop = max(first - 1, min(last - keep, bound))
+                (going,) = self._db.execute(
+                    "SELECT COALESCE(SUM(length(data)), 0) FROM history WHERE id <= ?", (stop,)
                 ).fetchone()
-                if over is not None:
-                    dropped += self._write("DELETE FROM history WHERE id <= ?", (over[0],)).rowcount
-                total = self._history_total()
-            # The oldest row kept is the one with the smallest id (the primary key): no
-            # scan of the unindexed t column.
-            oldest = self._db.execute("SELECT t FROM history ORDER BY id LIMIT 1").fetchone()
-            if oldest is not None:
-                self._write(
-                    "DELETE FROM leases WHERE state NOT IN (?,?,?) AND updated_s < ?",
-                    (
-                        LeaseState.QUEUED.value,
-                        LeaseState.PREPARING.value,
-                        LeaseState.ACTIVE.value,
-                        oldest[0],
-                    ),
-                )
-        self._history_bytes = total  # only once the prune is committed
+                if stop < bound and total - going > keep_bytes:
+                    stop, going = self._byte_cut(stop, bound, total - keep_bytes, going)
+                finished = stop >= last - keep and total - going <= keep_bytes
+            sweep = sweep and finished
+            if ids is not None and stop >= ids[0]:
+                oldest = self._db.execute(
+                    "SELECT t FROM history WHERE id > ? ORDER BY id LIMIT 1", (stop,)
+                ).fetchone()
+                if oldest is not None and not sweep:  # (the sweep finds them all)
+                    self._drop_ended_leases(stop, oldest[0])
+                dropped = self._write("DELETE FROM history WHERE id <= ?", (stop,)).rowcount
+            if sweep:
+                oldest = self._db.execute(
+                    "SELECT t FROM history WHERE id = (SELECT MIN(id) FROM history)"
+                ).fetchone()
+                if oldest is not None:
+                    self._write(
+                        "DELETE FROM leases WHERE state NOT IN (?,?,?) AND updated_s < ?",
+                        (*_LIVE, oldest[0]),
+                    )
+        self._history_bytes = total - going  # only once the prune is committed
         self._history_rows = self._history_span()
         return dropped
+
+    def _byte_cut(self, after: int, bound: int, excess: int, going: int) -> tuple[int, int]:
+        """Past the row budget's cut ``after``, the oldest rows up to id ``bound`` whose
+        bytes cover ``excess`` (bytes over budget; ``going`` of them are already cut):
+        the new cut and the bytes it drops."""
+        stop = after
+        cur = self._db.execute(
+            "SELECT id, length(data) FROM history WHERE id > ? AND id <= ? ORDER BY id",
+            (after, bound),
+        )
+        for row_id, size in cur:
+            stop, going = row_id, going + size
+            if going >= excess:
+                break
+        cur.close()
+        return stop, going
+
+    def _drop_ended_leases(self, stop: int, oldest_t: float) -> None:
+        """The ended leases with history rows up to id ``stop`` that are older than
+        ``oldest_t``, the first row kept."""
+        ids = [
+            (lease_id, *_LIVE, oldest_t)
+            for (lease_id,) in self._db.execute(
+                "SELECT DISTINCT lease_id FROM history WHERE id <= ? AND lease_id IS NOT NULL",
+                (stop,),
+            )
+        ]
+        if ids:
+            self._write_many(
+                "DELETE FROM leases WHERE lease_id=? AND state NOT IN (?,?,?) AND updated_s < ?",
+                ids,
+            )
+
+    def _ids(self) -> tuple[int, int] | None:
+        """The smallest and largest history id (None: no rows): two index reads. (One
+        statement asking for both, ``SELECT MIN(id), MAX(id)``, is not what SQLite's
+        min/max optimisation serves: it scans the table, 12 ms at 100,000 rows.)"""
+        first, last = self._db.execute(
+            "SELECT (SELECT MIN(id) FROM history), (SELECT MAX(id) FROM history)"
+        ).fetchone()
+        return None if last is None else (int(first), int(last))
 
     def _history_span(self) -> int:
         """History rows at most: the span of their ids (an upper bound: a gap, if any,
         only brings a prune forward)."""
-        row = self._db.execute("SELECT MAX(id) - MIN(id) + 1 FROM history").fetchone()
-        return int(row[0] or 0)
+        ids = self._ids()
+        return 0 if ids is None else ids[1] - ids[0] + 1
 
     def history_overdue(self, keep: int, keep_bytes: int) -> bool:
         """Whether history holds half again its budget of rows, or of bytes by the running
@@ -389,6 +446,18 @@ class StateStore(StateDatabase):
         if self._history_rows > keep * 3 // 2:
             return True
         return self._history_bytes is not None and self._history_bytes > keep_bytes * 3 // 2
+
+    def history_due(self, keep: int, keep_bytes: int) -> bool:
+        """Whether history holds more than ``keep`` rows or, by the running count, more
+        than ``keep_bytes``: what a prune bounded by ``max_rows`` may have left. Costs no
+        query."""
+        if self._history_rows > keep:
+            return True
+        return self._history_bytes is not None and self._history_bytes > keep_bytes
+
+    def _writes_lost(self) -> None:
+        # Rows counted may not have landed: the next prune counts the bytes again.
+        self._history_bytes = None
 
     def _history_total(self) -> int:
         """The bytes of event data in history, summed over every row."""
