@@ -499,9 +499,7 @@ class StateDatabase:
             yield
             self._write("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                self._db.execute("ROLLBACK")
-            self._writes_lost()
+            self._roll_back()
             raise
         finally:
             self._in_transaction_block = False

@@ -355,7 +355,7 @@ class StateStore(StateDatabase):
             total = self._history_total() if self._history_bytes is None else self._history_bytes
             ids = self._ids()
             going = dropped = 0
-            finished = True
+            stop, finished = -1, True
             if ids is not None:
                 first, last = ids
                 # Rows go oldest first, ids first..stop: those beyond ``keep`` rows, then
@@ -368,23 +368,20 @@ class StateStore(StateDatabase):
                 if stop < bound and total - going > keep_bytes:
                     stop, going = self._byte_cut(stop, bound, total - keep_bytes, going)
                 finished = stop >= last - keep and total - going <= keep_bytes
-            sweep = sweep and finished
-            if ids is not None and stop >= ids[0]:
-                oldest = self._db.execute(
-                    "SELECT t FROM history WHERE id > ? ORDER BY id LIMIT 1", (stop,)
-                ).fetchone()
-                if oldest is not None and not sweep:  # (the sweep finds them all)
-                    self._drop_ended_leases(stop, oldest[0])
+            dropping = ids is not None and stop >= ids[0]
+            # The oldest row kept: ended leases older than it go (none when no row stays).
+            oldest = self._db.execute(
+                "SELECT t FROM history WHERE id > ? ORDER BY id LIMIT 1", (stop,)
+            ).fetchone()
+            if oldest is not None and sweep and finished:
+                self._write(
+                    "DELETE FROM leases WHERE state NOT IN (?,?,?) AND updated_s < ?",
+                    (*_LIVE, oldest[0]),
+                )
+            elif oldest is not None and dropping:  # (read before their rows go)
+                self._drop_ended_leases(stop, oldest[0])
+            if dropping:
                 dropped = self._write("DELETE FROM history WHERE id <= ?", (stop,)).rowcount
-            if sweep:
-                oldest = self._db.execute(
-                    "SELECT t FROM history WHERE id = (SELECT MIN(id) FROM history)"
-                ).fetchone()
-                if oldest is not None:
-                    self._write(
-                        "DELETE FROM leases WHERE state NOT IN (?,?,?) AND updated_s < ?",
-                        (*_LIVE, oldest[0]),
-                    )
         self._history_bytes = total - going  # only once the prune is committed
         self._history_rows = self._history_span()
         return dropped
