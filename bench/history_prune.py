@@ -14,8 +14,14 @@ the daemon's steps of ``Timers.PRUNE_STEP_ROWS`` rows (the loop serves requests 
 two). ``--tree`` imports migd from another checkout, to time its prune the same way
 (one that has no steps is timed at once only).
 
+``--start``: the same database reopened, as after a restart: the first prune's count of
+the history's bytes, and the hourly prune's sweep of the leases table (``--rows`` x 0.5
+leases), each in one statement and in the daemon's steps (``Timers.COUNT_STEP_ROWS``,
+``Timers.SWEEP_STEP_ROWS``).
+
     .venv/bin/python bench/history_prune.py
     .venv/bin/python bench/history_prune.py --early [--tree /tmp/old]
+    .venv/bin/python bench/history_prune.py --start
 """
 
 from __future__ import annotations
@@ -44,14 +50,28 @@ def add(store: Any, rows: int, tag: str) -> None:
 def hourly(args: argparse.Namespace) -> None:
     from migd.daemon.store.state import HISTORY_KEEP_BYTES, StateStore
 
+    try:
+        from migd.daemon.supervision.periodic import Timers
+
+        step_rows: int | None = Timers.PRUNE_STEP_ROWS
+    except (ImportError, AttributeError):
+        step_rows = None  # a tree without steps
+
     with tempfile.TemporaryDirectory() as tmp:
         store = StateStore(Path(tmp) / "migd.db")
         add(store, args.rows, "L")
-        took = []
+        took, steps = [], []
         for hour in range(args.hours):
             add(store, args.per_hour, f"H{hour}.")
             began = time.perf_counter()
-            store.prune(args.rows, HISTORY_KEEP_BYTES)
+            if hour == 0 or step_rows is None:
+                store.prune(args.rows, HISTORY_KEEP_BYTES)
+            else:  # as the daemon prunes: in steps
+                while store.history_due(args.rows, HISTORY_KEEP_BYTES):
+                    _, took_ms = timed(
+                        lambda: store.prune(args.rows, HISTORY_KEEP_BYTES, max_rows=step_rows)
+                    )
+                    steps.append(took_ms)
             took.append((time.perf_counter() - began) * 1000)
         store.close()
     later = took[1:]
@@ -59,6 +79,12 @@ def hourly(args: argparse.Namespace) -> None:
         f"{args.rows} rows, {args.per_hour} more an hour, {args.hours} prunes "
         f"({time.strftime('%Y-%m-%d %H:%M')}): first {took[0]:.1f} ms, then median "
         f"{statistics.median(later):.1f} ms, max {max(later):.1f} ms"
+        + (
+            f"; in {len(steps)} steps of {step_rows} rows, median {statistics.median(steps):.1f}"
+            f" ms, longest {max(steps):.1f} ms"
+            if steps
+            else ""
+        )
     )
 
 
@@ -110,7 +136,7 @@ def early(args: argparse.Namespace) -> None:
         steps = []
         while store.history_due(args.rows, keep_bytes):
             began = time.perf_counter()
-            store.prune(args.rows, keep_bytes, max_rows=step_rows, sweep=False)
+            store.prune(args.rows, keep_bytes, max_rows=step_rows)
             steps.append((time.perf_counter() - began) * 1000)
         left = store._history_rows
         store.close()
@@ -120,16 +146,62 @@ def early(args: argparse.Namespace) -> None:
     )
 
 
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    began = time.perf_counter()
+    answer = fn(*args)
+    return answer, (time.perf_counter() - began) * 1000
+
+
+def start(args: argparse.Namespace) -> None:
+    from migd.daemon.store.state import _LIVE, StateStore
+    from migd.daemon.supervision.periodic import Timers
+
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {args.rows * 3 // 2} history rows:")
+    with tempfile.TemporaryDirectory() as tmp:
+        early_store(tmp, args.rows).close()
+        for _ in range(args.hours):
+            store = StateStore(Path(tmp) / "migd.db")  # a start: the bytes are unknown
+            _, whole = timed(store._history_total)
+            steps = []
+            while True:
+                done, took = timed(store.count_history_step, Timers.COUNT_STEP_ROWS)
+                steps.append(took)
+                if done:
+                    break
+            leases = store._db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+            # The sweep as one statement, as the hourly prune ran it before its steps.
+            with store.transaction():
+                oldest = store._db.execute("SELECT MIN(t) FROM history").fetchone()[0]
+                _, sweep = timed(
+                    store._db.execute,
+                    "DELETE FROM leases WHERE state NOT IN (?,?,?) AND updated_s < ?",
+                    (*_LIVE, oldest),
+                )
+            sweeps, cursor = [], 0
+            while cursor is not None:
+                cursor, took = timed(store.sweep_ended_leases_step, cursor, Timers.SWEEP_STEP_ROWS)
+                sweeps.append(took)
+            store.close()
+            print(
+                f"  count: at once {whole:.1f} ms; {len(steps)} steps of "
+                f"{Timers.COUNT_STEP_ROWS}, longest {max(steps):.1f} ms, median "
+                f"{statistics.median(steps):.1f} ms. Sweep of {leases} leases: at once "
+                f"{sweep:.1f} ms; {len(sweeps)} steps of {Timers.SWEEP_STEP_ROWS}, longest "
+                f"{max(sweeps):.1f} ms, median {statistics.median(sweeps):.1f} ms"
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--per-hour", type=int, default=3_000)
     parser.add_argument("--hours", type=int, default=10)
     parser.add_argument("--early", action="store_true")
+    parser.add_argument("--start", action="store_true")
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
-    (early if args.early else hourly)(args)
+    (early if args.early else start if args.start else hourly)(args)
     return 0
 
 

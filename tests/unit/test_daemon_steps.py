@@ -171,39 +171,14 @@ def test_history_past_its_budget_is_pruned_at_a_housekeeping_round_not_the_hour(
     assert len(ctx.db.history(limit=1000)) == 100
 
 
-def test_a_prune_larger_than_a_step_goes_in_steps_with_the_loop_served_between(
-    parts: Parts, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An early prune drops at most PRUNE_STEP_ROWS rows a step and leaves the leases
-    table's scan to the hourly prune; the steps after the first run from the timer loop,
-    other tasks running between two."""
-    ctx, periodic = parts.daemon.ctx, parts.daemon.periodic
-    ctx.config = ctx.config.model_copy(
-        update={"daemon": ctx.config.daemon.model_copy(update={"history_keep": 100})}
-    )
-    monkeypatch.setattr(Timers, "PRUNE_STEP_ROWS", 20)
-    monkeypatch.setattr(Timers, "PRUNE_STEP_GAP_S", 0.0)  # (a turn of the loop, no wait)
-    timers = periodic.timers
-    timers.step(parts.clock.now(), parts.clock.monotonic())  # starts the schedule
-    parts.clock.advance(10.0)
-    timers.step(parts.clock.now(), parts.clock.monotonic())  # the first prune: nothing due
-    while len(ctx.db.history(limit=1000)) <= 170:
-        ctx.db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
-    steps: list[tuple[int, bool, int]] = []  # (rows dropped, swept, other task's turns)
-    turns = [0]
-    prune = ctx.db.prune
+def swept_ones(db: Any) -> list[str]:
+    return [r[0] for r in db._db.execute("SELECT lease_id FROM leases WHERE lease_id LIKE 'S%'")]
 
-    def counted(keep: int, keep_bytes: int, **bounds: Any) -> int:
-        dropped = prune(keep, keep_bytes, **bounds)
-        steps.append((dropped, bounds["sweep"], turns[0]))
-        return dropped
 
-    monkeypatch.setattr(ctx.db, "prune", counted)
-    parts.clock.advance(10.0)
-    timers.step(parts.clock.now(), parts.clock.monotonic())  # overdue: the first step
-    assert timers.pruning and len(ctx.db.history(limit=1000)) == 151
+def served_between(periodic: Any, turns: list[int]) -> None:
+    """The rest of a prune from the timer loop, another task counting its turns."""
 
-    async def served_between() -> None:
+    async def run() -> None:
         async def other() -> None:
             while True:
                 turns[0] += 1
@@ -213,19 +188,84 @@ def test_a_prune_larger_than_a_step_goes_in_steps_with_the_loop_served_between(
         await periodic.finish_prune()
         task.cancel()
 
-    asyncio.run(served_between())
-    assert [(d, swept) for d, swept, _ in steps] == [
-        (20, False),
-        (20, False),
-        (20, False),
-        (11, False),
-    ]
-    assert all(b[2] > a[2] for a, b in itertools.pairwise(steps))
-    assert not timers.pruning and len(ctx.db.history(limit=1000)) == 100
+    asyncio.run(run())
+
+
+def test_a_prune_larger_than_a_step_goes_in_steps_with_the_loop_served_between(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first prune after a start counts the history's bytes in steps of
+    COUNT_STEP_ROWS rows; an early prune drops at most PRUNE_STEP_ROWS rows a step and
+    leaves the leases table to the hourly prune, which sweeps it SWEEP_STEP_ROWS leases a
+    step. The steps after the first run from the timer loop, other tasks running between
+    two."""
+    ctx, periodic = parts.daemon.ctx, parts.daemon.periodic
+    ctx.config = ctx.config.model_copy(
+        update={"daemon": ctx.config.daemon.model_copy(update={"history_keep": 100})}
+    )
+    monkeypatch.setattr(Timers, "PRUNE_STEP_ROWS", 20)
+    monkeypatch.setattr(Timers, "COUNT_STEP_ROWS", 30)
+    monkeypatch.setattr(Timers, "SWEEP_STEP_ROWS", 4)
+    monkeypatch.setattr(Timers, "PRUNE_STEP_GAP_S", 0.0)  # (a turn of the loop, no wait)
+    db, timers = ctx.db, periodic.timers
+    while len(db.history(limit=1000)) < 95:
+        db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
+    steps: list[tuple[str, Any, int]] = []  # (kind, its answer, other task's turns)
+    turns = [0]
+    for name in ("count_history_step", "prune", "sweep_ended_leases_step"):
+        real = getattr(db, name)
+
+        def traced(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            answer = _real(*args, **kw)
+            steps.append((_name, answer, turns[0]))
+            return answer
+
+        monkeypatch.setattr(db, name, traced)
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # starts the schedule
+    parts.clock.advance(10.0)
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # the first prune: counts
+    assert timers.pruning and db._history_bytes is None
+    served_between(periodic, turns)
+    counts = [answer for kind, answer, _ in steps][:4]
+    assert counts == [False, False, False, True]  # 95 rows, 30 a step
+    assert db._history_bytes == sum(len(d) for (d,) in db._db.execute("SELECT data FROM history"))
+    assert all(b[2] > a[2] for a, b in itertools.pairwise(steps[:4]))
+    assert not timers.pruning
+    # Ten ended leases no history row will name, older than every row (the sweep's).
+    with db.transaction():
+        for n in range(10):
+            db._write(
+                "INSERT INTO leases VALUES(?,?,?,?,?,?)",
+                (f"S{n}", f"{n}.0", "released", 0.0, 0.0, "{}"),
+            )
+    while len(db.history(limit=1000)) <= 170:
+        db.record("wrapper.note", {}, lease_id="L1", job_id="1.0")
     steps.clear()
-    parts.clock.advance(Timers.HISTORY_EVERY_S)  # the hourly prune sweeps, in one step here
+    parts.clock.advance(10.0)
+    timers.step(parts.clock.now(), parts.clock.monotonic())  # overdue: the first step
+    assert timers.pruning and len(db.history(limit=1000)) == 151
+    served_between(periodic, turns)
+    assert [(k, a) for k, a, _ in steps if k != "count_history_step"] == [
+        ("prune", 20),
+        ("prune", 20),
+        ("prune", 20),
+        ("prune", 11),
+    ]
+    assert all(b[2] > a[2] for a, b in itertools.pairwise(steps[::2]))
+    assert not timers.pruning and len(db.history(limit=1000)) == 100
+    assert len(swept_ones(db)) == 10  # no early prune sweeps
+    steps.clear()
+    parts.clock.advance(Timers.HISTORY_EVERY_S)  # the hourly prune sweeps, in steps
+    rowids = [r[0] for r in db._db.execute("SELECT rowid FROM leases ORDER BY rowid")]
+    assert len(rowids) >= 10
     timers.step(parts.clock.now(), parts.clock.monotonic())
-    assert [(d, swept) for d, swept, _ in steps] == [(0, True)] and not timers.pruning
+    served_between(periodic, turns)
+    kinds = [(k, a) for k, a, _ in steps if k != "count_history_step"]
+    # The leases table as it was (live ones aside, the ten), four leases a step.
+    assert kinds[0] == ("prune", 0) and kinds[-1] == ("sweep_ended_leases_step", None)
+    assert [a for _, a in kinds[1:-1]] == rowids[3::4] + rowids[-1:] * (len(rowids) % 4 > 0)
+    assert all(k == "sweep_ended_leases_step" for k, _ in kinds[1:]) and not timers.pruning
+    assert swept_ones(db) == []
 
 
 def test_a_history_prune_the_disk_refuses_is_said_once_and_not_tried_every_round(

@@ -186,12 +186,21 @@ def leases_left(store: StateStore) -> set[str]:
         return {r[0] for r in other.execute("SELECT lease_id FROM leases")}
 
 
-def test_a_bounded_step_drops_the_ended_leases_of_its_rows_and_leaves_the_scan_to_the_last(
+def sweep(store: StateStore, max_rows: int = 1_000) -> int:
+    """The whole sweep, in steps; how many."""
+    cursor: int | None = 0
+    steps = 0
+    while cursor is not None:
+        cursor = store.sweep_ended_leases_step(cursor, max_rows)
+        steps += 1
+    return steps
+
+
+def test_a_prune_drops_the_ended_leases_of_its_rows_by_key_and_the_sweep_the_rest(
     store: StateStore,
 ) -> None:
-    """Each step deletes the leases its rows name by their key; the scan of the leases
-    table (for a lease whose rows all went while it was live) comes once, at the step
-    that leaves nothing due."""
+    """Each step deletes the leases its rows name by their key, never scanning the
+    leases table; a lease whose rows all went while it was live waits for the sweep."""
     with store.transaction():
         lease(store, 0, LeaseState.ACTIVE, 0.0)  # live: never pruned
         for n in range(1, 40):
@@ -201,26 +210,27 @@ def test_a_bounded_step_drops_the_ended_leases_of_its_rows_and_leaves_the_scan_t
     store.prune(10**9, 10**12)
     seen = statements(store)
     assert store.prune(keep=20, keep_bytes=1 << 20, max_rows=30) == 30  # L0 .. L14's rows
-    assert not [x for x in seen if "state NOT IN" in x and "lease_id=" not in x]
     assert leases_left(store) == {"L0", "S"} | {f"L{n}" for n in range(15, 40)}
     assert store.history_due(keep=20, keep_bytes=1 << 20)
-    seen.clear()
     assert store.prune(keep=20, keep_bytes=1 << 20, max_rows=30) == 30  # L15 .. L29's
     assert not store.history_due(keep=20, keep_bytes=1 << 20)
-    assert len([x for x in seen if "state NOT IN" in x and "lease_id=" not in x]) == 1
-    assert leases_left(store) == {"L0"} | {f"L{n}" for n in range(30, 40)}  # S too went
+    assert leases_left(store) == {"L0", "S"} | {f"L{n}" for n in range(30, 40)}
+    assert not [x for x in seen if "state NOT IN" in x and "lease_id=" not in x]
+    assert store.prune(keep=20, keep_bytes=1 << 20) == 0
+    assert sweep(store) == 2
+    assert leases_left(store) == {"L0"} | {f"L{n}" for n in range(30, 40)}  # S went
 
 
-def test_a_prune_without_the_sweep_leaves_a_lease_none_of_its_rows_names(
+def test_an_unbounded_prune_drops_its_rows_leases_and_leaves_the_rest_to_the_sweep(
     store: StateStore,
 ) -> None:
     with store.transaction():
         for n in range(10):
             lease(store, n, LeaseState.RELEASED, float(n))
         store._write("INSERT INTO leases VALUES('S','9.0','released',0.5,0.5,'{}')")
-    store.prune(keep=10, keep_bytes=1 << 20, sweep=False)
-    assert leases_left(store) == {"S"} | {f"L{n}" for n in range(5, 10)}
     store.prune(keep=10, keep_bytes=1 << 20)
+    assert leases_left(store) == {"S"} | {f"L{n}" for n in range(5, 10)}
+    sweep(store, 4)
     assert leases_left(store) == {f"L{n}" for n in range(5, 10)}
 
 
@@ -246,3 +256,122 @@ def test_history_is_overdue_once_half_again_over_its_rows_or_bytes(store: StateS
     store.prune(keep=400, keep_bytes=10_000)
     assert not store.history_overdue(keep=400, keep_bytes=10_000)
     assert on_disk(store)[1] <= 10_000
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.integers(1, 300), min_size=0, max_size=80),
+    between=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    step=st.integers(1, 25),
+    pruned_first=st.integers(0, 20),
+)
+def test_the_byte_count_in_steps_ends_on_the_exact_bytes_whatever_is_added_between(
+    tmp_path_factory: pytest.TempPathFactory,
+    sizes: list[int],
+    between: list[int],
+    step: int,
+    pruned_first: int,
+) -> None:
+    """The first prune's count, in bounded steps by id (Timers.COUNT_STEP_ROWS): rows
+    added between two steps (``between``: how many before each step) and ids that do not
+    start at 1 (rows pruned before a restart) still end on what SQLite sums."""
+    s = StateStore(tmp_path_factory.mktemp("count") / "migd.db")
+    try:
+        add(s, pruned_first, 10)
+        s.prune(keep=1, keep_bytes=10**9)
+        reopened = StateStore(s.path)  # a start: the count is unknown
+        s.close()
+        s = reopened
+        with s.transaction():
+            for n, size in enumerate(sizes):
+                s.record("wrapper.note", {"text": "y" * size}, lease_id=f"L{n}")
+        seen = statements(s)
+        steps = 0
+        while True:
+            more = between[steps] if steps < len(between) else 0
+            add(s, more, 50)
+            before = len(seen)
+            done = s.count_history_step(step)
+            # A step sums at most ``step`` rows by their ids (and its last step the rows
+            # added since it began), never the table.
+            summed = [x for x in seen[before:] if "SUM(length(data))" in x]
+            assert all("WHERE id >" in x for x in summed)
+            steps += 1
+            if done:
+                break
+            assert steps <= (pruned_first + len(sizes) + sum(between)) // step + 2
+        assert s._history_bytes == on_disk(s)[1]
+        read = len(seen)
+        assert s.count_history_step(step) and len(seen) == read  # known: no read
+    finally:
+        s.close()
+
+
+def test_writes_lost_while_counting_start_the_count_over(store: StateStore) -> None:
+    add(store, 30, 100)
+    assert not store.count_history_step(10)
+    with pytest.raises(StateStoreError), store.transaction():
+        add(store, 5, 100)
+        store._write("INSERT INTO meta(key, value) VALUES(NULL, NULL)")
+    assert store._counting is None  # begun again, from the ids as they are now
+    while not store.count_history_step(10):
+        pass
+    assert store._history_bytes == on_disk(store)[1]
+
+
+def test_a_prune_while_counting_ends_the_count_with_its_own(store: StateStore) -> None:
+    add(store, 30, 100)
+    assert not store.count_history_step(10)
+    store.prune(keep=10, keep_bytes=10**9)
+    assert store.count_history_step(10)
+    assert store._history_bytes == on_disk(store)[1]
+
+
+def ended(store: StateStore, name: str, t: float, state: LeaseState = LeaseState.RELEASED) -> None:
+    store._write(
+        "INSERT INTO leases VALUES(?,?,?,?,?,?) ON CONFLICT(lease_id) DO UPDATE SET "
+        "state=excluded.state, updated_s=excluded.updated_s",
+        (name, "1.0", state.value, t, t, "{}"),
+    )
+
+
+def test_the_sweep_in_steps_removes_what_the_whole_sweep_removes(store: StateStore) -> None:
+    """The hourly sweep by rowid, ``max_rows`` leases a step: the ended leases older than
+    the oldest history row go, live ones and newer ones stay; a lease that ends or comes
+    between two steps is judged by the same rule (it is newer: it stays)."""
+    with store.transaction():
+        for n in range(23):
+            state = LeaseState.ACTIVE if n % 5 == 0 else LeaseState.RELEASED
+            ended(store, f"E{n}", float(n), state)
+        store.record("wrapper.note", {}, t=15.5)  # the oldest history row
+        for n in range(23, 30):
+            ended(store, f"E{n}", float(n))
+    seen = statements(store)
+    cursor: int | None = 0
+    steps = 0
+    while cursor is not None:
+        cursor = store.sweep_ended_leases_step(cursor, 4)
+        steps += 1
+        if steps == 3:
+            ended(store, "E14", 100.0)  # not yet swept (rowid 15): it ends again
+            ended(store, "N", 100.0)  # a new lease, past the cursor
+    assert steps == 31 // 4 + 1 + 1  # 31 leases 4 a step, and the one that finds none
+    left = leases_left(store)
+    live = {f"E{n}" for n in range(0, 23, 5)}
+    assert left == live | {"E14", "N"} | {f"E{n}" for n in range(16, 30)}
+    plans = {
+        x: detail
+        for x in seen
+        if x.startswith(("SELECT", "DELETE"))
+        for *_, detail in store._db.execute(f"EXPLAIN QUERY PLAN {x}")
+        if detail.startswith("SCAN")
+    }
+    assert plans == {}  # by rowid, never the table
+
+
+def test_no_history_row_left_means_no_sweep(store: StateStore) -> None:
+    ended(store, "E0", 0.0)
+    assert store.sweep_ended_leases_step(0, 10) is None
+    assert leases_left(store) == {"E0"}

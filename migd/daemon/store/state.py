@@ -189,6 +189,10 @@ class StateStore(StateDatabase):
         # lost (_writes_lost; the next prune counts again), so a prune by bytes never
         # drops a row on an over-count.
         self._history_bytes: int | None = None
+        # A count of those bytes in bounded steps (count_history_step): (the last id
+        # counted, the bytes up to it, the last id when the count began). None: none
+        # under way.
+        self._counting: tuple[int, int, int] | None = None
         # History rows, counted as they are added (history_overdue): from the id span
         # (ids are never reused, and only the oldest rows are deleted), two index reads.
         self._history_rows = self._history_span()
@@ -332,30 +336,27 @@ class StateStore(StateDatabase):
         keep_bytes: int = HISTORY_KEEP_BYTES,
         *,
         max_rows: int | None = None,
-        sweep: bool = True,
     ) -> int:
         """Drop the oldest history rows beyond ``keep`` rows or ``keep_bytes`` of event
         data, at most ``max_rows`` of them (None: every one due), and the ended leases
-        older than the oldest row kept; the number of rows dropped. With ``max_rows``,
-        :meth:`history_due` says whether rows are left to drop.
+        they name that are older than the oldest row kept; the number of rows dropped.
+        With ``max_rows``, :meth:`history_due` says whether rows are left to drop.
 
         Costs the rows it drops, not the table: the rows beyond ``keep`` are summed over
         their id range, the table's bytes come from the running count
         (:attr:`_history_bytes`), and rows over the byte budget are walked oldest first
-        until what is left fits. Only the first prune of the store's life (and the first
-        after lost writes) sums the table.
+        until what is left fits. With the count unknown (the first prune of the store's
+        life, and the first after lost writes) it sums the table, unless
+        :meth:`count_history_step` has counted it first, as the daemon does.
 
         Ended leases go by the ids of the rows dropped, each a primary-key delete. A
-        lease whose rows all went while it was still live is left to the ``sweep``, a
-        scan of the leases table once no row due is left: the daemon sweeps once an
-        hour, not at each bounded step (bench/results/history_prune.md: the scan alone
-        is ~70 ms at 50,000 leases).
+        lease whose rows all went while it was still live is left to
+        :meth:`sweep_ended_leases_step`, which the daemon runs once an hour.
         """
         with self.transaction():
             total = self._history_total() if self._history_bytes is None else self._history_bytes
             ids = self._ids()
             going = dropped = 0
-            stop, finished = -1, True
             if ids is not None:
                 first, last = ids
                 # Rows go oldest first, ids first..stop: those beyond ``keep`` rows, then
@@ -367,24 +368,87 @@ class StateStore(StateDatabase):
                 ).fetchone()
                 if stop < bound and total - going > keep_bytes:
                     stop, going = self._byte_cut(stop, bound, total - keep_bytes, going)
-                finished = stop >= last - keep and total - going <= keep_bytes
-            dropping = ids is not None and stop >= ids[0]
-            # The oldest row kept: ended leases older than it go (none when no row stays).
-            oldest = self._db.execute(
-                "SELECT t FROM history WHERE id > ? ORDER BY id LIMIT 1", (stop,)
-            ).fetchone()
-            if oldest is not None and sweep and finished:
-                self._write(
-                    "DELETE FROM leases WHERE state NOT IN (?,?,?) AND updated_s < ?",
-                    (*_LIVE, oldest[0]),
-                )
-            elif oldest is not None and dropping:  # (read before their rows go)
-                self._drop_ended_leases(stop, oldest[0])
-            if dropping:
-                dropped = self._write("DELETE FROM history WHERE id <= ?", (stop,)).rowcount
+                if stop >= first:
+                    # The oldest row kept: the ended leases of the rows that go and older
+                    # than it go too (read before their rows go; none when no row stays).
+                    oldest = self._db.execute(
+                        "SELECT t FROM history WHERE id > ? ORDER BY id LIMIT 1", (stop,)
+                    ).fetchone()
+                    if oldest is not None:
+                        self._drop_ended_leases(stop, oldest[0])
+                    dropped = self._write("DELETE FROM history WHERE id <= ?", (stop,)).rowcount
         self._history_bytes = total - going  # only once the prune is committed
         self._history_rows = self._history_span()
         return dropped
+
+    def count_history_step(self, max_rows: int) -> bool:
+        """One bounded step of counting the history's bytes: whether they are known now
+        (at once when they are). A prune with the count unknown sums the whole table in
+        one statement, which held the event loop 39-67 ms at 100,000 rows
+        (bench/results/history_prune.md); the daemon counts first, in steps of
+        ``max_rows`` rows by id, and prunes once the count is known.
+
+        Rows added between two steps have ids past the last one when the count began;
+        the last step sums them too. Lost writes start the count over
+        (:meth:`_writes_lost`); a prune meanwhile ends it (it counts the bytes itself)."""
+        if self._history_bytes is not None:
+            return True
+        if self._counting is None:
+            ids = self._ids()
+            if ids is None:
+                self._history_bytes = 0
+                return True
+            self._counting = (ids[0] - 1, 0, ids[1])
+        done, counted, last = self._counting
+        stop = min(last, done + max_rows)
+        counted += self._bytes_between(done, stop)
+        if stop < last:
+            self._counting = (stop, counted, last)
+            return False
+        self._history_bytes = counted + self._bytes_between(last, None)
+        self._counting = None
+        return True
+
+    def _bytes_between(self, after: int, upto: int | None) -> int:
+        """Bytes of event data in the history rows with ids after ``after``, up to
+        ``upto`` (None: the newest): a range of the primary key."""
+        sql = "SELECT COALESCE(SUM(length(data)), 0) FROM history WHERE id > ?"
+        args: tuple[int, ...] = (after,)
+        if upto is not None:
+            sql, args = sql + " AND id <= ?", (after, upto)
+        return int(self._db.execute(sql, args).fetchone()[0])
+
+    def sweep_ended_leases_step(self, after: int, max_rows: int) -> int | None:
+        """One bounded step of the sweep of the leases table: of the ``max_rows`` leases
+        after rowid ``after`` (0: the first step), those that ended before the oldest
+        history row (a lease whose rows all went while it was live, which no keyed
+        delete of :meth:`prune` names). The rowid to go on after; None once the table is
+        done, or when no history row is left (then nothing is swept: with no row, no
+        lease is known to be older than what history keeps).
+
+        The sweep in one statement scans the table, ~70 ms at 50,000 leases
+        (bench/results/history_prune.md), once an hour; a step reads its ``max_rows``
+        rows by rowid. A lease updated or added between two steps is judged by the same
+        rule, and is newer than the oldest row: it stays."""
+        with self.transaction():
+            oldest = self._db.execute(
+                "SELECT t FROM history WHERE id = (SELECT MIN(id) FROM history)"
+            ).fetchone()
+            if oldest is None:
+                return None
+            # One read of the step's leases says which go (a second, a DELETE over their
+            # rowid range, doubled the step's time: a lease fills a page).
+            rows = self._db.execute(
+                "SELECT rowid, state NOT IN (?,?,?) AND updated_s < ? FROM leases "
+                "WHERE rowid > ? ORDER BY rowid LIMIT ?",
+                (*_LIVE, oldest[0], after, max_rows),
+            ).fetchall()
+            if not rows:
+                return None
+            gone = [(rowid,) for rowid, ended in rows if ended]
+            if gone:
+                self._write_many("DELETE FROM leases WHERE rowid = ?", gone)
+        return int(rows[-1][0])
 
     def _byte_cut(self, after: int, bound: int, excess: int, going: int) -> tuple[int, int]:
         """Past the row budget's cut ``after``, the oldest rows up to id ``bound`` whose
@@ -455,6 +519,7 @@ class StateStore(StateDatabase):
     def _writes_lost(self) -> None:
         # Rows counted may not have landed: the next prune counts the bytes again.
         self._history_bytes = None
+        self._counting = None
 
     def _history_total(self) -> int:
         """The bytes of event data in history, summed over every row."""

@@ -131,6 +131,13 @@ class Timers:
     #: saturated p99 up 12 %). Still 16,000 rows a second, five times what a saturated
     #: node writes.
     PRUNE_STEP_GAP_S = 0.05
+    #: History rows one step of the byte count sums (the first prune after a start, or
+    #: after lost writes): ~7 ms, where the whole count held the loop 39-67 ms at
+    #: 100,000 rows and 100 ms at 150,000 (bench/results/history_prune.md).
+    COUNT_STEP_ROWS = 10_000
+    #: Leases one step of the hourly sweep reads: ~9 ms, where the whole sweep held the
+    #: loop 63-70 ms at 50,000 leases.
+    SWEEP_STEP_ROWS = 5_000
 
     def __init__(self, ctx: DaemonContext, leases: LeaseService) -> None:
         self.ctx = ctx
@@ -138,10 +145,12 @@ class Timers:
         self._next_housekeeping: float | None = None  # monotonic
         self._next_history: float | None = None
         self._early_prune_after = 0.0  # monotonic
-        #: A prune under way (its steps run until no row is due), and whether it is the
-        #: hourly one, whose last step also sweeps the leases table.
+        #: A prune under way: its steps count the history's bytes if unknown, drop rows
+        #: until none is due, then (the hourly one) sweep the leases table.
         self.pruning = False
         self._sweep = False
+        #: Where the sweep under way goes on (a leases rowid; None: not begun).
+        self._swept: int | None = None
 
     def step(self, now: float, mono: float) -> None:
         """One round at wall-clock ``now`` / monotonic ``mono`` (the loop: every second)."""
@@ -152,8 +161,9 @@ class Timers:
         if self._next_housekeeping is None or self._next_history is None:
             self._next_housekeeping = mono + self.HOUSEKEEPING_EVERY_S
             # The first prune comes with the first housekeeping round, not at the hour: it
-            # counts the history's bytes once (StateStore.prune), and until then only the
-            # row budget can tell an early prune is due (StateStore.history_overdue).
+            # counts the history's bytes once, in steps (StateStore.count_history_step),
+            # and until then only the row budget can tell an early prune is due
+            # (StateStore.history_overdue).
             self._next_history = mono + self.HOUSEKEEPING_EVERY_S
         expired = sched.expire(now, mono)  # its outcome places what they blocked
         for lease in expired.ended:
@@ -177,18 +187,34 @@ class Timers:
             self.prune_step(mono)
 
     def prune_step(self, mono: float) -> None:
-        """One step of the prune under way: at most :attr:`PRUNE_STEP_ROWS` history rows
-        (the timer loop runs the next at its loop's next turn while :attr:`pruning`)."""
+        """One step of the prune under way, each bounded (the timer loop runs the next at
+        its loop's next turn while :attr:`pruning`): the history's byte count, when
+        unknown (:attr:`COUNT_STEP_ROWS` rows), then at most :attr:`PRUNE_STEP_ROWS`
+        history rows dropped, until none is due, then for the hourly prune the sweep of
+        the leases table (:attr:`SWEEP_STEP_ROWS` leases)."""
         ctx = self.ctx
+        db = ctx.db
         keep, keep_bytes = ctx.config.daemon.history_keep, ctx.config.daemon.history_keep_bytes
         try:
-            dropped = ctx.db.prune(
-                keep, keep_bytes, max_rows=self.PRUNE_STEP_ROWS, sweep=self._sweep
-            )
+            if not db.count_history_step(self.COUNT_STEP_ROWS):
+                return
+            if self._swept is None:
+                dropped = db.prune(keep, keep_bytes, max_rows=self.PRUNE_STEP_ROWS)
+                # (a step that dropped nothing cannot be followed by one that would)
+                if dropped > 0 and db.history_due(keep, keep_bytes):
+                    return
+                if not self._sweep:
+                    self.pruning = False
+                    return
+                self._swept = 0
+            self._swept = db.sweep_ended_leases_step(self._swept, self.SWEEP_STEP_ROWS)
+            if self._swept is None:
+                self.pruning = self._sweep = False
         except StateStoreError as exc:
             # A full or failing state disk: the history stays over its budget, and an
             # early prune at every housekeeping round would only fail again.
             self.pruning = self._sweep = False
+            self._swept = None
             self._early_prune_after = mono + self.PRUNE_RETRY_S
             log.warning(
                 "history.prune_failed",
@@ -196,11 +222,6 @@ class Timers:
                 hint=exc.hint,
                 retry_s=self.PRUNE_RETRY_S,
             )
-            return
-        # (a step that dropped nothing cannot be followed by one that would)
-        self.pruning = dropped > 0 and ctx.db.history_due(keep, keep_bytes)
-        if not self.pruning:
-            self._sweep = False
 
 
 class Watchdog:
