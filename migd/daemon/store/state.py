@@ -522,10 +522,8 @@ class StateStore(StateDatabase):
         self._counting = None
 
     def _history_total(self) -> int:
-        """The bytes of event data in history, summed over every row."""
-        return int(
-            self._db.execute("SELECT COALESCE(SUM(length(data)), 0) FROM history").fetchone()[0]
-        )
+        """The bytes of event data in history, summed over every row (ids start at 1)."""
+        return self._bytes_between(0, None)
 
     # -- instances and meta -----------------------------------------------------------------
 
