@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,16 +50,27 @@ AP_CONFIG = (ROOT / "condor_config" / "20-migd-access-point.config").read_text()
 EP_CONFIG = (ROOT / "condor_config" / "10-migd-execute.config").read_text()
 
 
-def migd_start() -> str:
-    """The shipped START clause (MIGD_START), as one line."""
-    text = EP_CONFIG.split("MIGD_START = ", 1)[1].split("\nSTART =", 1)[0]
-    return " ".join(part.strip() for part in text.replace("\\\n", " ").split())
+def migd_start(chroot: Any) -> str:
+    """The shipped START clause (MIGD_START), as HTCondor expands it from the shipped
+    execute-node configuration with its defaults: it names other macros
+    (``$(MIGD_PLACEABLE_MB)``), which a ClassAd cannot hold unexpanded."""
+    chroot.write_file("/tmp/migd-bench/10-migd-execute.config", EP_CONFIG)
+    got = chroot.run(
+        ["condor_config_val", "MIGD_START"],
+        env={"CONDOR_CONFIG": "/tmp/migd-bench/10-migd-execute.config"},
+    )
+    start = str(got.stdout).strip()
+    if not start or "$(" in start:
+        raise RuntimeError(f"MIGD_START did not expand to an expression: {start!r}")
+    return start
 
 
-def node_ads(pslot: str, nodes: int, migd: bool) -> list[str]:
+def node_ads(pslot: str, nodes: int, start: str | None) -> list[str]:
+    """``nodes`` copies of ``pslot`` under their own names; with ``start`` (migd's), that
+    START and the attributes it reads."""
     extra = []
+    migd = start is not None
     if migd:
-        start = migd_start()
         extra = [
             f"START = {start}",
             "MigdHealthy = true",
@@ -80,8 +92,8 @@ def run_case(
 
     migd = label != "stock"
     files = {"20-migd-access-point.config": AP_CONFIG} if migd else {}
-    if label == "free-form":
-        files["21-migd-bench"] = "MIGD_ROUND_VRAM = false\n"
+    if migd:  # the shipped default is off (docs/operations.md): each case says which
+        files["21-migd-bench"] = f"MIGD_ROUND_VRAM = {str(label == 'rounded').lower()}\n"
     with PersonalPool(chroot, "negoscale") as pool:  # type: ignore[arg-type]
         pool.start(
             # the local startd takes no jobs; cycles far enough apart to be one each
@@ -96,7 +108,7 @@ def run_case(
         )
         from collector_scale import advertise
 
-        advertise(chroot, node_ads(pslot, args.nodes, migd))
+        advertise(chroot, node_ads(pslot, args.nodes, migd_start(chroot) if migd else None))
         jobdir = pool.new_job_dir()
         chroot.write_file(  # type: ignore[attr-defined]
             f"{jobdir}/sizes.txt", "\n".join(map(str, sizes)) + "\n", owner="migdtest"
