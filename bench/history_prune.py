@@ -116,9 +116,7 @@ def early(args: argparse.Namespace) -> None:
     keep_bytes = HISTORY_KEEP_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         store = early_store(tmp, args.rows)
-        began = time.perf_counter()
-        store.prune(args.rows, keep_bytes)
-        whole = (time.perf_counter() - began) * 1000
+        _, whole = timed(store.prune, args.rows, keep_bytes)
         left = store._history_rows
         store.close()
     print(
@@ -135,9 +133,8 @@ def early(args: argparse.Namespace) -> None:
         store = early_store(tmp, args.rows)
         steps = []
         while store.history_due(args.rows, keep_bytes):
-            began = time.perf_counter()
-            store.prune(args.rows, keep_bytes, max_rows=step_rows)
-            steps.append((time.perf_counter() - began) * 1000)
+            _, took = timed(lambda: store.prune(args.rows, keep_bytes, max_rows=step_rows))
+            steps.append(took)
         left = store._history_rows
         store.close()
     print(
