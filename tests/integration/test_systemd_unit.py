@@ -94,7 +94,7 @@ class Container:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise BootFailed(f"systemd-nspawn exited {self.proc.returncode}: {self.tail()}")
-            self.leader = self.leader or _child_of(self.proc.pid)
+            self.leader = self.leader or _container_init(self.proc.pid)
             if self.leader:
                 result = self.run("systemctl", "is-system-running", check=False)
                 state = result.stdout.strip()
@@ -171,13 +171,26 @@ class BootFailed(Exception):
     pass
 
 
-def _child_of(pid: int) -> int:
-    """The first child of ``pid`` (the container's PID 1 as the host sees it), or 0."""
+def _container_init(pid: int) -> int:
+    """The container's PID 1 as the host sees it: the child of systemd-nspawn ``pid`` that
+    runs systemd, or 0 while there is none yet.
+
+    Not merely its first child: nspawn first forks a helper (named systemd-nspawn too)
+    that starts PID 1 and exits. A poll that caught the helper kept its pid, which was
+    soon gone, and every later ``nsenter -t`` failed: on a loaded host the boot was then
+    never seen to finish (a skip after 300 s, the container up and running)."""
     try:
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return 0
-    return int(children[0]) if children else 0
+    for child in children:
+        try:
+            comm = Path(f"/proc/{child}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm == "systemd":
+            return int(child)
+    return 0
 
 
 def _ensure_systemd(chroot: CondorChroot) -> None:
