@@ -363,9 +363,7 @@ class StateStore(StateDatabase):
                 # as many more as the bytes over budget need, at most ``max_rows``.
                 bound = last if max_rows is None else first + max_rows - 1
                 stop = max(first - 1, min(last - keep, bound))
-                (going,) = self._db.execute(
-                    "SELECT COALESCE(SUM(length(data)), 0) FROM history WHERE id <= ?", (stop,)
-                ).fetchone()
+                going = self._bytes_between(first - 1, stop)
                 if stop < bound and total - going > keep_bytes:
                     stop, going = self._byte_cut(stop, bound, total - keep_bytes, going)
                 if stop >= first:
